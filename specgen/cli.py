@@ -1,0 +1,96 @@
+"""The `specgen` command line. Exit codes: 0 ok, 1 failure or drift, 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import SpecgenError
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse exits 2 on bad usage already; keep its one-line message.
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="specgen",
+        description="Render attention specs (YAML) into cuTile kernel modules and "
+        "AOT-compile them per GPU target.",
+    )
+    parser.add_argument("--version", action="version", version=f"specgen {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    build = sub.add_parser(
+        "build",
+        help="validate specs, render generated/<name>.py, AOT-compile cubins",
+        description="Validate specs, render their modules (writing only on change) "
+        "and AOT-compile each for its compile_for targets. Exit 0 ok, 1 compile "
+        "failure or drift (--check), 2 bad input.",
+    )
+    build.add_argument("paths", nargs="+", metavar="PATH", help="spec file or folder of specs")
+    build.add_argument("--out", default="generated", metavar="DIR",
+                       help="folder of generated modules (default: generated)")
+    build.add_argument("--targets", metavar="LIST",
+                       help="comma-separated targets overriding each spec's compile_for, "
+                       "e.g. sm_90,sm_100")
+    build.add_argument("--no-compile", action="store_true", help="render only")
+    build.add_argument("--check", action="store_true",
+                       help="write nothing; exit 1 if a generated module is missing, "
+                       "stale or edited by hand")
+    build.add_argument("--force", action="store_true",
+                       help="overwrite generated modules even if edited by hand")
+    build.add_argument("--jobs", "-j", type=int, metavar="N",
+                       help="parallel compiles (default: CPU count, at most 8)")
+
+    schema = sub.add_parser("schema", help="print the spec's JSON Schema")
+    schema.add_argument("--out", metavar="FILE", help="write it to FILE instead of stdout")
+    return parser
+
+
+def schema_text() -> str:
+    from .spec import json_schema
+
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "build":
+            from .build import run_build
+
+            return run_build(
+                args.paths,
+                Path(args.out),
+                targets=args.targets,
+                no_compile=args.no_compile,
+                check=args.check,
+                force=args.force,
+                workers=args.jobs,
+            )
+        if args.command == "schema":
+            text = schema_text()
+            if args.out:
+                from .compile import atomic_write
+
+                atomic_write(Path(args.out), text.encode())
+            else:
+                sys.stdout.write(text)
+            return 0
+    except SpecgenError as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("specgen: interrupted", file=sys.stderr)
+        return 130
+    return 2  # unreachable: argparse requires a command
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Compile: AOT cubins per GPU target with cuda-tile's own ``export_kernel``.
+
+No GPU is needed. Cubins go to a cache outside the repository; the key is the
+procedural name, the hash of the generated source, the target and the versions of
+cuda-tile and tileiras, so a repeat build costs a lookup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from filelock import FileLock
+
+from .errors import CompileError
+from .plan import Plan
+
+# Array parameters of the prefill kernel, in signature order.
+PREFILL_ARRAYS = ("Q", "K", "V", "Out")
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    module: str
+    target: str
+    path: Path
+    size: int
+    seconds: float
+    cached: bool
+
+
+def cache_dir() -> Path:
+    """SPECGEN_CACHE_DIR, else $XDG_CACHE_HOME/specgen, else ~/.cache/specgen."""
+    if os.environ.get("SPECGEN_CACHE_DIR"):
+        return Path(os.environ["SPECGEN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specgen"
+
+
+def _package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@lru_cache(maxsize=None)
+def toolchain_versions() -> dict:
+    """Versions that change the cubin: cuda-tile and the tileiras compiler."""
+    versions = {"cuda-tile": _package_version("cuda-tile")}
+    tileiras = _package_version("nvidia-cuda-tileiras")
+    if tileiras == "unknown":  # a tileiras from a CUDA toolkit on PATH
+        try:
+            from cuda.tile._compile import _get_compiler_version_string
+
+            tileiras = (_get_compiler_version_string() or "unknown").strip()
+        except Exception:  # noqa: BLE001 - any failure leaves the key conservative
+            tileiras = "unknown"
+    versions["tileiras"] = tileiras
+    return versions
+
+
+def cache_key(plan: Plan, source: str, target: str) -> str:
+    payload = {
+        "kernel": plan.kernel_name,
+        "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "target": target,
+        **toolchain_versions(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def cubin_path(plan: Plan, source: str, target: str) -> Path:
+    key = cache_key(plan, source, target)
+    return cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}.cubin"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write through a temporary file in the same folder and os.replace it in."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_module_from_source(name: str, source: str, origin: str):
+    """Import generated source as a private module (it never touches a GPU)."""
+    module_name = f"_specgen_build_{name}"
+    spec = importlib.util.spec_from_loader(module_name, loader=None, origin=origin)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = origin
+    # cuTile reads the kernel's source through inspect/linecache: register it.
+    import linecache
+
+    lines = source.splitlines(keepends=True)
+    linecache.cache[origin] = (len(source), None, lines, origin)
+    sys.modules[module_name] = module
+    try:
+        exec(compile(source, origin, "exec"), module.__dict__)  # noqa: S102
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise CompileError(f"{origin}: import failed: {type(exc).__name__}: {exc}") from exc
+    return module
+
+
+def signatures(plan: Plan, target: str):
+    """One KernelSignature per value of the kernel's runtime-specialised constants.
+
+    Arrays are 4-D with a contiguous last axis and 16-byte aligned rows, the layout
+    torch gives; the JIT path specialises again for whatever it is called with.
+    """
+    import cuda.tile as ct
+    from cuda.tile.compilation import (
+        ArrayConstraint,
+        CallingConvention,
+        KernelSignature,
+        ScalarConstraint,
+    )
+
+    dtype = getattr(ct, plan.dtype)
+    elem_bytes = 2
+    align = 16 // elem_bytes
+
+    def array():
+        return ArrayConstraint(
+            dtype,
+            4,
+            index_dtype=ct.int32,
+            stride_lower_bound_incl=0,
+            alias_groups=(),
+            may_alias_internally=False,
+            stride_constant=(None, None, None, 1),
+            stride_divisible_by=(align, align, align, 1),
+            base_addr_divisible_by=16,
+        )
+
+    cfg = plan.target(target)
+    params = [array() for _ in PREFILL_ARRAYS]
+    params += [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
+    params += [cfg.tile_m, cfg.tile_n]
+    even_values = (True, False) if plan.even_n_param else (None,)
+    result = []
+    for even in even_values:
+        extra = [] if even is None else [even]
+        result.append(
+            KernelSignature(params + extra, CallingConvention.cutile_python_v1())
+        )
+    return result
+
+
+def compile_target(plan: Plan, source: str, origin: str, target: str) -> CompileResult:
+    """Compile one generated module for one target, through the cubin cache."""
+    path = cubin_path(plan, source, target)
+    start = time.perf_counter()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The lock makes concurrent builds of the same variant compile it once.
+    with FileLock(str(path) + ".lock"):
+        if path.is_file() and path.stat().st_size > 0:
+            return CompileResult(
+                plan.module_name, target, path, path.stat().st_size,
+                time.perf_counter() - start, cached=True,
+            )
+        from cuda.tile.compilation import export_kernel
+
+        module = load_module_from_source(plan.module_name, source, origin)
+        kernel = getattr(module, plan.kernel_name)
+        buffer = io.BytesIO()
+        try:
+            export_kernel(
+                kernel,
+                signatures(plan, target),
+                buffer,
+                gpu_code=target,
+                output_format="cubin",
+            )
+        except Exception as exc:  # cuTile raises several unrelated types
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise CompileError(
+                f"{plan.module_name}: {target}: {type(exc).__name__}: {first}"
+            ) from exc
+        data = buffer.getvalue()
+        atomic_write(path, data)
+    return CompileResult(
+        plan.module_name, target, path, len(data), time.perf_counter() - start,
+        cached=False,
+    )

@@ -1,0 +1,373 @@
+"""The spec: the strict Pydantic model a kernel engineer writes in YAML.
+
+Each constraint is stated once, here, with the message a user sees. Errors are
+reported as ``<file>: <field.path>: <what is allowed>, got <value>``.
+"""
+
+from __future__ import annotations
+
+import json
+import keyword
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+from .errors import SpecError
+
+TARGET_RE = re.compile(r"^sm_[1-9][0-9]{1,2}[a-z]?$")
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _power_of_two_tile(value: int) -> int:
+    if value < 16 or value > 256 or value & (value - 1):
+        raise ValueError("must be a power of two in [16, 256]")
+    return value
+
+
+def _latency(value: Optional[int]) -> Optional[int]:
+    if value is not None and not 1 <= value <= 10:
+        raise ValueError("must be an integer in [1, 10] or null")
+    return value
+
+
+def _occupancy(value: int) -> int:
+    if not 1 <= value <= 32:
+        raise ValueError("must be an integer in [1, 32]")
+    return value
+
+
+def _target_name(value: str) -> str:
+    if not TARGET_RE.match(value):
+        raise ValueError("must be a GPU target such as sm_90, sm_100 or sm_120")
+    return value
+
+
+TileSize = Annotated[int, AfterValidator(_power_of_two_tile)]
+Latency = Annotated[Optional[int], AfterValidator(_latency)]
+Occupancy = Annotated[int, AfterValidator(_occupancy)]
+def _target_key(value: str) -> str:
+    if value != "default" and not TARGET_RE.match(value):
+        raise ValueError(
+            "unknown target; allowed: 'default' or a GPU target such as sm_90, "
+            "sm_100, sm_120"
+        )
+    return value
+
+
+TargetName = Annotated[str, AfterValidator(_target_name)]
+TargetKey = Annotated[str, AfterValidator(_target_key)]
+
+
+class _Strict(BaseModel):
+    # strict: YAML's "true" string or 1.5 is never coerced into a bool or an int.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class FastMath(_Strict):
+    """Fast-math choices of the softmax and the final normalisation."""
+
+    exp2: bool = Field(
+        True, description="Fold 1/ln2 into the scale and use ct.exp2 (ex2.approx)."
+    )
+    flush_to_zero: bool = Field(
+        True, description="flush_to_zero=True on exp2 and on the final division."
+    )
+    approx_div: bool = Field(
+        True, description="rounding_mode=APPROX on the final normalisation."
+    )
+
+
+class Loads(_Strict):
+    """How K and V tiles are loaded."""
+
+    k_transposed: bool = Field(
+        True,
+        description="Load K^T directly with order=(0,1,3,2) instead of ct.permute.",
+    )
+    k_latency: Latency = Field(
+        2, description="Latency hint of the K load, 1..10, or null for none."
+    )
+    v_latency: Latency = Field(
+        4, description="Latency hint of the V load, 1..10, or null for none."
+    )
+
+
+class TargetConfig(_Strict):
+    """Launch configuration for one GPU target."""
+
+    tile_m: TileSize = Field(description="Query rows per CTA (power of two, 16..256).")
+    tile_n: TileSize = Field(description="Keys per inner step (power of two, 16..256).")
+    occupancy: Occupancy = Field(2, description="CTAs per SM the compiler aims for.")
+
+
+DEFAULT_TARGET = TargetConfig(tile_m=64, tile_n=64, occupancy=2)
+
+
+def _default_targets() -> dict[str, TargetConfig]:
+    return {"default": DEFAULT_TARGET}
+
+
+class Spec(_Strict):
+    """An attention kernel: what it computes and how it is built, per GPU target."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        title="specgen attention spec",
+        json_schema_extra={"$id": "https://specgen.dev/schema/spec.json"},
+    )
+
+    name: str = Field(
+        description="Python identifier (not a keyword); the module is generated/<name>.py.",
+    )
+    family: Literal["prefill"] = Field("prefill", description="Kernel family.")
+    dtype: Literal["float16", "bfloat16"] = Field(
+        "float16", description="Element type of q, k, v and the output."
+    )
+    head_dim: Literal[64, 128, 256] = Field(128, description="Head dimension D.")
+    gqa_ratio: int = Field(
+        1, ge=1, le=128, description="Query heads per KV head; 1 means MHA."
+    )
+    causal: bool = Field(
+        False,
+        description="Query row i (absolute position q_offset+i) sees keys j <= q_offset+i.",
+    )
+    fast_math: FastMath = Field(default_factory=FastMath)
+    loop_split: bool = Field(
+        True,
+        description="Mask only the tiles near the diagonal / the ragged end; "
+        "false masks on every iteration.",
+    )
+    block_remap: Optional[bool] = Field(
+        None,
+        description="Causal only: launch the heaviest query tiles first. "
+        "null means on when causal.",
+    )
+    loads: Loads = Field(default_factory=Loads)
+    targets: dict[TargetKey, TargetConfig] = Field(
+        default_factory=_default_targets,
+        description="Launch config by the device's sm_XY, chosen at run time; "
+        "'default' for any other device (filled with 64x64, occupancy 2 if absent).",
+    )
+    compile_for: list[TargetName] = Field(
+        default_factory=lambda: ["sm_90", "sm_100"],
+        min_length=1,
+        description="Targets `specgen build` AOT-compiles to prove the kernel builds.",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if (
+            not value.isascii()
+            or not value.isidentifier()
+            or keyword.iskeyword(value)
+            or keyword.issoftkeyword(value)
+            or value.startswith("_")
+            or len(value) > 100
+        ):
+            raise ValueError(
+                "must be a Python identifier that is not a keyword and does not "
+                "start with '_' (letters, digits, '_'; at most 100 characters)"
+            )
+        return value
+
+    @field_validator("targets", mode="after")
+    @classmethod
+    def _fill_default_target(cls, value: dict) -> dict:
+        if "default" not in value:
+            value = {"default": DEFAULT_TARGET, **value}
+        return value
+
+    @field_validator("compile_for")
+    @classmethod
+    def _unique_targets(cls, value: list[str]) -> list[str]:
+        seen = set()
+        for target in value:
+            if target in seen:
+                raise ValueError(f"lists {target} twice")
+            seen.add(target)
+        return value
+
+    @field_validator("block_remap")
+    @classmethod
+    def _check_block_remap(cls, value: Optional[bool], info) -> Optional[bool]:
+        if value and not info.data.get("causal", False):
+            raise ValueError(
+                "true needs causal: true (non-causal query tiles all do the same "
+                "work); use false or null"
+            )
+        return value
+
+    @property
+    def use_block_remap(self) -> bool:
+        return self.causal if self.block_remap is None else self.block_remap
+
+
+# --- loading ---------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=False):
+    loader.flatten_mapping(node)
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (first at line {seen[key] + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
+)
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML/JSON terms, shortened."""
+    try:
+        text = json.dumps(value, sort_keys=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _field_path(loc: tuple) -> str:
+    parts = []
+    for item in loc:
+        if item == "[key]":  # pydantic's marker for a bad mapping key
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts)
+
+
+def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+    """The model class whose fields live at ``loc`` (for 'allowed keys' messages)."""
+    model: Any = Spec
+    for item in loc:
+        if model is Spec and item == "targets":
+            model = dict
+            continue
+        if model is dict:
+            model = TargetConfig
+            continue
+        field = model.model_fields.get(item) if isinstance(item, str) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _problem(error: dict) -> tuple[str, str]:
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        model = _model_at(loc[:-1])
+        allowed = ", ".join(model.model_fields) if model else "none"
+        return _field_path(loc), f"unknown key; allowed keys: {allowed}"
+    if kind == "missing":
+        return _field_path(loc), "required field is missing"
+    if kind == "literal_error":
+        expected = error.get("ctx", {}).get("expected", "")
+        message = f"must be one of {expected}"
+    elif kind == "bool_type":
+        message = "must be true or false"
+    elif kind in ("int_type", "int_from_float"):
+        message = "must be an integer"
+    elif kind in ("dict_type", "model_type"):
+        message = "must be a mapping"
+    elif kind == "list_type":
+        message = "must be a list"
+    elif kind == "string_type":
+        message = "must be a string"
+    elif kind in ("greater_than_equal", "less_than_equal"):
+        ctx = Spec.model_fields.get(loc[-1]) if len(loc) == 1 else None
+        bounds = {type(m).__name__: m for m in getattr(ctx, "metadata", [])}
+        low, high = bounds.get("Ge"), bounds.get("Le")
+        if low is not None and high is not None:
+            message = f"must be an integer in [{low.ge}, {high.le}]"
+        else:
+            message = error["msg"]
+    elif kind == "too_short":
+        message = "must not be empty"
+    elif kind == "value_error":
+        message = str(error.get("ctx", {}).get("error", error["msg"]))
+    else:
+        message = error["msg"]
+    # A mapping as a whole is not worth echoing: the message names the bad key.
+    if not isinstance(value, dict):
+        message += f", got {_show(value)}"
+    return _field_path(loc), message
+
+
+def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:
+    """Validate already-parsed spec data; raise SpecError naming every bad field."""
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise SpecError(path, [("", f"a spec must be a YAML mapping, got {kind}")])
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(path, [_problem(e) for e in exc.errors()]) from None
+
+
+def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (safe subclass)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        context = getattr(exc, "context", None)
+        detail = f"{context}; {problem}" if context else problem
+        raise SpecError(path, [("", f"invalid YAML: {where}{detail}")]) from None
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read, parse and validate one YAML spec file."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > MAX_SPEC_BYTES:
+            raise SpecError(path, [("", f"file is larger than {MAX_SPEC_BYTES} bytes")])
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(path, [("", f"cannot read: {exc.strerror}")]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(path, [("", "file is not UTF-8 text")]) from None
+    return validate_spec(parse_spec_text(text, path), path)
+
+
+def spec_to_dict(spec: Spec) -> dict:
+    """The validated spec, defaults filled in, as plain JSON-compatible data."""
+    return spec.model_dump(mode="json")
+
+
+def json_schema() -> dict:
+    return Spec.model_json_schema()

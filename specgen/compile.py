@@ -191,9 +191,11 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
                 output_format="cubin",
             )
         except Exception as exc:  # cuTile raises several unrelated types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            lines = str(exc).strip().splitlines() or [""]
+            where = lines[1].strip() if len(lines) > 1 and lines[1].strip().startswith('"') else ""
             raise CompileError(
-                f"{plan.module_name}: {target}: {type(exc).__name__}: {first}"
+                f"{plan.module_name}: {target}: {type(exc).__name__}: {lines[0]}"
+                + (f" ({where})" if where else "")
             ) from exc
         data = buffer.getvalue()
         atomic_write(path, data)

@@ -125,7 +125,6 @@ class Spec(_Strict):
         strict=True,
         frozen=True,
         title="specgen attention spec",
-        json_schema_extra={"$id": "https://specgen.dev/schema/spec.json"},
     )
 
     name: str = Field(

@@ -1,0 +1,166 @@
+"""The CLI: exit codes, one-line errors, nothing overwritten, --check, and a spec
+the team never saw building and compiling end to end."""
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from specgen.cli import schema_text
+
+from .helpers import ROOT
+
+
+def specgen(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "specgen", *map(str, args)],
+        cwd=cwd, capture_output=True, text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A scratch project: specs/ with the shipped specs, generated/ empty."""
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    return tmp_path
+
+
+def test_bad_spec_exits_2_with_one_line_and_overwrites_nothing(project):
+    assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
+    target = project / "generated" / "fmha_gqa_causal.py"
+    before = target.read_bytes()
+    spec = project / "specs" / "fmha_gqa_causal.yaml"
+    spec.write_text(spec.read_text().replace("sm_90:   {tile_m: 64", "sm_90:   {tile_m: 100"))
+    result = specgen("build", "specs", "--no-compile", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "specs/fmha_gqa_causal.yaml: targets.sm_90.tile_m: must be a power of two in "
+        "[16, 256], got 100"
+    ]
+    assert "Traceback" not in result.stderr
+    assert target.read_bytes() == before
+
+
+def test_one_bad_spec_stops_the_whole_build(project):
+    (project / "specs" / "zz_bad.yaml").write_text("name: zz_bad\ndtype: int8\n")
+    result = specgen("build", "specs", "--no-compile", cwd=project)
+    assert result.returncode == 2
+    assert not (project / "generated").exists()
+
+
+def test_duplicate_names_are_bad_input(project):
+    shutil.copy(project / "specs" / "fmha_mha_bf16.yaml", project / "specs" / "copy.yaml")
+    result = specgen("build", "specs", "--no-compile", cwd=project)
+    assert result.returncode == 2 and "is also the name in" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["build", "nowhere.yaml"], "nowhere.yaml: no such spec file or directory"),
+        (["build", "specs", "--targets", "hopper"], "--targets: expected a comma-separated"),
+        (["build", "specs", "--jobs", "0"], "--jobs: must be at least 1"),
+        (["build", "specs", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+        (["explode"], "invalid choice: 'explode'"),
+    ],
+)
+def test_usage_errors_exit_2(project, args, message):
+    result = specgen(*args, cwd=project)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_build_writes_only_on_change_and_check_detects_drift(project):
+    first = specgen("build", "specs", "--no-compile", cwd=project)
+    assert first.returncode == 0 and first.stdout.count(": written") == 3
+    assert (project / "generated" / "__init__.py").is_file()
+    module = project / "generated" / "fmha_mha_bf16.py"
+    mtime = module.stat().st_mtime_ns
+    second = specgen("build", "specs", "--no-compile", cwd=project)
+    assert second.stdout.count(": unchanged") == 3 and module.stat().st_mtime_ns == mtime
+    assert specgen("build", "specs", "--check", "--no-compile", cwd=project).returncode == 0
+
+    spec = project / "specs" / "fmha_mha_bf16.yaml"
+    spec.write_text(spec.read_text() + "loop_split: false\n")
+    stale = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert stale.returncode == 1
+    assert "generated/fmha_mha_bf16.py: stale against specs/fmha_mha_bf16.yaml" in stale.stderr
+    assert module.stat().st_mtime_ns == mtime  # --check writes nothing
+
+
+def test_hand_edits_are_detected_and_refused_without_force(project):
+    specgen("build", "specs", "--no-compile", cwd=project)
+    module = project / "generated" / "fmha_gqa_causal.py"
+    edited = module.read_text().replace("occupancy=ct.ByTarget(", "occupancy=ct.ByTarget( ")
+    module.write_text(edited)
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1 and "fmha_gqa_causal.py: edited by hand" in check.stderr
+
+    refused = specgen("build", "specs", "--no-compile", cwd=project)
+    assert refused.returncode == 1 and "use --force" in refused.stderr
+    assert module.read_text() == edited
+
+    forced = specgen("build", "specs", "--no-compile", "--force", cwd=project)
+    assert forced.returncode == 0 and module.read_text() != edited
+
+
+def test_out_dir_and_header_path_are_project_relative(project):
+    result = specgen("build", project / "specs" / "fmha_mha_bf16.yaml", "--out",
+                     project / "gen", "--no-compile", cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    text = (project / "gen" / "fmha_mha_bf16.py").read_text()
+    assert text.startswith("# Generated by specgen 0.1.0 from specs/fmha_mha_bf16.yaml.")
+
+
+UNSEEN = textwrap.dedent(
+    """\
+    # A spec nobody on the team wrote: bf16, D64, GQA 8:1, causal, custom tiles.
+    name: unseen_variant
+    dtype: bfloat16
+    head_dim: 64
+    gqa_ratio: 8
+    causal: true
+    fast_math: {exp2: true, flush_to_zero: false, approx_div: true}
+    loads: {k_transposed: false, k_latency: 3, v_latency: null}
+    targets:
+      sm_90: {tile_m: 128, tile_n: 32, occupancy: 1}
+    compile_for: [sm_90]
+    """
+)
+
+
+@pytest.mark.slow
+def test_unseen_spec_builds_and_compiles(tmp_path):
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "unseen.yaml").write_text(UNSEEN)
+    result = specgen("build", "specs/unseen.yaml", "--targets", "sm_90,sm_100", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and all("KiB" in line for line in lines)
+    assert "sm_90" in lines[0] + lines[1] and "sm_100" in lines[0] + lines[1]
+    again = specgen("build", "specs/unseen.yaml", "--targets", "sm_90", cwd=tmp_path)
+    assert again.returncode == 0 and "(cached)" in again.stdout
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=tmp_path)
+    assert check.returncode == 0, check.stderr
+
+
+def test_schema_command_matches_shipped_schema(project):
+    result = specgen("schema", cwd=project)
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert schema["additionalProperties"] is False and schema["required"] == ["name"]
+    assert (ROOT / "specs" / "schema.json").read_text() == result.stdout == schema_text()
+
+
+def test_python_m_and_console_script_agree(project):
+    result = specgen("--version", cwd=project)
+    assert result.returncode == 0 and result.stdout.startswith("specgen ")
+    script = shutil.which("specgen")
+    if script is None:
+        pytest.skip("specgen is not installed as a console script (pip install -e .)")
+    installed = subprocess.run([script, "--version"], capture_output=True, text=True)
+    assert installed.returncode == 0 and installed.stdout == result.stdout

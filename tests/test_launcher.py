@@ -1,0 +1,50 @@
+"""Call-time validation of a generated `attention`: a ValueError that says what was
+expected, raised before any launch (these run on the CPU, where a launch would fail)."""
+
+import pytest
+import torch
+
+from .helpers import generated_module
+
+mod = generated_module("fmha_gqa_causal")  # gqa_ratio 4, float16, head_dim 128
+
+
+def _t(*shape, dtype=torch.float16):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def good(**overrides):
+    args = {"q": _t(1, 8, 16, 128), "k": _t(1, 2, 16, 128), "v": _t(1, 2, 16, 128)}
+    args.update(overrides)
+    return args
+
+
+CASES = [
+    (good(q=[1, 2]), {}, "q must be a torch.Tensor, got list"),
+    (good(k=_t(2, 16, 128)), {}, "k must be 4-D [batch, heads, seq, head_dim], got shape (2, 16, 128)"),
+    (good(v=_t(1, 2, 16, 128, dtype=torch.bfloat16)), {}, "v must have dtype torch.float16, got torch.bfloat16"),
+    (good(q=_t(1, 8, 16, 64)), {}, "q must have head_dim 128, got 64"),
+    (good(q=_t(1, 8, 128, 16).transpose(2, 3)), {}, "q must be contiguous in head_dim (stride 1)"),
+    (good(v=_t(1, 2, 17, 128)), {}, "k and v must have the same shape, got (1, 2, 16, 128) and (1, 2, 17, 128)"),
+    (good(k=_t(2, 2, 16, 128), v=_t(2, 2, 16, 128)), {}, "q, k and v must have the same batch size, got 1 and 2"),
+    (good(q=_t(1, 6, 16, 128)), {}, "q has 6 heads and k/v have 2; this kernel needs q heads == 4 * kv heads (gqa_ratio 4)"),
+    (good(k=_t(1, 2, 0, 128), v=_t(1, 2, 0, 128)), {}, "k and v must hold at least one key"),
+    (good(), {"scale": -1.0}, "scale must be a positive finite float, got -1.0"),
+    (good(), {"scale": float("nan")}, "scale must be a positive finite float, got nan"),
+    (good(), {"scale": "0.1"}, "scale must be a positive float or None, got '0.1'"),
+    (good(), {"q_offset": -1}, "q_offset must be in [0, 2**31 - seq_q), got -1"),
+    (good(), {"q_offset": 1.5}, "q_offset must be an int, got 1.5"),
+    (good(), {"q_offset": True}, "q_offset must be an int, got True"),
+    (good(), {}, "q, k and v must be CUDA tensors, got q on cpu"),
+]
+
+
+@pytest.mark.parametrize("tensors,kwargs,message", CASES, ids=[c[2][:40] for c in CASES])
+def test_bad_arguments_raise_value_error_before_launch(tensors, kwargs, message, monkeypatch):
+    def no_launch(*args, **kw):
+        raise AssertionError("launched despite bad arguments")
+
+    monkeypatch.setattr(mod.ct, "launch", no_launch)
+    with pytest.raises(ValueError) as info:
+        mod.attention(tensors["q"], tensors["k"], tensors["v"], **kwargs)
+    assert message in str(info.value)

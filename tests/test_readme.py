@@ -1,0 +1,22 @@
+"""The README's commands are the ones CI runs."""
+
+from .helpers import ROOT
+
+
+def _readme_test_command():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("<!-- test-command -->")
+    block = lines[start + 1 : start + 4]
+    assert block[0] == "```sh" and block[2] == "```", block
+    return block[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    marker = ci.index("# test-command (from README.md)")
+    assert ci[marker + 1] == _readme_test_command()
+
+
+def test_ci_installs_cpu_torch_before_the_package():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("torch==2.13.0") < ci.index('-e ".[dev]"')

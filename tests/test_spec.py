@@ -1,0 +1,144 @@
+"""Spec validation: defaults, every rule, and the one-line messages users see."""
+
+import pytest
+
+from specgen.errors import SpecError
+from specgen.spec import Spec, load_spec, parse_spec_text, validate_spec
+
+from .helpers import SPECS
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_shipped_specs_are_valid(path):
+    spec = load_spec(path)
+    assert spec.name == path.stem
+    assert "default" in spec.targets
+
+
+def test_two_line_spec_gets_sensible_defaults():
+    spec = validate_spec(parse_spec_text("name: tiny\ncausal: true\n"), "t.yaml")
+    assert spec.family == "prefill" and spec.dtype == "float16" and spec.head_dim == 128
+    assert spec.gqa_ratio == 1 and spec.loop_split and spec.use_block_remap
+    assert spec.fast_math.exp2 and spec.loads.k_transposed and spec.loads.k_latency == 2
+    assert spec.targets["default"].tile_m == 64 and spec.targets["default"].occupancy == 2
+    assert spec.compile_for == ["sm_90", "sm_100"]
+
+
+def test_block_remap_null_follows_causal():
+    assert not validate_spec({"name": "a"}).use_block_remap
+    assert validate_spec({"name": "a", "causal": True}).use_block_remap
+    assert not validate_spec({"name": "a", "causal": True, "block_remap": False}).use_block_remap
+
+
+def test_missing_default_target_is_filled_in():
+    spec = validate_spec({"name": "a", "targets": {"sm_90": {"tile_m": 128, "tile_n": 64}}})
+    assert list(spec.targets) == ["default", "sm_90"]
+    assert spec.targets["sm_90"].occupancy == 2
+
+
+def _error(data, path="specs/bad.yaml"):
+    with pytest.raises(SpecError) as info:
+        validate_spec(data, path)
+    return info.value.lines()
+
+
+BAD = [
+    # (overrides, expected line)
+    ({"targets": {"sm_90": {"tile_m": 100, "tile_n": 64}}},
+     "specs/bad.yaml: targets.sm_90.tile_m: must be a power of two in [16, 256], got 100"),
+    ({"targets": {"default": {"tile_m": 64, "tile_n": 512}}},
+     "specs/bad.yaml: targets.default.tile_n: must be a power of two in [16, 256], got 512"),
+    ({"targets": {"default": {"tile_m": 8, "tile_n": 64}}},
+     "specs/bad.yaml: targets.default.tile_m: must be a power of two in [16, 256], got 8"),
+    ({"targets": {"default": {"tile_m": 64, "tile_n": 64, "occupancy": 0}}},
+     "specs/bad.yaml: targets.default.occupancy: must be an integer in [1, 32], got 0"),
+    ({"targets": {"sm_9": {"tile_m": 64, "tile_n": 64}}},
+     "specs/bad.yaml: targets.sm_9: unknown target; allowed: 'default' or a GPU target "
+     "such as sm_90, sm_100, sm_120, got \"sm_9\""),
+    ({"targets": {"default": {"tile_m": 64}}},
+     "specs/bad.yaml: targets.default.tile_n: required field is missing"),
+    ({"dtype": "float32"},
+     "specs/bad.yaml: dtype: must be one of 'float16' or 'bfloat16', got \"float32\""),
+    ({"head_dim": 96}, "specs/bad.yaml: head_dim: must be one of 64, 128 or 256, got 96"),
+    ({"gqa_ratio": 0}, "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got 0"),
+    ({"gqa_ratio": 2.5}, "specs/bad.yaml: gqa_ratio: must be an integer, got 2.5"),
+    ({"causal": "yes"}, "specs/bad.yaml: causal: must be true or false, got \"yes\""),
+    ({"family": "decode"}, "specs/bad.yaml: family: must be one of 'prefill', got \"decode\""),
+    ({"block_remap": True},
+     "specs/bad.yaml: block_remap: true needs causal: true (non-causal query tiles all "
+     "do the same work); use false or null, got true"),
+    ({"loads": {"k_latency": 11}},
+     "specs/bad.yaml: loads.k_latency: must be an integer in [1, 10] or null, got 11"),
+    ({"loads": {"v_latency": 0}},
+     "specs/bad.yaml: loads.v_latency: must be an integer in [1, 10] or null, got 0"),
+    ({"fast_math": {"exp3": True}},
+     "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
+    ({"bogus": 1},
+     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, head_dim, "
+     "gqa_ratio, causal, fast_math, loop_split, block_remap, loads, targets, compile_for"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
+     "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy"),
+    ({"compile_for": []}, "specs/bad.yaml: compile_for: must not be empty, got []"),
+    ({"compile_for": ["sm_90", "sm_90"]},
+     "specs/bad.yaml: compile_for: lists sm_90 twice, got [\"sm_90\", \"sm_90\"]"),
+    ({"compile_for": ["hopper"]},
+     "specs/bad.yaml: compile_for[0]: must be a GPU target such as sm_90, sm_100 or sm_120, "
+     "got \"hopper\""),
+    ({"fast_math": True}, "specs/bad.yaml: fast_math: must be a mapping, got true"),
+    ({"gqa_ratio": 10**40},
+     "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got " + str(10**40)),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", BAD, ids=[str(list(o)[0]) for o, _ in BAD])
+def test_bad_fields_name_file_field_value_and_rule(overrides, expected):
+    assert _error({"name": "ok", **overrides}) == [expected]
+
+
+@pytest.mark.parametrize("name", ["class", "match", "_private", "has space", "a;b", "x'y",
+                                  "two\nlines", "1abc", "ünï", ""])
+def test_bad_names(name):
+    (line,) = _error({"name": name})
+    assert line.startswith("specs/bad.yaml: name: must be a Python identifier")
+    assert "\n" not in line
+
+
+def test_missing_name():
+    assert _error({"causal": True}) == ["specs/bad.yaml: name: required field is missing"]
+
+
+def test_several_errors_are_all_reported():
+    lines = _error({"name": "ok", "dtype": "int8", "head_dim": 7})
+    assert [line.split(":")[1].strip() for line in lines] == ["dtype", "head_dim"]
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("", "a spec must be a YAML mapping, got empty"),
+        ("- a\n- b\n", "a spec must be a YAML mapping, got a list"),
+        ("name: a\nname: b\n", "invalid YAML: line 2, column 1: duplicate key 'name'"),
+        ("name: [unclosed\n", "invalid YAML: line 2, column 1:"),
+        ("!!python/object:os.system {}\n", "invalid YAML: line 1, column 1:"),
+    ],
+)
+def test_bad_yaml_is_one_clear_line(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    (line,) = info.value.lines()
+    assert line.startswith(f"{path}: ") and expected in line
+
+
+def test_unreadable_file(tmp_path):
+    with pytest.raises(SpecError) as info:
+        load_spec(tmp_path / "absent.yaml")
+    assert "cannot read" in str(info.value)
+
+
+def test_spec_is_immutable():
+    spec = validate_spec({"name": "a"})
+    with pytest.raises(Exception):
+        spec.causal = True  # type: ignore[misc]
+    assert isinstance(spec, Spec)

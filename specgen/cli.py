@@ -11,13 +11,8 @@ from . import __version__
 from .errors import SpecgenError
 
 
-class _Parser(argparse.ArgumentParser):
-    # argparse exits 2 on bad usage already; keep its one-line message.
-    pass
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="specgen",
         description="Render attention specs (YAML) into cuTile kernel modules and "
         "AOT-compile them per GPU target.",
@@ -47,6 +42,34 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--jobs", "-j", type=int, metavar="N",
                        help="parallel compiles (default: CPU count, at most 8)")
 
+    test = sub.add_parser(
+        "test",
+        help="check specs' kernels against the fp64 reference on a CUDA GPU",
+        description="Build stale modules, then run each kernel on a shape matrix "
+        "against the fp64 reference with poisoned outputs. Exit 0 all pass, 1 any "
+        "failure, 2 bad input or no CUDA GPU.",
+    )
+    test.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
+    test.add_argument("--quick", action="store_true", help="a smaller shape matrix")
+    test.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    test.add_argument("--out", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated)")
+
+    bench = sub.add_parser(
+        "bench",
+        help="time specs' kernels next to cuDNN, FA2 and FlexAttention",
+        description="Time each kernel and the baselines in one process on the same "
+        "inputs (triton do_bench medians); write JSON, a markdown table and a plot.",
+    )
+    bench.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
+    bench.add_argument("--suite", default="prefill", help="benchmark suite (default: prefill)")
+    bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
+                       help="comma-separated subset of cudnn,flash,flex (default: all)")
+    bench.add_argument("--out", default="bench/results", metavar="DIR",
+                       help="results folder; files go to DIR/<gpu>/ (default: bench/results)")
+    bench.add_argument("--gen", default="generated", metavar="DIR",
+                       help="folder of generated modules (default: generated)")
+
     schema = sub.add_parser("schema", help="print the spec's JSON Schema")
     schema.add_argument("--out", metavar="FILE", help="write it to FILE instead of stdout")
     return parser
@@ -73,6 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                 force=args.force,
                 workers=args.jobs,
             )
+        if args.command == "test":
+            from .testing import run_test
+
+            return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed)
+        if args.command == "bench":
+            from .bench import parse_baselines, parse_suite, run_bench
+
+            suite, baselines = parse_suite(args.suite), parse_baselines(args.baselines)
+            run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
+            return 0
         if args.command == "schema":
             text = schema_text()
             if args.out:

@@ -1,0 +1,340 @@
+"""`specgen bench`: the generated kernel next to cuDNN, FlashAttention-2 and
+FlexAttention, timed in one process on the same inputs.
+
+Pure parts (FLOP counting, the result schema, the markdown table) run anywhere;
+timing needs a CUDA GPU and triton.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from .compile import atomic_write
+from .errors import UsageError
+
+SUITES = {
+    # name: (batch, query heads, sequence lengths); Sq = Skv.
+    "prefill": (4, 32, (1024, 2048, 4096, 8192, 16384)),
+}
+BASELINES = ("cudnn", "flash", "flex")
+KERNEL_LABELS = {
+    "specgen": "specgen (cuTile)",
+    "cudnn": "SDPA cuDNN",
+    "flash": "SDPA FA2",
+    "flex": "FlexAttention",
+}
+MATMUL_N = 8192
+SCHEMA_VERSION = 1
+
+
+def parse_baselines(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown:
+        raise UsageError(
+            f"--baselines: unknown {', '.join(unknown)}; allowed: {', '.join(BASELINES)}"
+        )
+    return names
+
+
+def parse_suite(name: str) -> str:
+    if name not in SUITES:
+        raise UsageError(f"--suite: unknown {name!r}; allowed: {', '.join(SUITES)}")
+    return name
+
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> int:
+    """4 * B * Hq * Sq * Skv * D (two matmuls, multiply-add = 2), halved for causal."""
+    flops = 4 * batch * heads * seq_q * seq_k * head_dim
+    return flops // 2 if causal else flops
+
+
+def tflops(flops: int, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+# --- the result schema (validated on write, exported for readers) ------------
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Timing(_Model):
+    ms: Optional[float] = None  # median
+    tflops: Optional[float] = None
+    pct_of_matmul: Optional[float] = None
+    max_abs_diff_vs_specgen: Optional[float] = None  # sanity: same function?
+    error: Optional[str] = None  # why a kernel has no number
+
+
+class Row(_Model):
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    flops: int
+    timings: dict[str, Timing]  # "specgen", "cudnn", "flash", "flex"
+    speedup: dict[str, Optional[float]]  # baseline ms / specgen ms
+
+
+class BenchResult(_Model):
+    schema_version: int = SCHEMA_VERSION
+    spec: str
+    kernel: str
+    suite: str
+    created: str  # ISO date of the run
+    device: dict
+    matmul_tflops: float  # fp16 8192^3 torch.matmul in the same run
+    baselines: list[str]
+    rows: list[Row]
+
+
+def result_schema() -> dict:
+    return BenchResult.model_json_schema()
+
+
+def speedups(timings: dict[str, Timing]) -> dict[str, Optional[float]]:
+    ours = timings["specgen"].ms
+    out = {}
+    for name, timing in timings.items():
+        if name == "specgen":
+            continue
+        out[name] = timing.ms / ours if ours and timing.ms else None
+    return out
+
+
+def format_markdown(result: BenchResult) -> str:
+    """One table: time and TFLOPS per kernel per length, speedups against baselines."""
+    names = ["specgen"] + result.baselines
+    dev = result.device
+    lines = [
+        f"### {result.spec} (`{result.kernel}`) on {dev.get('name', '?')}",
+        "",
+        f"Suite `{result.suite}`: B={result.rows[0].batch if result.rows else '?'}, "
+        f"Hq={result.rows[0].heads_q if result.rows else '?'}, "
+        f"Hkv={result.rows[0].heads_kv if result.rows else '?'}, "
+        f"{result.rows[0].dtype if result.rows else '?'}, "
+        f"D={result.rows[0].head_dim if result.rows else '?'}, "
+        f"{'causal' if result.rows and result.rows[0].causal else 'non-causal'}, Sq=Skv. "
+        f"Median of triton `do_bench`; dense fp16 matmul {result.matmul_tflops:.0f} TFLOPS "
+        f"in the same run. {result.created}, driver {dev.get('driver', '?')}, "
+        f"torch {dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}.",
+        "",
+        "| S | " + " | ".join(f"{KERNEL_LABELS.get(n, n)} TFLOPS (ms)" for n in names)
+        + " | " + " | ".join(f"vs {KERNEL_LABELS.get(n, n)}" for n in result.baselines)
+        + " | specgen % of matmul |",
+        "|---:|" + "---:|" * (len(names) + len(result.baselines) + 1),
+    ]
+    for row in result.rows:
+        cells = []
+        for name in names:
+            t = row.timings.get(name)
+            if t is None or t.ms is None:
+                reason = (t.error if t and t.error else "missing").replace("|", "/")
+                cells.append(f"n/a ({reason[:60]})")
+            else:
+                cells.append(f"{t.tflops:.0f} ({t.ms:.3f})")
+        ratios = [
+            f"{row.speedup[n]:.2f}×" if row.speedup.get(n) else "n/a" for n in result.baselines
+        ]
+        ours = row.timings["specgen"].pct_of_matmul
+        pct = f"{ours:.0f}%" if ours is not None else "n/a"
+        lines.append(f"| {row.seq_q} | " + " | ".join(cells + ratios + [pct]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: BenchResult, path: Path) -> Optional[str]:
+    """TFLOPS against sequence length, one line per kernel. Returns an error
+    string if matplotlib is missing (the JSON and table are still written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        return f"no plot: {exc}"
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for name in ["specgen"] + result.baselines:
+        points = [
+            (row.seq_q, row.timings[name].tflops)
+            for row in result.rows
+            if name in row.timings and row.timings[name].tflops is not None
+        ]
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", label=KERNEL_LABELS.get(name, name))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (Sq = Skv)")
+    ax.set_ylabel("TFLOPS")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(f"{result.spec} on {result.device.get('name', '?')}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def write_result(result: BenchResult, out_dir: Path, log: Callable[[str], None]) -> Path:
+    from .gpu import device_slug
+
+    folder = out_dir / device_slug(result.device.get("name", "gpu"))
+    stem = folder / f"{result.spec}.{result.suite}"
+    BenchResult.model_validate(result.model_dump())  # the schema holds
+    atomic_write(stem.with_suffix(".json"), (result.model_dump_json(indent=2) + "\n").encode())
+    atomic_write(stem.with_suffix(".md"), format_markdown(result).encode())
+    problem = plot(result, stem.with_suffix(".png"))
+    if problem:
+        log(problem)
+    return stem
+
+
+def load_result(path: Path) -> BenchResult:
+    return BenchResult.model_validate(json.loads(path.read_text()))
+
+
+# --- timing (GPU) --------------------------------------------------------------
+
+
+def _make_baselines(torch, names, causal: bool, ratio: int):
+    """Callables (q, k, v) -> out for each baseline, or the reason it is missing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    made: dict[str, object] = {}
+
+    def sdpa_with(backend):
+        def run(q, k_full, v_full, _k, _v):
+            with sdpa_kernel([backend]):
+                return sdpa(q, k_full, v_full, is_causal=causal)
+
+        return run
+
+    if "cudnn" in names:
+        made["cudnn"] = sdpa_with(SDPBackend.CUDNN_ATTENTION)
+    if "flash" in names:
+        made["flash"] = sdpa_with(SDPBackend.FLASH_ATTENTION)
+    if "flex" in names:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            compiled = torch.compile(flex_attention)
+            masks: dict[tuple, object] = {}
+
+            def run_flex(q, _kf, _vf, k, v):
+                key = (q.shape[2], k.shape[2])
+                if causal and key not in masks:
+                    masks[key] = create_block_mask(
+                        lambda b, h, qi, ki: qi >= ki, None, None, key[0], key[1], device="cuda"
+                    )
+                return compiled(q, k, v, block_mask=masks.get(key), enable_gqa=ratio > 1)
+
+            made["flex"] = run_flex
+        except Exception as exc:  # noqa: BLE001 - reported, not dropped
+            made["flex"] = f"{type(exc).__name__}: {exc}"
+    return made
+
+
+def run_bench(
+    paths: list[str],
+    out_dir: Path,
+    gen_dir: Path,
+    suite: str,
+    baselines: tuple[str, ...],
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> list[Path]:
+    from .gpu import device_info, fresh_modules, require_cuda
+
+    torch = require_cuda("bench")
+    from triton.testing import do_bench
+
+    batch, heads, seqs = SUITES[suite]
+    device = device_info()
+    log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
+
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
+    mm_ms = do_bench(lambda: torch.matmul(a, b), warmup=100, rep=500, return_mode="median")
+    matmul = tflops(2 * MATMUL_N**3, mm_ms)
+    del a, b
+    log(f"fp16 {MATMUL_N}^3 matmul: {matmul:.0f} TFLOPS")
+
+    written = []
+    for job, module in fresh_modules(paths, gen_dir, log):
+        spec = module.SPEC
+        ratio, causal = spec["gqa_ratio"], spec["causal"]
+        if heads % ratio:
+            log(f"{job.plan.module_name}: skipped, {heads} query heads not divisible by gqa_ratio {ratio}")
+            continue
+        dtype = getattr(torch, spec["dtype"])
+        kv_heads, d = heads // ratio, spec["head_dim"]
+        fns = _make_baselines(torch, baselines, causal, ratio)
+        rows = []
+        for seq in seqs:
+            log(f"[{job.plan.module_name}] S={seq}")
+            q = torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype)
+            k = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+            v = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+            # Expanded K/V for baselines needing equal head counts, outside timing.
+            k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
+            v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
+            out = torch.full_like(q, float("nan"))
+            flops = attention_flops(batch, heads, seq, seq, d, causal)
+            timings: dict[str, Timing] = {}
+
+            module.attention(q, k, v, out=out)  # JIT compile + correctness below
+            torch.cuda.synchronize()
+            ours = out.clone()
+            ms = do_bench(lambda: module.attention(q, k, v, out=out), warmup=25, rep=200,
+                          return_mode="median")
+            timings["specgen"] = Timing(ms=ms, tflops=tflops(flops, ms),
+                                        pct_of_matmul=100 * tflops(flops, ms) / matmul)
+            if not torch.isfinite(ours).all():
+                timings["specgen"].error = "non-finite output"
+            for name in baselines:
+                fn = fns.get(name)
+                if not callable(fn):
+                    timings[name] = Timing(error=str(fn or "not available"))
+                    continue
+                try:
+                    ref = fn(q, k_full, v_full, k, v)
+                    torch.cuda.synchronize()
+                    diff = (ref.float() - ours.float()).abs().max().item()
+                    ms = do_bench(lambda: fn(q, k_full, v_full, k, v), warmup=25, rep=200,
+                                  return_mode="median")
+                    timings[name] = Timing(ms=ms, tflops=tflops(flops, ms),
+                                           pct_of_matmul=100 * tflops(flops, ms) / matmul,
+                                           max_abs_diff_vs_specgen=diff)
+                except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
+                    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    timings[name] = Timing(error=f"{type(exc).__name__}: {message}"[:300])
+            row = Row(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
+                      head_dim=d, dtype=spec["dtype"], causal=causal, flops=flops,
+                      timings=timings, speedup=speedups(timings))
+            rows.append(row)
+            summary = "  ".join(
+                f"{n} {t.tflops:.0f}" if t.tflops else f"{n} n/a" for n, t in timings.items()
+            )
+            log(f"[{job.plan.module_name}] S={seq}: TFLOPS {summary}")
+            del q, k, v, k_full, v_full, out, ours
+        result = BenchResult(
+            spec=job.plan.module_name, kernel=job.plan.kernel_name, suite=suite,
+            created=datetime.date.today().isoformat(), device=device,
+            matmul_tflops=matmul, baselines=list(baselines), rows=rows,
+        )
+        stem = write_result(result, out_dir, log)
+        print(format_markdown(result))
+        written.append(stem)
+    return written

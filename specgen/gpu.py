@@ -1,0 +1,90 @@
+"""Shared pieces of the GPU commands (`specgen test`, `specgen bench`): making sure
+a spec's module is fresh, importing it, and describing the device."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+
+from .build import Job, load_jobs, write_jobs
+from .errors import UsageError
+
+
+def require_cuda(command: str):
+    """Import torch and fail with exit 2 (bad environment) where CUDA is absent."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(
+            f"specgen {command}: needs a CUDA GPU, and torch.cuda.is_available() is "
+            f"False (torch {torch.__version__})"
+        )
+    return torch
+
+
+def fresh_modules(paths: list[str], out_dir: Path, log) -> list[tuple[Job, ModuleType]]:
+    """Build stale modules (render only; the JIT compiles at first launch), then
+    import each from its file."""
+    jobs = load_jobs(paths, out_dir)
+    refused = write_jobs(jobs, out_dir, force=False, log=log)
+    if refused:
+        raise UsageError("; ".join(refused))
+    return [(job, import_module_file(job.out_path)) for job in jobs]
+
+
+def import_module_file(path: Path) -> ModuleType:
+    name = f"_specgen_run_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def device_info() -> dict:
+    """What a result depends on: the GPU, its driver and the software versions."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    driver = "unknown"
+    try:
+        import subprocess
+
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.strip().splitlines()[0]
+    except Exception:  # noqa: BLE001 - the driver version is informative only
+        pass
+    return {
+        "name": props.name,
+        "sm": f"sm_{props.major}{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "driver": driver,
+        "cuda": torch.version.cuda or "unknown",
+        "torch": torch.__version__,
+        "cuda_tile": _version("cuda-tile"),
+        "triton": _version("triton"),
+        "python": platform.python_version(),
+    }
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'h200'; the folder name of bench results."""
+    words = [w for w in name.lower().replace("-", " ").split() if w not in ("nvidia", "tesla")]
+    slug = "_".join(words) or "gpu"
+    return "".join(c for c in slug if c.isalnum() or c == "_")

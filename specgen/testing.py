@@ -1,0 +1,117 @@
+"""`specgen test`: a spec's kernel against the fp64 reference on a shape matrix.
+
+Each check draws fresh random inputs and poisons the output (NaN) first, so an
+element the kernel never wrote fails. Tolerances come from specgen.check.TOLERANCES.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .check import TOLERANCES, compare
+from .gpu import fresh_modules, require_cuda
+from .reference import attention_reference
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    q_offset: int = 0
+    layout: str = "contiguous"  # or "transposed": a [B, S, H, D] tensor seen as [B, H, S, D]
+
+    def label(self, ratio: int) -> str:
+        text = f"B{self.batch} Hq{self.kv_heads * ratio} Hkv{self.kv_heads} Sq{self.seq_q} Skv{self.seq_k}"
+        if self.q_offset:
+            text += f" off{self.q_offset}"
+        if self.layout != "contiguous":
+            text += f" {self.layout}"
+        return text
+
+
+FULL_SEQS = (1, 17, 64, 1000, 4096)
+QUICK_SEQS = (1, 17, 1000)
+
+
+def case_matrix(quick: bool = False) -> list[Case]:
+    """B in {1, 3} x Hkv in {1, 2} x Sq=Skv in FULL_SEQS; chunked prefill with
+    Sq < Skv and q_offset = Skv - Sq; and a transposed (non-contiguous) layout."""
+    batches, kv_heads = ((1,), (1, 2)) if quick else ((1, 3), (1, 2))
+    seqs = QUICK_SEQS if quick else FULL_SEQS
+    cases = [Case(b, h, s, s) for b in batches for h in kv_heads for s in seqs]
+    chunks = ((128, 1000),) if quick else ((128, 1000), (17, 4096), (1, 333))
+    cases += [Case(b, h, sq, sk, sk - sq) for b in batches for h in kv_heads for sq, sk in chunks]
+    cases += [Case(2, 2, 300, 300, layout="transposed"), Case(1, 2, 100, 700, 600, "transposed")]
+    return cases
+
+
+def make_inputs(torch, case: Case, ratio: int, head_dim: int, dtype, generator):
+    heads = case.kv_heads * ratio
+
+    def rand(h, s):
+        if case.layout == "transposed":
+            shape = (case.batch, s, h, head_dim)
+        else:
+            shape = (case.batch, h, s, head_dim)
+        t = torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32).to(dtype)
+        return t.transpose(1, 2) if case.layout == "transposed" else t
+
+    return rand(heads, case.seq_q), rand(case.kv_heads, case.seq_k), rand(case.kv_heads, case.seq_k)
+
+
+def run_case(torch, module, case: Case, generator) -> dict:
+    spec = module.SPEC
+    dtype = getattr(torch, spec["dtype"])
+    q, k, v = make_inputs(torch, case, spec["gqa_ratio"], spec["head_dim"], dtype, generator)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    module.attention(q, k, v, q_offset=case.q_offset, out=out)
+    torch.cuda.synchronize()
+    ref = attention_reference(q, k, v, causal=spec["causal"], q_offset=case.q_offset)
+    result = compare(out, ref, spec["dtype"])
+    del ref
+    return {
+        "shape": case.label(spec["gqa_ratio"]),
+        "max_abs_err": result.max_abs_err,
+        "rel_err": result.rel_err,
+        "nonfinite": result.nonfinite,
+        "ok": result.ok,
+    }
+
+
+def format_table(name: str, dtype: str, rows: list[dict]) -> str:
+    """The report of one spec: a fixed-width table, one row per case."""
+    width = max([len("shape")] + [len(r["shape"]) for r in rows])
+    lines = [
+        f"{name} ({dtype}, tolerance rel <= {TOLERANCES[dtype]:.0e})",
+        f"  {'shape':<{width}}  {'max abs err':>11}  {'rel err':>9}  pass",
+    ]
+    for r in rows:
+        note = f"  ({r['nonfinite']} non-finite)" if r.get("nonfinite") else ""
+        lines.append(
+            f"  {r['shape']:<{width}}  {r['max_abs_err']:>11.3e}  {r['rel_err']:>9.3e}  "
+            f"{'ok' if r['ok'] else 'FAIL'}{note}"
+        )
+    return "\n".join(lines)
+
+
+def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int) -> int:
+    torch = require_cuda("test")
+    log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    failed = 0
+    for job, module in fresh_modules(paths, out_dir, log):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        rows = []
+        cases = case_matrix(quick)
+        for i, case in enumerate(cases, 1):
+            log(f"[{job.plan.module_name} {i}/{len(cases)}] {case.label(module.SPEC['gqa_ratio'])}")
+            rows.append(run_case(torch, module, case, generator))
+        print(format_table(job.plan.module_name, module.SPEC["dtype"], rows))
+        bad = sum(not r["ok"] for r in rows)
+        worst = max(r["rel_err"] for r in rows)
+        print(f"  {len(rows) - bad}/{len(rows)} passed, worst rel err {worst:.3e}, seed {seed}\n")
+        failed += bad
+    return 1 if failed else 0

@@ -1,0 +1,126 @@
+"""The pure parts of `specgen test` and `specgen bench`: FLOP counting, the shape
+matrix, the result schema, table rendering, and the no-GPU exit code."""
+
+import json
+
+import pytest
+
+from specgen.bench import (
+    BenchResult,
+    Row,
+    Timing,
+    attention_flops,
+    format_markdown,
+    load_result,
+    parse_baselines,
+    result_schema,
+    speedups,
+    tflops,
+    write_result,
+)
+from specgen.errors import UsageError
+from specgen.gpu import device_slug
+from specgen.testing import case_matrix, format_table
+
+from .helpers import ROOT
+from .test_cli import specgen
+
+
+def test_flops_count_two_matmuls_and_halve_for_causal():
+    assert attention_flops(1, 1, 1, 1, 1, False) == 4
+    assert attention_flops(4, 32, 8192, 8192, 128, False) == 4 * 4 * 32 * 8192 * 8192 * 128
+    assert attention_flops(4, 32, 8192, 8192, 128, True) == 2 * 4 * 32 * 8192 * 8192 * 128
+    assert tflops(10**12, 1000.0) == pytest.approx(1.0)
+    assert tflops(attention_flops(4, 32, 4096, 4096, 128, True), 1.0) == pytest.approx(
+        4 * 32 * 4096 * 4096 * 128 * 2 / 1e-3 / 1e12
+    )
+
+
+def test_case_matrix_covers_the_issue_shapes():
+    cases = case_matrix()
+    assert {(c.batch, c.kv_heads) for c in cases if c.layout == "contiguous"} == {
+        (1, 1), (1, 2), (3, 1), (3, 2)
+    }
+    assert {c.seq_q for c in cases if c.seq_q == c.seq_k} >= {1, 17, 64, 1000, 4096}
+    chunked = [c for c in cases if c.seq_q < c.seq_k]
+    assert chunked and all(c.q_offset == c.seq_k - c.seq_q for c in chunked)
+    assert any(c.layout == "transposed" for c in cases)
+    quick = case_matrix(quick=True)
+    assert len(quick) < len(cases) and any(c.q_offset for c in quick)
+
+
+def test_test_table_shows_each_case_and_failures():
+    rows = [
+        {"shape": "B1 Hq4 Hkv1 Sq17 Skv17", "max_abs_err": 1e-3, "rel_err": 3e-4, "nonfinite": 0, "ok": True},
+        {"shape": "B3 Hq8 Hkv2 Sq1000 Skv1000", "max_abs_err": float("inf"), "rel_err": float("inf"),
+         "nonfinite": 12, "ok": False},
+    ]
+    text = format_table("demo", "float16", rows).splitlines()
+    assert text[0] == "demo (float16, tolerance rel <= 1e-02)"
+    assert text[2].split()[-1] == "ok" and "1.000e-03" in text[2]
+    assert text[3].endswith("FAIL  (12 non-finite)")
+
+
+def _result(with_missing=True):
+    timings = {
+        "specgen": Timing(ms=2.0, tflops=400.0, pct_of_matmul=60.0),
+        "cudnn": Timing(ms=1.8, tflops=444.4, pct_of_matmul=66.7, max_abs_diff_vs_specgen=1e-3),
+        "flash": Timing(ms=3.0, tflops=266.7, pct_of_matmul=40.0, max_abs_diff_vs_specgen=1e-3),
+        "flex": Timing(error="ImportError: no flex here") if with_missing else Timing(ms=2.5, tflops=320.0),
+    }
+    row = Row(batch=4, heads_q=32, heads_kv=8, seq_q=4096, seq_k=4096, head_dim=128,
+              dtype="float16", causal=True, flops=10**12, timings=timings, speedup=speedups(timings))
+    return BenchResult(spec="demo", kernel="fmha_prefill_causal_gqa4_f16_d128", suite="prefill",
+                       created="2026-11-21", device={"name": "NVIDIA H200", "driver": "580"},
+                       matmul_tflops=666.0, baselines=["cudnn", "flash", "flex"], rows=[row])
+
+
+def test_speedup_is_baseline_time_over_ours_and_missing_is_none():
+    result = _result()
+    assert result.rows[0].speedup == {"cudnn": pytest.approx(0.9), "flash": pytest.approx(1.5), "flex": None}
+
+
+def test_markdown_table_reports_every_kernel_and_missing_baselines():
+    text = format_markdown(_result())
+    header = next(line for line in text.splitlines() if line.startswith("| S |"))
+    assert "SDPA cuDNN" in header and "SDPA FA2" in header and "FlexAttention" in header
+    row = next(line for line in text.splitlines() if line.startswith("| 4096 |"))
+    assert "400 (2.000)" in row and "0.90×" in row and "1.50×" in row
+    assert "n/a (ImportError: no flex here)" in row and row.endswith("60% |")
+    assert "666 TFLOPS" in text and "NVIDIA H200" in text
+
+
+def test_result_json_round_trips_through_the_schema(tmp_path):
+    stem = write_result(_result(), tmp_path, log=lambda line: None)
+    assert stem.parent.name == "h200"
+    data = json.loads(stem.with_suffix(".json").read_text())
+    assert data["schema_version"] == 1 and data["rows"][0]["timings"]["flex"]["error"]
+    assert load_result(stem.with_suffix(".json")) == _result()
+    assert stem.with_suffix(".md").read_text() == format_markdown(_result())
+    schema = result_schema()
+    assert set(schema["required"]) >= {"spec", "kernel", "device", "rows", "matmul_tflops"}
+    bad = dict(data, rows=[dict(data["rows"][0], extra=1)])
+    with pytest.raises(Exception):
+        BenchResult.model_validate(bad)
+
+
+def test_device_slug():
+    assert device_slug("NVIDIA H200") == "h200"
+    assert device_slug("NVIDIA H100 80GB HBM3") == "h100_80gb_hbm3"
+
+
+def test_baseline_names_are_checked():
+    assert parse_baselines("cudnn,flex") == ("cudnn", "flex")
+    with pytest.raises(UsageError, match="allowed: cudnn, flash, flex"):
+        parse_baselines("cudnn,fa3")
+
+
+@pytest.mark.parametrize("command", ["test", "bench"])
+def test_gpu_commands_exit_2_without_cuda(command):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    result = specgen(command, "specs", cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"specgen {command}: needs a CUDA GPU")

@@ -191,14 +191,23 @@ def write_result(result: BenchResult, out_dir: Path, log: Callable[[str], None])
     from .gpu import device_slug
 
     folder = out_dir / device_slug(result.device.get("name", "gpu"))
-    stem = folder / f"{result.spec}.{result.suite}"
+    stem = folder / f"{result.spec}-{result.suite}"
     BenchResult.model_validate(result.model_dump())  # the schema holds
-    atomic_write(stem.with_suffix(".json"), (result.model_dump_json(indent=2) + "\n").encode())
-    atomic_write(stem.with_suffix(".md"), format_markdown(result).encode())
-    problem = plot(result, stem.with_suffix(".png"))
+    atomic_write(_with(stem, ".json"), (result.model_dump_json(indent=2) + "\n").encode())
+    atomic_write(_with(stem, ".md"), format_markdown(result).encode())
+    problem = plot(result, _with(stem, ".png"))
     if problem:
         log(problem)
     return stem
+
+
+def _with(stem: Path, suffix: str) -> Path:
+    return stem.parent / (stem.name + suffix)
+
+
+def result_paths(stem: Path) -> dict[str, Path]:
+    """The JSON, markdown and PNG files of one result."""
+    return {kind: _with(stem, "." + kind) for kind in ("json", "md", "png")}
 
 
 def load_result(path: Path) -> BenchResult:

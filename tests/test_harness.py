@@ -13,6 +13,7 @@ from specgen.bench import (
     format_markdown,
     load_result,
     parse_baselines,
+    result_paths,
     result_schema,
     speedups,
     tflops,
@@ -92,11 +93,12 @@ def test_markdown_table_reports_every_kernel_and_missing_baselines():
 
 def test_result_json_round_trips_through_the_schema(tmp_path):
     stem = write_result(_result(), tmp_path, log=lambda line: None)
-    assert stem.parent.name == "h200"
-    data = json.loads(stem.with_suffix(".json").read_text())
+    paths = result_paths(stem)
+    assert stem.parent.name == "h200" and paths["json"].name == "demo-prefill.json"
+    data = json.loads(paths["json"].read_text())
     assert data["schema_version"] == 1 and data["rows"][0]["timings"]["flex"]["error"]
-    assert load_result(stem.with_suffix(".json")) == _result()
-    assert stem.with_suffix(".md").read_text() == format_markdown(_result())
+    assert load_result(paths["json"]) == _result()
+    assert paths["md"].read_text() == format_markdown(_result())
     schema = result_schema()
     assert set(schema["required"]) >= {"spec", "kernel", "device", "rows", "matmul_tflops"}
     bad = dict(data, rows=[dict(data["rows"][0], extra=1)])

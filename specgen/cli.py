@@ -70,6 +70,30 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen", default="generated", metavar="DIR",
                        help="folder of generated modules (default: generated)")
 
+    diff = sub.add_parser(
+        "diff",
+        help="what changes between two specs/modules, or a spec and a --set variant",
+        description="Sections: 1 spec, 2 plan, 3 source (unified diff), 4 compiled "
+        "resources per target, 5 performance from bench results. Exit 0 identical, "
+        "1 different, 2 bad input.",
+    )
+    diff.add_argument("paths", nargs="*", metavar="PATH",
+                      help="A B (spec files or generated modules), or A with --set; "
+                      "with --templates, specs to re-render (default: specs)")
+    diff.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                      help="diff A against A with this field changed, e.g. fast_math.exp2=false "
+                      "(repeatable; values are YAML)")
+    diff.add_argument("--templates", action="store_true",
+                      help="re-render specs with the working-tree templates and diff them "
+                      "against the committed generated/")
+    diff.add_argument("--stat", action="store_true", help="source section: counts only")
+    diff.add_argument("--json", action="store_true", help="machine-readable output")
+    diff.add_argument("--no-compile", action="store_true", help="skip the compiled section")
+    diff.add_argument("--results", default="bench/results", metavar="DIR",
+                      help="bench results for the performance section (default: bench/results)")
+    diff.add_argument("--gen", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated)")
+
     schema = sub.add_parser("schema", help="print the spec's JSON Schema")
     schema.add_argument("--out", metavar="FILE", help="write it to FILE instead of stdout")
     return parser
@@ -106,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             suite, baselines = parse_suite(args.suite), parse_baselines(args.baselines)
             run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
             return 0
+        if args.command == "diff":
+            from .diff import run_diff
+
+            return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
+                            not args.no_compile, Path(args.results), Path(args.gen))
         if args.command == "schema":
             text = schema_text()
             if args.out:

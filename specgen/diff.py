@@ -1,0 +1,423 @@
+"""`specgen diff`: what a flag, a target or a template change does, section by
+section: spec, plan, source, compiled resources, measured speed."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import difflib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .errors import CompileError, SpecError, UsageError
+from .plan import Plan, make_plan
+from .render import HEADER_RE, render
+from .spec import parse_spec_text, validate_spec
+
+ARROW = "→"
+
+
+@dataclass
+class Side:
+    """One side of a diff: a validated plan and the module source it stands for."""
+
+    label: str
+    plan: Plan
+    source: str
+
+
+# --- loading the two sides ------------------------------------------------------
+
+
+def _spec_data_from_module(path: Path) -> dict:
+    """The SPEC dict of a generated module, read without importing it."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "SPEC" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    raise UsageError(f"{path}: not a generated module (no SPEC = {{...}})")
+
+
+def load_side(path_text: str) -> tuple[dict, Side]:
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"{path_text}: no such spec file or generated module")
+    if path.suffix == ".py":
+        data = _spec_data_from_module(path)
+        plan = make_plan(validate_spec(data, path))
+        return data, Side(str(path), plan, path.read_text(encoding="utf-8"))
+    data = parse_spec_text(path.read_text(encoding="utf-8"), path)
+    plan = make_plan(validate_spec(data, path))
+    return data, Side(str(path), plan, render(plan, path.as_posix()).text)
+
+
+def apply_sets(data: dict, assignments: list[str]) -> dict:
+    """A copy of spec data with `key.path=value` assignments (values parsed as YAML)."""
+    data = copy.deepcopy(data)
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set: expected key.path=value, got {assignment!r}")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise UsageError(f"--set {key}: the value {raw!r} is not valid YAML") from None
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.get(part) if isinstance(node, dict) else None
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UsageError(f"--set {key}: {part} is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def variant_side(data: dict, base: Side, assignments: list[str]) -> Side:
+    label = f"{base.label} with " + ", ".join(assignments)
+    new_data = apply_sets(data, assignments)
+    try:
+        plan = make_plan(validate_spec(new_data, f"--set {' '.join(assignments)}"))
+    except SpecError as exc:
+        raise UsageError("\n".join(exc.lines())) from None
+    spec_path = _header_path(base.source) or "variant.yaml"
+    return Side(label, plan, render(plan, spec_path).text)
+
+
+def _header_path(source: str) -> Optional[str]:
+    match = HEADER_RE.match(source)
+    return match.group("spec_path") if match else None
+
+
+# --- sections ---------------------------------------------------------------------
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def _show(value: Any) -> str:
+    return "(absent)" if value is _ABSENT else json.dumps(value)
+
+
+_ABSENT = object()
+
+
+def _changes(a: dict, b: dict) -> list[dict]:
+    fa, fb = _flatten(a), _flatten(b)
+    keys = list(fa) + [k for k in fb if k not in fa]
+    return [
+        {"field": k, "a": fa.get(k, _ABSENT), "b": fb.get(k, _ABSENT)}
+        for k in keys
+        if fa.get(k, _ABSENT) != fb.get(k, _ABSENT)
+    ]
+
+
+def spec_section(a: Side, b: Side) -> list[dict]:
+    return _changes(a.plan.spec_dict, b.plan.spec_dict)
+
+
+def plan_summary(plan: Plan) -> dict:
+    """The derived values worth comparing (the spec itself is section 1)."""
+    skip = {"spec", "spec_dict", "targets", "optimizations"}
+    out = {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in skip}
+    out["compile_for"] = list(out["compile_for"])
+    out["kernel_constants"] = list(plan.kernel_constants)
+    for t in plan.targets:
+        out[f"tiles.{t.name}"] = f"{t.tile_m}x{t.tile_n}, occupancy {t.occupancy}"
+    return out
+
+
+def plan_section(a: Side, b: Side) -> list[dict]:
+    return _changes(plan_summary(a.plan), plan_summary(b.plan))
+
+
+def _body(source: str) -> str:
+    match = HEADER_RE.match(source)
+    return source[match.end() :] if match else source
+
+
+def source_section(a: Side, b: Side) -> dict:
+    """A unified diff of the module bodies (the hash header always differs)."""
+    lines = list(
+        difflib.unified_diff(
+            _body(a.source).splitlines(True),
+            _body(b.source).splitlines(True),
+            a.label,
+            b.label,
+            n=3,
+        )
+    )
+    added = sum(1 for l in lines if l.startswith("+") and not l.startswith("+++"))
+    removed = sum(1 for l in lines if l.startswith("-") and not l.startswith("---"))
+    hunks = sum(1 for l in lines if l.startswith("@@"))
+    return {"diff": "".join(lines), "added": added, "removed": removed, "hunks": hunks}
+
+
+def cuobjdump_path() -> Optional[str]:
+    """cuobjdump from PATH, or from the nvidia-cuda-cuobjdump pip package."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for candidate in Path(root).glob("cu*/bin/cuobjdump"):
+                return str(candidate)
+    except ImportError:
+        pass
+    return None
+
+
+_RESOURCE_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
+    """Per kernel in a cubin: registers, stack, shared and local memory (spills
+    land in local memory). None where cuobjdump is not available."""
+    tool = cuobjdump_path()
+    if tool is None:
+        return None
+    text = subprocess.run(
+        [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
+    kernels = []
+    name = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("Function "):
+            name = line[len("Function ") :].rstrip(":")
+        elif name and (match := _RESOURCE_RE.search(line)):
+            reg, stack, shared, local = map(int, match.groups())
+            kernels.append({"kernel": _variant_label(name, plan), "registers": reg,
+                            "stack": stack, "shared": shared, "local": local})
+            name = None
+    return kernels
+
+
+def _variant_label(symbol: str, plan: Plan) -> str:
+    """'TILE_M=64 TILE_N=64 EVEN_N=False' for a mangled kernel symbol."""
+    try:
+        from cuda.tile.compilation import ConstantConstraint, demangle_kernel_name
+
+        _, signature = demangle_kernel_name(symbol)
+        values = [p.value for p in signature.parameters if isinstance(p, ConstantConstraint)]
+        return " ".join(f"{n}={v}" for n, v in zip(plan.kernel_constants, values))
+    except Exception:  # noqa: BLE001 - an unknown mangling still gets a label
+        return symbol
+
+
+def compiled_section(a: Side, b: Side) -> list[dict]:
+    from .compile import compile_target
+
+    targets = list(dict.fromkeys(a.plan.compile_for + b.plan.compile_for))
+    rows = []
+    for target in targets:
+        row: dict[str, Any] = {"target": target}
+        for key, side in (("a", a), ("b", b)):
+            try:
+                result = compile_target(side.plan, side.source, f"{side.plan.module_name}.py", target)
+            except CompileError as exc:
+                row[key] = {"error": str(exc)}
+                continue
+            row[key] = {"cubin_bytes": result.size,
+                        "kernels": resource_usage(result.path, side.plan)}
+        rows.append(row)
+    return rows
+
+
+def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
+    """TFLOPS per sequence length where both specs were benchmarked on one device."""
+    from .bench import load_result
+
+    out = []
+    if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
+        return out
+    for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+        for path_a in sorted(device_dir.glob(f"{a.plan.module_name}-*.json")):
+            suite = path_a.stem[len(a.plan.module_name) + 1 :]
+            path_b = device_dir / f"{b.plan.module_name}-{suite}.json"
+            if not path_b.is_file():
+                continue
+            ra, rb = load_result(path_a), load_result(path_b)
+            by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
+            rows = [
+                {"seq": r.seq_q, "a_tflops": r.timings["specgen"].tflops,
+                 "b_tflops": by_seq.get(r.seq_q)}
+                for r in ra.rows
+            ]
+            for row in rows:
+                ok = row["a_tflops"] and row["b_tflops"]
+                row["ratio"] = row["b_tflops"] / row["a_tflops"] if ok else None
+            out.append({"device": ra.device.get("name", device_dir.name), "suite": suite,
+                        "a_date": ra.created, "b_date": rb.created, "rows": rows})
+    return out
+
+
+# --- output --------------------------------------------------------------------
+
+
+def _colour(diff: str) -> str:
+    out = []
+    for line in diff.splitlines(True):
+        if line.startswith(("+++", "---")):
+            out.append(f"\033[1m{line.rstrip(chr(10))}\033[0m\n")
+        elif line.startswith("+"):
+            out.append(f"\033[32m{line.rstrip(chr(10))}\033[0m\n")
+        elif line.startswith("-"):
+            out.append(f"\033[31m{line.rstrip(chr(10))}\033[0m\n")
+        elif line.startswith("@@"):
+            out.append(f"\033[36m{line.rstrip(chr(10))}\033[0m\n")
+        else:
+            out.append(line)
+    return "".join(out)
+
+
+def _delta(a: Optional[int], b: Optional[int]) -> str:
+    if a is None or b is None:
+        return ""
+    return f"{b - a:+d}" if b != a else "="
+
+
+def pair_kernels(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
+    """Kernels of two cubins side by side: same variant label first, then the
+    leftovers in order (a flag that removes a constant changes the labels)."""
+    b_by_label = {k["kernel"]: k for k in b}
+    pairs = [(k, b_by_label.pop(k["kernel"])) for k in a if k["kernel"] in b_by_label]
+    left_a = [k for k in a if not any(k is pa for pa, _ in pairs)]
+    left_b = list(b_by_label.values())
+    for i in range(max(len(left_a), len(left_b))):
+        pairs.append((left_a[i] if i < len(left_a) else {}, left_b[i] if i < len(left_b) else {}))
+    return pairs
+
+
+def _num(value: Optional[int]) -> str:
+    return "-" if value is None else str(value)
+
+
+def format_text(report: dict, stat: bool, colour: bool) -> str:
+    lines = [f"a: {report['a']}", f"b: {report['b']}", "", "1. Spec"]
+    lines += [f"  {c['field']}: {_show(c['a'])} {ARROW} {_show(c['b'])}" for c in report["spec"]] or ["  identical"]
+    lines += ["", "2. Plan"]
+    lines += [f"  {c['field']}: {_show(c['a'])} {ARROW} {_show(c['b'])}" for c in report["plan"]] or ["  identical"]
+    src = report["source"]
+    lines += ["", f"3. Source: +{src['added']} -{src['removed']} lines in {src['hunks']} hunk(s)"]
+    if not stat and src["diff"]:
+        lines.append((_colour(src["diff"]) if colour else src["diff"]).rstrip("\n"))
+    if report.get("compiled") is not None:
+        lines += ["", "4. Compiled"]
+        for row in report["compiled"]:
+            a, b = row["a"], row["b"]
+            if "error" in a or "error" in b:
+                lines.append(f"  {row['target']}: a {a.get('error', 'ok')}; b {b.get('error', 'ok')}")
+                continue
+            lines.append(
+                f"  {row['target']}: cubin {a['cubin_bytes']:,} {ARROW} {b['cubin_bytes']:,} bytes "
+                f"({_delta(a['cubin_bytes'], b['cubin_bytes'])})"
+            )
+            if a["kernels"] is None or b["kernels"] is None:
+                lines.append("    (registers/spills/shared: install nvidia-cuda-cuobjdump)")
+                continue
+            for ka, kb in pair_kernels(a["kernels"], b["kernels"]):
+                parts = []
+                for key, name in (("registers", "reg"), ("shared", "smem"),
+                                  ("local", "local/spill"), ("stack", "stack")):
+                    va, vb = ka.get(key), kb.get(key)
+                    parts.append(f"{name} {_num(va)} {ARROW} {_num(vb)} ({_delta(va, vb)})")
+                la, lb = ka.get("kernel", "(absent)"), kb.get("kernel", "(absent)")
+                label = la if la == lb else f"{la} {ARROW} {lb}"
+                lines.append(f"    [{label}] " + ", ".join(parts))
+    if report.get("performance"):
+        lines += ["", "5. Performance (TFLOPS, specgen kernel, from bench/results)"]
+        for block in report["performance"]:
+            lines.append(f"  {block['device']}, suite {block['suite']} (a {block['a_date']}, b {block['b_date']}):")
+            for row in block["rows"]:
+                ratio = f"{row['ratio']:.2f}×" if row["ratio"] else "n/a"
+                a_t = f"{row['a_tflops']:.0f}" if row["a_tflops"] else "n/a"
+                b_t = f"{row['b_tflops']:.0f}" if row["b_tflops"] else "n/a"
+                lines.append(f"    S={row['seq']}: {a_t} {ARROW} {b_t} ({ratio})")
+    return "\n".join(lines) + "\n"
+
+
+def build_report(a: Side, b: Side, compiled: bool, results_dir: Path) -> dict:
+    return {
+        "a": a.label,
+        "b": b.label,
+        "spec": spec_section(a, b),
+        "plan": plan_section(a, b),
+        "source": source_section(a, b),
+        "compiled": compiled_section(a, b) if compiled else None,
+        "performance": performance_section(a, b, results_dir),
+    }
+
+
+def differs(report: dict) -> bool:
+    return bool(report["spec"] or report["plan"] or report["source"]["diff"])
+
+
+def _json_default(value):
+    if value is _ABSENT:
+        return None
+    raise TypeError(type(value).__name__)
+
+
+def run_diff(
+    paths: list[str],
+    sets: list[str],
+    templates: bool,
+    stat: bool,
+    as_json: bool,
+    compiled: bool,
+    results_dir: Path,
+    gen_dir: Path,
+) -> int:
+    """Exit 0 identical, 1 different, 2 bad input (as diff(1) does)."""
+    if templates:
+        reports = template_reports(paths or ["specs"], gen_dir)
+    else:
+        if sets and len(paths) != 1:
+            raise UsageError("diff: --set takes exactly one spec or module (A)")
+        if not sets and len(paths) != 2:
+            raise UsageError("diff: give two specs or modules (A B), or one with --set key=value")
+        data_a, side_a = load_side(paths[0])
+        side_b = variant_side(data_a, side_a, sets) if sets else load_side(paths[1])[1]
+        reports = [build_report(side_a, side_b, compiled, results_dir)]
+    colour = sys.stdout.isatty() and not as_json
+    if as_json:
+        payload = reports if templates else reports[0]
+        sys.stdout.write(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    else:
+        for report in reports:
+            sys.stdout.write(format_text(report, stat, colour))
+    return 1 if any(differs(r) for r in reports) else 0
+
+
+def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
+    """Each spec re-rendered with the working-tree templates against generated/."""
+    from .build import load_jobs
+
+    reports = []
+    for job in load_jobs(paths, gen_dir):
+        committed = job.out_path.read_text(encoding="utf-8") if job.out_path.is_file() else ""
+        a = Side(f"{job.out_path} (committed)", job.plan, committed)
+        b = Side(f"{job.out_path} (working-tree templates)", job.plan, job.rendered.text)
+        reports.append(build_report(a, b, compiled=False, results_dir=Path("/nonexistent")))
+    return reports

@@ -1,0 +1,122 @@
+"""`specgen diff`: every section, --set, --templates, --stat, --json and exit codes."""
+
+import json
+import shutil
+
+import pytest
+
+from specgen.diff import pair_kernels
+
+from .helpers import ROOT
+from .test_cli import specgen
+
+
+def diff(*args, cwd=ROOT):
+    return specgen("diff", *args, cwd=cwd)
+
+
+def test_set_gives_one_spec_line_and_the_source_hunk():
+    result = diff("specs/fmha_gqa_causal.yaml", "--set", "loop_split=false", "--no-compile")
+    assert result.returncode == 1, result.stderr
+    out = result.stdout
+    spec = out.split("1. Spec\n")[1].split("\n\n")[0].splitlines()
+    assert spec == ["  loop_split: true → false"]
+    plan = out.split("2. Plan\n")[1].split("\n\n")[0]
+    assert "even_n_param: true → false" in plan
+    assert "-    for j in range(mask_start, num_n):" in out
+    assert "+    # No loop split: every key tile is masked." in out
+    assert "4. Compiled" not in out and "\x1b[" not in out  # no colour off a TTY
+
+
+def test_set_values_are_yaml_and_nested():
+    result = diff("specs/fmha_gqa_causal.yaml", "--set", "fast_math.exp2=false",
+                  "--set", "targets.sm_90.tile_m=128", "--no-compile", "--stat")
+    spec = result.stdout.split("1. Spec\n")[1].split("\n\n")[0].splitlines()
+    assert spec == ["  fast_math.exp2: true → false", "  targets.sm_90.tile_m: 64 → 128"]
+    assert 'tiles.sm_90: "64x64, occupancy 2" → "128x64, occupancy 2"' in result.stdout
+    assert "exp_fn: \"ct.exp2\" → \"ct.exp\"" in result.stdout
+    assert "\n--- " not in result.stdout  # --stat: counts only
+    assert "3. Source: +" in result.stdout
+
+
+def test_identical_is_exit_0_and_generated_module_side():
+    result = diff("specs/fmha_mha_bf16.yaml", "generated/fmha_mha_bf16.py", "--no-compile")
+    assert result.returncode == 0, result.stderr
+    assert "1. Spec\n  identical" in result.stdout and "+0 -0 lines" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["specs/fmha_gqa_causal.yaml"], "give two specs or modules"),
+        (["specs/nope.yaml", "specs/fmha_mha_bf16.yaml"], "no such spec file"),
+        (["specs/fmha_gqa_causal.yaml", "--set", "loop_split"], "expected key.path=value"),
+        (["specs/fmha_gqa_causal.yaml", "--set", "targets.sm_90.tile_m=100"],
+         "targets.sm_90.tile_m: must be a power of two in [16, 256], got 100"),
+        (["specs/fmha_gqa_causal.yaml", "--set", "bogus=1"], "bogus: unknown key"),
+    ],
+)
+def test_bad_input_exits_2(args, message):
+    result = diff(*args, "--no-compile")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_json_has_all_sections_including_performance():
+    result = diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--json",
+                  "--no-compile")
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert set(report) == {"a", "b", "spec", "plan", "source", "compiled", "performance"}
+    fields = {c["field"] for c in report["spec"]}
+    assert {"name", "loop_split", "fast_math.exp2", "loads.k_latency"} <= fields
+    assert report["source"]["added"] > 0 and report["source"]["diff"].startswith("--- ")
+    perf = report["performance"][0]
+    assert perf["device"] == "NVIDIA H200" and perf["suite"] == "prefill"
+    row = perf["rows"][0]
+    assert row["ratio"] == pytest.approx(row["b_tflops"] / row["a_tflops"])
+
+
+def test_performance_section_only_with_results(tmp_path):
+    result = diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--no-compile",
+                  "--results", str(tmp_path))
+    assert "5. Performance" not in result.stdout
+    result = diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--no-compile")
+    assert "5. Performance" in result.stdout and "S=16384:" in result.stdout
+
+
+@pytest.mark.slow
+def test_compiled_section_reports_cubins_and_resources():
+    result = diff("specs/fmha_gqa_causal.yaml", "--set", "loop_split=false", "--json")
+    report = json.loads(result.stdout)
+    rows = {row["target"]: row for row in report["compiled"]}
+    assert set(rows) == {"sm_90", "sm_100", "sm_120"}
+    a, b = rows["sm_90"]["a"], rows["sm_90"]["b"]
+    assert a["cubin_bytes"] > b["cubin_bytes"] > 0  # two EVEN_N variants vs one
+    if shutil.which("cuobjdump") is None and a["kernels"] is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
+    assert len(a["kernels"]) == 2 and len(b["kernels"]) == 1
+    assert {k["kernel"] for k in a["kernels"]} == {
+        "TILE_M=64 TILE_N=64 EVEN_N=True", "TILE_M=64 TILE_N=64 EVEN_N=False"}
+    assert all(k["registers"] > 0 and k["shared"] > 0 for k in a["kernels"] + b["kernels"])
+    text = diff("specs/fmha_gqa_causal.yaml", "--set", "loop_split=false").stdout
+    assert "4. Compiled\n  sm_90: cubin" in text and "reg 128 → 128" in text
+
+
+def test_pair_kernels_matches_labels_then_order():
+    a = [{"kernel": "X EVEN_N=False", "registers": 1}, {"kernel": "X EVEN_N=True", "registers": 2}]
+    b = [{"kernel": "X EVEN_N=True", "registers": 3}, {"kernel": "X", "registers": 4}]
+    pairs = pair_kernels(a, b)
+    assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [(2, 3), (1, 4)]
+
+
+def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    assert specgen("build", "specs", "--no-compile", cwd=tmp_path).returncode == 0
+    clean = specgen("diff", "--templates", cwd=tmp_path)
+    assert clean.returncode == 0 and clean.stdout.count("+0 -0 lines") == 3
+    module = tmp_path / "generated" / "fmha_mha_bf16.py"
+    module.write_text(module.read_text().replace("MAX_GRID_Y = 65535", "MAX_GRID_Y = 1"))
+    changed = specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path)
+    assert changed.returncode == 1
+    assert "-MAX_GRID_Y = 1\n+MAX_GRID_Y = 65535" in changed.stdout

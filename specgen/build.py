@@ -171,35 +171,36 @@ def compile_jobs(
             f"{result.seconds:6.1f} s  {result.size / 1024:8.1f} KiB{note}"
         )
 
-    if workers <= 1 or len(tasks) <= 1:
-        for done, (job, target) in enumerate(tasks, 1):
-            try:
-                result = compile_target(job.plan, job.rendered.text, str(job.out_path), target)
-            except CompileError as exc:
-                failures.append(str(exc))
-                log(f"[{done}/{len(tasks)}] {job.plan.module_name} {target}: FAILED")
-                continue
-            results.append(result)
-            report(done, result)
-        return results, failures
+    def outcomes():
+        """(job, target, result or CompileError) as each compile finishes."""
+        if workers <= 1 or len(tasks) <= 1:
+            for job, target in tasks:
+                try:
+                    yield job, target, _compile_task(job.plan, job.rendered.text, str(job.out_path), target)
+                except CompileError as exc:
+                    yield job, target, exc
+            return
+        with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
+            futures = {
+                pool.submit(
+                    _compile_task, job.plan, job.rendered.text, str(job.out_path), target
+                ): (job, target)
+                for job, target in tasks
+            }
+            for future in as_completed(futures):
+                job, target = futures[future]
+                try:
+                    yield job, target, future.result()
+                except CompileError as exc:
+                    yield job, target, exc
 
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
-        futures = {
-            pool.submit(
-                _compile_task, job.plan, job.rendered.text, str(job.out_path), target
-            ): (job, target)
-            for job, target in tasks
-        }
-        for done, future in enumerate(as_completed(futures), 1):
-            job, target = futures[future]
-            try:
-                result = future.result()
-            except CompileError as exc:
-                failures.append(str(exc))
-                log(f"[{done}/{len(tasks)}] {job.plan.module_name} {target}: FAILED")
-                continue
-            results.append(result)
-            report(done, result)
+    for done, (job, target, outcome) in enumerate(outcomes(), 1):
+        if isinstance(outcome, CompileError):
+            failures.append(str(outcome))
+            log(f"[{done}/{len(tasks)}] {job.plan.module_name} {target}: FAILED")
+        else:
+            results.append(outcome)
+            report(done, outcome)
     order = {(job.plan.module_name, t): i for i, (job, t) in enumerate(tasks)}
     results.sort(key=lambda r: order[(r.module, r.target)])
     return results, failures

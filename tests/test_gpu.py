@@ -5,6 +5,7 @@ import torch
 
 from specgen.check import compare
 from specgen.reference import attention_reference
+from specgen.testing import Case, run_case
 
 from .helpers import SPEC_NAMES, generated_module
 
@@ -22,49 +23,39 @@ SHAPES = [
 ]
 
 
-def _inputs(mod, batch, kv_heads, seq_q, seq_k, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    spec = mod.SPEC
-    heads = kv_heads * spec["gqa_ratio"]
-    dtype = getattr(torch, spec["dtype"])
-    d = spec["head_dim"]
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
-
-    return rand(batch, heads, seq_q, d), rand(batch, kv_heads, seq_k, d), rand(batch, kv_heads, seq_k, d)
+def _check(mod, batch, kv_heads, seq_q, seq_k, q_offset=0, layout="contiguous", seed=0):
+    """One case through the same code path as `specgen test` (poisoned output)."""
+    case = Case(batch, kv_heads, seq_q, seq_k, q_offset, layout)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    row = run_case(torch, mod, case, generator)
+    print(f"{mod.SPEC['name']} {row['shape']}: max_abs={row['max_abs_err']:.2e} rel={row['rel_err']:.2e}")
+    assert row["ok"], row
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_matches_fp64_reference(name, shape):
-    mod = generated_module(name)
-    batch, kv_heads, seq_q, seq_k, q_offset = shape
-    q, k, v = _inputs(mod, batch, kv_heads, seq_q, seq_k, seed=hash(shape) & 0xFFFF)
-    out = torch.full_like(q, float("nan"))  # poisoned: an unwritten element fails
-    mod.attention(q, k, v, q_offset=q_offset, out=out)
-    torch.cuda.synchronize()
-    ref = attention_reference(q, k, v, causal=mod.SPEC["causal"], q_offset=q_offset)
-    result = compare(out, ref, mod.SPEC["dtype"])
-    print(f"{name} {shape}: max_abs={result.max_abs_err:.2e} rel={result.rel_err:.2e}")
-    assert result.ok, result
+    _check(generated_module(name), *shape, seed=hash(shape) & 0xFFFF)
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
-def test_strided_views_and_scale(name):
+def test_transposed_views(name):
     """A [B, S, H, D] tensor seen as [B, H, S, D] (a transposed view) works as is."""
+    _check(generated_module(name), 2, 2, 300, 300, layout="transposed")
+    _check(generated_module(name), 1, 2, 100, 700, q_offset=600, layout="transposed")
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_custom_scale(name):
     mod = generated_module(name)
     spec = mod.SPEC
     dtype = getattr(torch, spec["dtype"])
-    d, ratio = spec["head_dim"], spec["gqa_ratio"]
-    q = torch.randn(2, 300, 2 * ratio, d, device="cuda", dtype=dtype).transpose(1, 2)
-    k = torch.randn(2, 300, 2, d, device="cuda", dtype=dtype).transpose(1, 2)
-    v = torch.randn(2, 300, 2, d, device="cuda", dtype=dtype).transpose(1, 2)
-    assert not q.is_contiguous()
+    q = torch.randn(1, spec["gqa_ratio"], 200, spec["head_dim"], device="cuda", dtype=dtype)
+    k = torch.randn(1, 1, 200, spec["head_dim"], device="cuda", dtype=dtype)
+    v = torch.randn(1, 1, 200, spec["head_dim"], device="cuda", dtype=dtype)
     out = mod.attention(q, k, v, scale=0.05)
     ref = attention_reference(q, k, v, causal=spec["causal"], scale=0.05)
-    result = compare(out, ref, spec["dtype"])
-    assert result.ok, result
+    assert compare(out, ref, spec["dtype"]).ok
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
@@ -112,13 +103,4 @@ def _variant_module(name, overrides):
 @pytest.mark.parametrize("shape", [(1, 1, 1000, 1000, 0), (2, 1, 128, 1000, 872), (1, 2, 77, 77, 0)],
                          ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_template_variants_match_reference(variant, shape):
-    mod = _variant_module(variant, VARIANTS[variant])
-    batch, kv_heads, seq_q, seq_k, q_offset = shape
-    q, k, v = _inputs(mod, batch, kv_heads, seq_q, seq_k, seed=seq_q * 7 + seq_k)
-    out = torch.full_like(q, float("nan"))
-    mod.attention(q, k, v, q_offset=q_offset, out=out)
-    torch.cuda.synchronize()
-    ref = attention_reference(q, k, v, causal=mod.SPEC["causal"], q_offset=q_offset)
-    result = compare(out, ref, mod.SPEC["dtype"])
-    print(f"variant {variant} {shape}: max_abs={result.max_abs_err:.2e} rel={result.rel_err:.2e}")
-    assert result.ok, result
+    _check(_variant_module(variant, VARIANTS[variant]), *shape, seed=shape[2] * 7 + shape[3])

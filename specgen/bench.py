@@ -118,15 +118,17 @@ def format_markdown(result: BenchResult) -> str:
     """One table: time and TFLOPS per kernel per length, speedups against baselines."""
     names = ["specgen"] + result.baselines
     dev = result.device
+    first = result.rows[0] if result.rows else None
+    shape = (
+        f"B={first.batch}, Hq={first.heads_q}, Hkv={first.heads_kv}, {first.dtype}, "
+        f"D={first.head_dim}, {'causal' if first.causal else 'non-causal'}"
+        if first
+        else "no rows"
+    )
     lines = [
         f"### {result.spec} (`{result.kernel}`) on {dev.get('name', '?')}",
         "",
-        f"Suite `{result.suite}`: B={result.rows[0].batch if result.rows else '?'}, "
-        f"Hq={result.rows[0].heads_q if result.rows else '?'}, "
-        f"Hkv={result.rows[0].heads_kv if result.rows else '?'}, "
-        f"{result.rows[0].dtype if result.rows else '?'}, "
-        f"D={result.rows[0].head_dim if result.rows else '?'}, "
-        f"{'causal' if result.rows and result.rows[0].causal else 'non-causal'}, Sq=Skv. "
+        f"Suite `{result.suite}`: {shape}, Sq=Skv. "
         f"Median of triton `do_bench`; dense fp16 matmul {result.matmul_tflops:.0f} TFLOPS "
         f"in the same run. {result.created}, driver {dev.get('driver', '?')}, "
         f"torch {dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}.",
@@ -193,21 +195,24 @@ def write_result(result: BenchResult, out_dir: Path, log: Callable[[str], None])
     folder = out_dir / device_slug(result.device.get("name", "gpu"))
     stem = folder / f"{result.spec}-{result.suite}"
     BenchResult.model_validate(result.model_dump())  # the schema holds
-    atomic_write(_with(stem, ".json"), (result.model_dump_json(indent=2) + "\n").encode())
-    atomic_write(_with(stem, ".md"), format_markdown(result).encode())
-    problem = plot(result, _with(stem, ".png"))
+    paths = result_paths(stem)
+    atomic_write(paths["json"], (result.model_dump_json(indent=2) + "\n").encode())
+    atomic_write(paths["md"], format_markdown(result).encode())
+    problem = plot(result, paths["png"])
     if problem:
         log(problem)
     return stem
 
 
-def _with(stem: Path, suffix: str) -> Path:
-    return stem.parent / (stem.name + suffix)
-
-
 def result_paths(stem: Path) -> dict[str, Path]:
-    """The JSON, markdown and PNG files of one result."""
-    return {kind: _with(stem, "." + kind) for kind in ("json", "md", "png")}
+    """The JSON, markdown and PNG files of one result (stem: <dir>/<spec>-<suite>)."""
+    return {kind: stem.parent / f"{stem.name}.{kind}" for kind in ("json", "md", "png")}
+
+
+def timed(ms: float, flops: int, matmul_tflops: float, **extra) -> Timing:
+    """A Timing from a median time: TFLOPS and the share of the matmul rate."""
+    rate = tflops(flops, ms)
+    return Timing(ms=ms, tflops=rate, pct_of_matmul=100 * rate / matmul_tflops, **extra)
 
 
 def load_result(path: Path) -> BenchResult:
@@ -308,8 +313,7 @@ def run_bench(
             ours = out.clone()
             ms = do_bench(lambda: module.attention(q, k, v, out=out), warmup=25, rep=200,
                           return_mode="median")
-            timings["specgen"] = Timing(ms=ms, tflops=tflops(flops, ms),
-                                        pct_of_matmul=100 * tflops(flops, ms) / matmul)
+            timings["specgen"] = timed(ms, flops, matmul)
             if not torch.isfinite(ours).all():
                 timings["specgen"].error = "non-finite output"
             for name in baselines:
@@ -323,9 +327,7 @@ def run_bench(
                     diff = (ref.float() - ours.float()).abs().max().item()
                     ms = do_bench(lambda: fn(q, k_full, v_full, k, v), warmup=25, rep=200,
                                   return_mode="median")
-                    timings[name] = Timing(ms=ms, tflops=tflops(flops, ms),
-                                           pct_of_matmul=100 * tflops(flops, ms) / matmul,
-                                           max_abs_diff_vs_specgen=diff)
+                    timings[name] = timed(ms, flops, matmul, max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
                     message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                     timings[name] = Timing(error=f"{type(exc).__name__}: {message}"[:300])

@@ -144,10 +144,6 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
     return refused
 
 
-def _compile_task(plan: Plan, source: str, origin: str, target: str) -> CompileResult:
-    return compile_target(plan, source, origin, target)
-
-
 def compile_jobs(
     jobs: list[Job],
     targets: tuple[str, ...] | None,
@@ -176,14 +172,14 @@ def compile_jobs(
         if workers <= 1 or len(tasks) <= 1:
             for job, target in tasks:
                 try:
-                    yield job, target, _compile_task(job.plan, job.rendered.text, str(job.out_path), target)
+                    yield job, target, compile_target(job.plan, job.rendered.text, str(job.out_path), target)
                 except CompileError as exc:
                     yield job, target, exc
             return
         with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
             futures = {
                 pool.submit(
-                    _compile_task, job.plan, job.rendered.text, str(job.out_path), target
+                    compile_target, job.plan, job.rendered.text, str(job.out_path), target
                 ): (job, target)
                 for job, target in tasks
             }

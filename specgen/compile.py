@@ -47,7 +47,7 @@ def cache_dir() -> Path:
     return Path(base) / "specgen"
 
 
-def _package_version(name: str) -> str:
+def package_version(name: str) -> str:
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -57,8 +57,8 @@ def _package_version(name: str) -> str:
 @lru_cache(maxsize=None)
 def toolchain_versions() -> dict:
     """Versions that change the cubin: cuda-tile and the tileiras compiler."""
-    versions = {"cuda-tile": _package_version("cuda-tile")}
-    tileiras = _package_version("nvidia-cuda-tileiras")
+    versions = {"cuda-tile": package_version("cuda-tile")}
+    tileiras = package_version("nvidia-cuda-tileiras")
     if tileiras == "unknown":  # a tileiras from a CUDA toolkit on PATH
         try:
             from cuda.tile._compile import _get_compiler_version_string

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 import platform
 import sys
-from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
 from .build import Job, load_jobs, write_jobs
+from .compile import package_version
 from .errors import UsageError
 
 
@@ -47,13 +47,6 @@ def import_module_file(path: Path) -> ModuleType:
     return module
 
 
-def _version(name: str) -> str:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
 def device_info() -> dict:
     """What a result depends on: the GPU, its driver and the software versions."""
     import torch
@@ -77,8 +70,8 @@ def device_info() -> dict:
         "driver": driver,
         "cuda": torch.version.cuda or "unknown",
         "torch": torch.__version__,
-        "cuda_tile": _version("cuda-tile"),
-        "triton": _version("triton"),
+        "cuda_tile": package_version("cuda-tile"),
+        "triton": package_version("triton"),
         "python": platform.python_version(),
     }
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import SpecgenError
+from .errors import SpecgenError, UsageError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,13 +55,39 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("--out", default="generated", metavar="DIR",
                       help="folder of generated modules (default: generated)")
 
+    tune = sub.add_parser(
+        "tune",
+        help="search a spec's autotune space on the GPU and write the winners into it",
+        description="Time every config of the spec's autotune.<target> space with "
+        "cuda.tile.tune.exhaustive_search at each length of a suite, check the winners "
+        "against the fp64 reference, and write them into targets.<target> (by_seq_k "
+        "buckets where shorter lengths win with another config), keeping the file's "
+        "comments and order; then re-render the module. Exit 0 ok, 1 nothing correct, "
+        "2 bad input.",
+    )
+    tune.add_argument("path", metavar="SPEC", help="spec file to tune (edited in place)")
+    tune.add_argument("--target", required=True, metavar="SM",
+                      help="GPU target to tune, e.g. sm_90; must be this machine's GPU")
+    tune.add_argument("--suite", default="prefill", help="suite whose shapes are timed (default: prefill)")
+    tune.add_argument("--seqs", metavar="LIST",
+                      help="comma-separated sequence lengths instead of the suite's")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="search and report, but leave the spec and module unchanged")
+    tune.add_argument("--out", default="bench/results", metavar="DIR",
+                      help="the tuning report goes to DIR/<gpu>/tune-<spec>-<target>.json")
+    tune.add_argument("--gen", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated)")
+
     bench = sub.add_parser(
         "bench",
         help="time specs' kernels next to cuDNN, FA2 and FlexAttention",
         description="Time each kernel and the baselines in one process on the same "
         "inputs (triton do_bench medians); write JSON, a markdown table and a plot.",
     )
-    bench.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
+    bench.add_argument("paths", nargs="*", metavar="SPEC", help="spec file or folder of specs")
+    bench.add_argument("--variants", metavar="FILE",
+                       help="time the variants of one spec listed in FILE (YAML) against "
+                       "cuDNN instead; see specgen/explore.py for the format")
     bench.add_argument("--suite", default="prefill", help="benchmark suite (default: prefill)")
     bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
                        help="comma-separated subset of cudnn,flash,flex (default: all)")
@@ -124,9 +150,28 @@ def main(argv: list[str] | None = None) -> int:
             from .testing import run_test
 
             return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed)
+        if args.command == "tune":
+            from .bench import parse_suite
+            from .build import parse_targets
+            from .tune import parse_seqs, run_tune
+
+            target = parse_targets(args.target)
+            if len(target) != 1:
+                raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
+            return run_tune(Path(args.path), target[0], parse_suite(args.suite), Path(args.out),
+                            Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run)
         if args.command == "bench":
             from .bench import parse_baselines, parse_suite, run_bench
 
+            if args.variants:
+                from .explore import run_variants
+
+                if args.paths:
+                    raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
+                run_variants(Path(args.variants), Path(args.out))
+                return 0
+            if not args.paths:
+                raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
             suite, baselines = parse_suite(args.suite), parse_baselines(args.baselines)
             run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
             return 0

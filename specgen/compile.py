@@ -23,7 +23,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .errors import CompileError
-from .plan import Plan
+from .plan import ConfigPlan, Plan
 
 # Array parameters of the prefill kernel, in signature order.
 PREFILL_ARRAYS = ("Q", "K", "V", "Out")
@@ -33,10 +33,15 @@ PREFILL_ARRAYS = ("Q", "K", "V", "Out")
 class CompileResult:
     module: str
     target: str
-    path: Path
-    size: int
+    paths: tuple[Path, ...]  # one cubin per distinct launch config of the target
+    size: int  # bytes, all cubins together
     seconds: float
     cached: bool
+
+    @property
+    def path(self) -> Path:
+        """The cubin of the target's own (longest-sequence) config."""
+        return self.paths[-1]
 
 
 def cache_dir() -> Path:
@@ -70,19 +75,33 @@ def toolchain_versions() -> dict:
     return versions
 
 
-def cache_key(plan: Plan, source: str, target: str) -> str:
+def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None) -> str:
+    config = config or plan.target(target).configs[-1]
     payload = {
         "kernel": plan.kernel_name,
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
         "target": target,
+        "tiles": [config.tile_m, config.tile_n],
+        "hints": config.extra_hints,
         **toolchain_versions(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def cubin_path(plan: Plan, source: str, target: str) -> Path:
-    key = cache_key(plan, source, target)
+def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None = None) -> Path:
+    key = cache_key(plan, source, target, config)
     return cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}.cubin"
+
+
+def target_configs(plan: Plan, target: str) -> list[ConfigPlan]:
+    """The distinct kernel builds the launcher can pick on ``target``."""
+    seen, configs = set(), []
+    for config in plan.target(target).configs:
+        key = (config.tile_m, config.tile_n, tuple(config.extra_hints.items()))
+        if key not in seen:
+            seen.add(key)
+            configs.append(config)
+    return configs
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -120,7 +139,7 @@ def load_module_from_source(name: str, source: str, origin: str):
     return module
 
 
-def signatures(plan: Plan, target: str):
+def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     """One KernelSignature per value of the kernel's runtime-specialised constants.
 
     Arrays are 4-D with a contiguous last axis and 16-byte aligned rows, the layout
@@ -151,7 +170,7 @@ def signatures(plan: Plan, target: str):
             base_addr_divisible_by=16,
         )
 
-    cfg = plan.target(target)
+    cfg = config or plan.target(target).configs[-1]
     params = [array() for _ in PREFILL_ARRAYS]
     params += [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
     params += [cfg.tile_m, cfg.tile_n]
@@ -166,40 +185,50 @@ def signatures(plan: Plan, target: str):
 
 
 def compile_target(plan: Plan, source: str, origin: str, target: str) -> CompileResult:
-    """Compile one generated module for one target, through the cubin cache."""
-    path = cubin_path(plan, source, target)
+    """Compile one generated module for one target, through the cubin cache: one
+    cubin per distinct launch config (tiles and compiler options) of the target."""
     start = time.perf_counter()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The lock makes concurrent builds of the same variant compile it once.
-    with FileLock(str(path) + ".lock"):
-        if path.is_file() and path.stat().st_size > 0:
-            return CompileResult(
-                plan.module_name, target, path, path.stat().st_size,
-                time.perf_counter() - start, cached=True,
-            )
-        from cuda.tile.compilation import export_kernel
-
-        module = load_module_from_source(plan.module_name, source, origin)
-        kernel = getattr(module, plan.kernel_name)
-        buffer = io.BytesIO()
-        try:
-            export_kernel(
-                kernel,
-                signatures(plan, target),
-                buffer,
-                gpu_code=target,
-                output_format="cubin",
-            )
-        except Exception as exc:  # cuTile raises several unrelated types
-            lines = str(exc).strip().splitlines() or [""]
-            where = lines[1].strip() if len(lines) > 1 and lines[1].strip().startswith('"') else ""
-            raise CompileError(
-                f"{plan.module_name}: {target}: {type(exc).__name__}: {lines[0]}"
-                + (f" ({where})" if where else "")
-            ) from exc
-        data = buffer.getvalue()
-        atomic_write(path, data)
+    module = None
+    paths, size, all_cached = [], 0, True
+    for config in target_configs(plan, target):
+        path = cubin_path(plan, source, target, config)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # The lock makes concurrent builds of the same variant compile it once.
+        with FileLock(str(path) + ".lock"):
+            if not (path.is_file() and path.stat().st_size > 0):
+                all_cached = False
+                if module is None:
+                    module = load_module_from_source(plan.module_name, source, origin)
+                kernel = getattr(module, plan.kernel_name)
+                if config.extra_hints:
+                    kernel = kernel.replace_hints(**config.extra_hints)
+                atomic_write(path, _export(plan, kernel, target, config))
+        paths.append(path)
+        size += path.stat().st_size
     return CompileResult(
-        plan.module_name, target, path, len(data), time.perf_counter() - start,
-        cached=False,
+        plan.module_name, target, tuple(paths), size, time.perf_counter() - start,
+        cached=all_cached,
     )
+
+
+def _export(plan: Plan, kernel, target: str, config: ConfigPlan) -> bytes:
+    from cuda.tile.compilation import export_kernel
+
+    buffer = io.BytesIO()
+    try:
+        export_kernel(
+            kernel,
+            signatures(plan, target, config),
+            buffer,
+            gpu_code=target,
+            output_format="cubin",
+        )
+    except Exception as exc:  # cuTile raises several unrelated types
+        lines = str(exc).strip().splitlines() or [""]
+        where = lines[1].strip() if len(lines) > 1 and lines[1].strip().startswith('"') else ""
+        tiles = f"{config.tile_m}x{config.tile_n}"
+        raise CompileError(
+            f"{plan.module_name}: {target} ({tiles}): {type(exc).__name__}: {lines[0]}"
+            + (f" ({where})" if where else "")
+        ) from exc
+    return buffer.getvalue()

@@ -141,7 +141,7 @@ def plan_summary(plan: Plan) -> dict:
     out["compile_for"] = list(out["compile_for"])
     out["kernel_constants"] = list(plan.kernel_constants)
     for t in plan.targets:
-        out[f"tiles.{t.name}"] = f"{t.tile_m}x{t.tile_n}, occupancy {t.occupancy}"
+        out[f"tiles.{t.name}"] = "; ".join(c.describe() for c in t.configs)
     return out
 
 
@@ -238,8 +238,9 @@ def compiled_section(a: Side, b: Side) -> list[dict]:
             except CompileError as exc:
                 row[key] = {"error": str(exc)}
                 continue
+            usage = [resource_usage(path, side.plan) for path in result.paths]
             row[key] = {"cubin_bytes": result.size,
-                        "kernels": resource_usage(result.path, side.plan)}
+                        "kernels": None if None in usage else [k for u in usage for k in u]}
         rows.append(row)
     return rows
 

@@ -10,17 +10,49 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .spec import Spec, TargetConfig, spec_to_dict
+from .spec import HINT_DEFAULTS, HINT_FIELDS, LaunchConfig, Spec, TargetConfig, spec_to_dict
 
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
-class TargetPlan:
-    name: str  # "default" or "sm_90"
+class ConfigPlan:
+    """One launch config: used while seq_k <= max_seq_k (None: any length)."""
+
+    max_seq_k: int | None
     tile_m: int
     tile_n: int
+    hints: dict  # kernel options set (occupancy always; the rest when not auto)
+    # Options that differ from the target's own config: the launcher makes a
+    # replace_hints variant of the kernel for them. Empty for the target's config.
+    extra_hints: dict
+
+    def describe(self) -> str:
+        """'64x64, occupancy 2, num_ctas 2 (seq_k <= 2048)'."""
+        text = ", ".join([f"{self.tile_m}x{self.tile_n}"]
+                         + [f"{k.replace('_', ' ') if k == 'opt_level' else k} {v}"
+                            for k, v in self.hints.items()])
+        return text + (f" (seq_k <= {self.max_seq_k})" if self.max_seq_k else "")
+
+    def as_dict(self) -> dict:
+        data = {"max_seq_k": self.max_seq_k, "tile_m": self.tile_m, "tile_n": self.tile_n}
+        data.update(self.hints)
+        if self.extra_hints:
+            data["hints"] = dict(self.extra_hints)
+        return data
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    name: str  # "default" or "sm_90"
+    tile_m: int  # the target's own config (the longest sequences)
+    tile_n: int
     occupancy: int
+    configs: tuple[ConfigPlan, ...]  # by_seq_k buckets first, the target's own last
+
+    @property
+    def hints(self) -> dict:
+        return self.configs[-1].hints
 
 
 @dataclass(frozen=True)
@@ -48,8 +80,14 @@ class Plan:
     div_kwargs: str  # ", flush_to_zero=True, rounding_mode=ct.RoundingMode.APPROX"
     k_load_kwargs: str  # ", latency=2" | ""
     v_load_kwargs: str
+    # check_bounds=False on the K/V loads of the unmasked tiles
+    unmasked_load_kwargs: str  # ", check_bounds=False" | ""
+    prescale_q: bool
+    q_subtiles: int  # 1, or 2 for two halves of tile_m with their own softmax state
+    halves: tuple[str, ...]  # name suffixes of the query tiles: ("",) or ("0", "1")
+    sub_m: str  # rows of one query tile: "TILE_M" or "SUB_M"
     targets: tuple[TargetPlan, ...]  # "default" first, then by architecture
-    occupancy_expr: str  # "ct.ByTarget(sm_90=2, default=2)"
+    kernel_options: str  # "occupancy=ct.ByTarget(sm_90=2, default=2), num_ctas=..."
     compile_for: tuple[str, ...]
     spec_dict: dict
     optimizations: tuple[str, ...]  # one line each, for the module docstring
@@ -87,11 +125,44 @@ def _kwargs(**values) -> str:
     return "".join(", " + part for part in parts)
 
 
+def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict) -> ConfigPlan:
+    hints = cfg.hints()
+    extra = {}
+    if hints != own_hints:
+        # replace_hints needs every option of the target's own config restated
+        # (an option the bucket leaves out is reset to its default).
+        extra = {k: hints.get(k, HINT_DEFAULTS[k]) for k in HINT_FIELDS
+                 if k in hints or k in own_hints}
+    return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra)
+
+
 def _target_plans(targets: dict[str, TargetConfig]) -> tuple[TargetPlan, ...]:
     ordered = sorted(targets.items(), key=lambda item: _arch_key(item[0]))
-    return tuple(
-        TargetPlan(name, cfg.tile_m, cfg.tile_n, cfg.occupancy) for name, cfg in ordered
-    )
+    plans = []
+    for name, cfg in ordered:
+        own = cfg.hints()
+        configs = [_config_plan(b, b.max_seq_k, own) for b in cfg.by_seq_k]
+        configs.append(_config_plan(cfg, None, own))
+        plans.append(TargetPlan(name, cfg.tile_m, cfg.tile_n, cfg.occupancy, tuple(configs)))
+    return tuple(plans)
+
+
+def _kernel_options(targets: tuple[TargetPlan, ...]) -> str:
+    """The @ct.kernel options: per target through ct.ByTarget, plain if all agree."""
+    parts = []
+    for option in HINT_FIELDS:
+        values = [(t.name, t.hints.get(option)) for t in targets]
+        if all(v is None for _, v in values):
+            continue
+        default = values[0][1]
+        others = [(n, v) for n, v in values[1:] if v != default]
+        if not others:
+            parts.append(f"{option}={default}")
+            continue
+        by_target = ", ".join(f"{n}={v}" for n, v in others)
+        tail = "" if default is None else f", default={default}"
+        parts.append(f"{option}=ct.ByTarget({by_target}{tail})")
+    return ", ".join(parts)
 
 
 def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
@@ -112,6 +183,14 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
         lines.append("K^T loaded directly with order=(0, 1, 3, 2)")
     if loads.k_latency is not None or loads.v_latency is not None:
         lines.append(f"latency hints: K={loads.k_latency}, V={loads.v_latency}")
+    if loads.check_bounds == "masked":
+        lines.append("no bounds checks on the K/V loads of the unmasked key tiles")
+    if loads.allow_tma is not None:
+        lines.append(f"allow_tma={loads.allow_tma} on the K/V loads")
+    if spec.prescale_q:
+        lines.append("Q pre-scaled once by the softmax scale, not every S tile")
+    if spec.q_subtiles == 2:
+        lines.append("two query half-tiles per CTA share each K/V tile (ping-pong)")
     return tuple(lines) or ("none (baseline)",)
 
 
@@ -119,12 +198,7 @@ def make_plan(spec: Spec) -> Plan:
     fm = spec.fast_math
     block_remap = spec.use_block_remap
     targets = _target_plans(spec.targets)
-    by_target = ", ".join(f"{t.name}={t.occupancy}" for t in targets[1:])
-    occupancy_expr = (
-        f"ct.ByTarget({by_target}, default={targets[0].occupancy})"
-        if by_target
-        else str(targets[0].occupancy)
-    )
+    loads = spec.loads
     return Plan(
         spec=spec,
         module_name=spec.name,
@@ -149,10 +223,17 @@ def make_plan(spec: Spec) -> Plan:
             flush_to_zero=True if fm.flush_to_zero else None,
             rounding_mode="ct.RoundingMode.APPROX" if fm.approx_div else None,
         ),
-        k_load_kwargs=_kwargs(latency=spec.loads.k_latency),
-        v_load_kwargs=_kwargs(latency=spec.loads.v_latency),
+        k_load_kwargs=_kwargs(latency=loads.k_latency, allow_tma=loads.allow_tma),
+        v_load_kwargs=_kwargs(latency=loads.v_latency, allow_tma=loads.allow_tma),
+        unmasked_load_kwargs=_kwargs(
+            check_bounds=False if loads.check_bounds == "masked" else None
+        ),
+        prescale_q=spec.prescale_q,
+        q_subtiles=spec.q_subtiles,
+        halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
+        sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",
         targets=targets,
-        occupancy_expr=occupancy_expr,
+        kernel_options=_kernel_options(targets),
         compile_for=tuple(spec.compile_for),
         spec_dict=spec_to_dict(spec),
         optimizations=_optimizations(spec, block_remap),

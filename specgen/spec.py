@@ -52,9 +52,29 @@ def _target_name(value: str) -> str:
     return value
 
 
+def _power_of_two(low: int, high: int):
+    def check(value: Optional[int]) -> Optional[int]:
+        if value is not None and (value < low or value > high or value & (value - 1)):
+            raise ValueError(f"must be a power of two in [{low}, {high}] or null (auto)")
+        return value
+
+    return check
+
+
+def _opt_level(value: Optional[int]) -> Optional[int]:
+    if value is not None and not 0 <= value <= 3:
+        raise ValueError("must be an integer in [0, 3] or null (the compiler's 3)")
+    return value
+
+
 TileSize = Annotated[int, AfterValidator(_power_of_two_tile)]
 Latency = Annotated[Optional[int], AfterValidator(_latency)]
 Occupancy = Annotated[int, AfterValidator(_occupancy)]
+NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16))]
+WorkerWarps = Annotated[Optional[int], AfterValidator(_power_of_two(1, 32))]
+OptLevel = Annotated[Optional[int], AfterValidator(_opt_level)]
+
+
 def _target_key(value: str) -> str:
     if value != "default" and not TARGET_RE.match(value):
         raise ValueError(
@@ -100,14 +120,126 @@ class Loads(_Strict):
     v_latency: Latency = Field(
         4, description="Latency hint of the V load, 1..10, or null for none."
     )
+    check_bounds: Literal["all", "masked"] = Field(
+        "all",
+        description="'masked' drops the bounds check (check_bounds=False) from the K "
+        "and V loads of the unmasked key tiles, which are always inside the array; "
+        "needs loop_split.",
+    )
+    allow_tma: Optional[bool] = Field(
+        None,
+        description="allow_tma of the K and V loads: false forbids TMA, null leaves "
+        "the choice to the compiler.",
+    )
 
 
-class TargetConfig(_Strict):
-    """Launch configuration for one GPU target."""
+HINT_FIELDS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
+# What each kernel option is when left out (replace_hints resets to these).
+HINT_DEFAULTS = {"occupancy": None, "num_ctas": None, "num_worker_warps": None, "opt_level": 3}
+
+
+class LaunchConfig(_Strict):
+    """Tile sizes and compiler hints of one launch."""
 
     tile_m: TileSize = Field(description="Query rows per CTA (power of two, 16..256).")
     tile_n: TileSize = Field(description="Keys per inner step (power of two, 16..256).")
     occupancy: Occupancy = Field(2, description="CTAs per SM the compiler aims for.")
+    num_ctas: NumCtas = Field(
+        None, description="CTAs per cluster (CGA), a power of two 1..16; null: auto."
+    )
+    num_worker_warps: WorkerWarps = Field(
+        None,
+        description="Warps of the compute warp groups of a warp-specialised kernel, "
+        "a power of two 1..32; null: auto.",
+    )
+    opt_level: OptLevel = Field(None, description="tileiras optimisation level 0..3; null: 3.")
+
+    def hints(self) -> dict[str, int]:
+        """The kernel options this config sets (the ones left null are auto)."""
+        return {k: getattr(self, k) for k in HINT_FIELDS if getattr(self, k) is not None}
+
+
+class SeqBucket(LaunchConfig):
+    """A launch config for key lengths up to ``max_seq_k``."""
+
+    max_seq_k: int = Field(
+        ge=1, le=2**31 - 1,
+        description="This config applies while seq_k <= max_seq_k (the first match wins).",
+    )
+
+
+class TargetConfig(LaunchConfig):
+    """Launch configuration for one GPU target: a config per key-length bucket,
+    then the target's own fields for every longer sequence."""
+
+    by_seq_k: list[SeqBucket] = Field(
+        default_factory=list,
+        description="Configs for short key lengths, in increasing max_seq_k; "
+        "longer sequences use the target's own fields. Written by `specgen tune`.",
+    )
+
+    @field_validator("by_seq_k")
+    @classmethod
+    def _increasing(cls, value: list[SeqBucket]) -> list[SeqBucket]:
+        for before, after in zip(value, value[1:]):
+            if after.max_seq_k <= before.max_seq_k:
+                raise ValueError(
+                    f"max_seq_k must increase from bucket to bucket, got "
+                    f"{before.max_seq_k} then {after.max_seq_k}"
+                )
+        return value
+
+
+TUNABLE_FIELDS = ("tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level")
+
+
+def _distinct(value: list) -> list:
+    if len(set(value)) != len(value):
+        raise ValueError("lists a value twice")
+    return value
+
+
+def _choices(item):
+    return Annotated[list[item], AfterValidator(_distinct)]
+
+
+class AutotuneSpace(_Strict):
+    """The values `specgen tune` tries for one target: every combination is timed."""
+
+    tile_m: _choices(TileSize) = Field(
+        default_factory=lambda: [64, 128], min_length=1
+    )
+    tile_n: _choices(TileSize) = Field(
+        default_factory=lambda: [64, 128], min_length=1
+    )
+    occupancy: _choices(Occupancy) = Field(
+        default_factory=lambda: [1, 2], min_length=1
+    )
+    num_ctas: _choices(NumCtas) = Field(
+        default_factory=lambda: [None], min_length=1
+    )
+    num_worker_warps: _choices(WorkerWarps) = (
+        Field(default_factory=lambda: [None], min_length=1)
+    )
+    opt_level: _choices(OptLevel) = Field(
+        default_factory=lambda: [None], min_length=1
+    )
+    seq_buckets: bool = Field(
+        True,
+        description="Keep a separate winner per sequence length of the suite when "
+        "winners differ (written as by_seq_k); false keeps one config for all.",
+    )
+    min_gain: float = Field(
+        0.02, ge=0.0, le=1.0,
+        description="A bucket keeps its own config only if it beats the long-sequence "
+        "winner by at least this fraction.",
+    )
+
+    def size(self) -> int:
+        total = 1
+        for name in TUNABLE_FIELDS:
+            total *= len(getattr(self, name))
+        return total
 
 
 DEFAULT_TARGET = TargetConfig(tile_m=64, tile_n=64, occupancy=2)
@@ -159,10 +291,26 @@ class Spec(_Strict):
         description="Launch config by the device's sm_XY, chosen at run time; "
         "'default' for any other device (filled with 64x64, occupancy 2 if absent).",
     )
+    prescale_q: bool = Field(
+        False,
+        description="Multiply the Q tile by the softmax scale (and 1/ln2) once, in "
+        "registers, instead of scaling every S tile.",
+    )
+    q_subtiles: Literal[1, 2] = Field(
+        1,
+        description="2 splits each CTA's tile_m query rows into two halves with their "
+        "own softmax state that share every K and V tile, so one half's softmax can "
+        "overlap the other's MMA (FA3's ping-pong, in tiles).",
+    )
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],
         min_length=1,
         description="Targets `specgen build` AOT-compiles to prove the kernel builds.",
+    )
+    autotune: dict[TargetName, AutotuneSpace] = Field(
+        default_factory=dict,
+        description="Search space of `specgen tune` per target; the winners are "
+        "written back into targets.",
     )
 
     @field_validator("name")
@@ -207,6 +355,28 @@ class Spec(_Strict):
                 "true needs causal: true (non-causal query tiles all do the same "
                 "work); use false or null"
             )
+        return value
+
+    @field_validator("loads")
+    @classmethod
+    def _check_bounds_needs_split(cls, value: Loads, info) -> Loads:
+        if value.check_bounds == "masked" and not info.data.get("loop_split", True):
+            raise ValueError(
+                "check_bounds 'masked' needs loop_split: true (without the split "
+                "every key tile is masked); use 'all'"
+            )
+        return value
+
+    @field_validator("q_subtiles")
+    @classmethod
+    def _subtiles_fit(cls, value: int, info) -> int:
+        for name, cfg in (info.data.get("targets") or {}).items():
+            for bucket in [cfg, *cfg.by_seq_k]:
+                if bucket.tile_m // value < 16:
+                    raise ValueError(
+                        f"{value} needs tile_m >= {16 * value} in every target, "
+                        f"got tile_m {bucket.tile_m} in targets.{name}"
+                    )
         return value
 
     @property
@@ -363,9 +533,27 @@ def load_spec(path: str | Path) -> Spec:
     return validate_spec(parse_spec_text(text, path), path)
 
 
+def _target_dict(cfg: TargetConfig) -> dict:
+    """A target's config without the hints left to the compiler (null) or no buckets."""
+    data = cfg.model_dump(mode="json")
+    data = {k: v for k, v in data.items() if v is not None and v != []}
+    if "by_seq_k" in data:
+        data["by_seq_k"] = [{k: v for k, v in b.items() if v is not None} for b in data["by_seq_k"]]
+    return data
+
+
 def spec_to_dict(spec: Spec) -> dict:
-    """The validated spec, defaults filled in, as plain JSON-compatible data."""
-    return spec.model_dump(mode="json")
+    """The validated spec, defaults filled in, as plain JSON-compatible data.
+
+    Target configs leave out the compiler hints that are null (auto) and empty
+    bucket lists; ``autotune`` is left out when empty. The dict validates back to
+    an equal spec.
+    """
+    data = spec.model_dump(mode="json")
+    data["targets"] = {name: _target_dict(cfg) for name, cfg in spec.targets.items()}
+    if not data["autotune"]:
+        del data["autotune"]
+    return data
 
 
 def json_schema() -> dict:

@@ -3,7 +3,13 @@
 import pytest
 import yaml
 
-from specgen.compile import cache_key, compile_target, signatures, toolchain_versions
+from specgen.compile import (
+    cache_key,
+    compile_target,
+    signatures,
+    target_configs,
+    toolchain_versions,
+)
 from specgen.errors import CompileError
 from specgen.plan import make_plan
 from specgen.render import render
@@ -23,10 +29,13 @@ def _plan_and_source(path):
 def test_shipped_spec_compiles(path, target):
     plan, source = _plan_and_source(path)
     result = compile_target(plan, source, f"generated/{path.stem}.py", target)
-    data = result.path.read_bytes()
-    assert data[:4] == b"\x7fELF" and len(data) == result.size > 10_000
+    # One cubin per distinct launch config (by_seq_k buckets and the own config).
+    assert len(result.paths) == len(target_configs(plan, target))
+    sizes = [p.stat().st_size for p in result.paths]
+    assert all(p.read_bytes()[:4] == b"\x7fELF" for p in result.paths)
+    assert sum(sizes) == result.size and min(sizes) > 10_000
     again = compile_target(plan, source, f"generated/{path.stem}.py", target)
-    assert again.cached and again.path == result.path
+    assert again.cached and again.paths == result.paths
 
 
 def test_cache_key_depends_on_source_target_and_toolchain():
@@ -51,4 +60,20 @@ def test_broken_source_is_a_compile_error_naming_module_and_target():
     broken = source.replace("acc = acc * alpha", "acc = acc * undefined_name", 1)
     with pytest.raises(CompileError) as info:
         compile_target(plan, broken, "generated/broken.py", "sm_90")
-    assert f"{plan.module_name}: sm_90:" in str(info.value)
+    assert f"{plan.module_name}: sm_90 (" in str(info.value)
+
+
+def test_bucketed_target_compiles_each_distinct_config_once():
+    data = yaml.safe_load(SPECS[0].read_text())
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2,
+        "by_seq_k": [{"max_seq_k": 512, "tile_m": 32, "tile_n": 32, "occupancy": 1},
+                     {"max_seq_k": 1024, "tile_m": 32, "tile_n": 32, "occupancy": 1},
+                     {"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}],
+    }}
+    plan = make_plan(validate_spec(data))
+    configs = target_configs(plan, "sm_90")
+    assert [(c.tile_m, c.extra_hints) for c in configs] == [(32, {"occupancy": 1}), (64, {})]
+    source = render(plan, "specs/b.yaml").text
+    keys = {cache_key(plan, source, "sm_90", c) for c in configs}
+    assert len(keys) == 2

@@ -7,7 +7,7 @@ import pytest
 
 from specgen.diff import pair_kernels
 
-from .helpers import ROOT
+from .helpers import ROOT, SPECS
 from .test_cli import specgen
 
 
@@ -30,10 +30,10 @@ def test_set_gives_one_spec_line_and_the_source_hunk():
 
 def test_set_values_are_yaml_and_nested():
     result = diff("specs/fmha_gqa_causal.yaml", "--set", "fast_math.exp2=false",
-                  "--set", "targets.sm_90.tile_m=128", "--no-compile", "--stat")
+                  "--set", "targets.sm_100.tile_m=128", "--no-compile", "--stat")
     spec = result.stdout.split("1. Spec\n")[1].split("\n\n")[0].splitlines()
-    assert spec == ["  fast_math.exp2: true → false", "  targets.sm_90.tile_m: 64 → 128"]
-    assert 'tiles.sm_90: "64x64, occupancy 2" → "128x64, occupancy 2"' in result.stdout
+    assert spec == ["  fast_math.exp2: true → false", "  targets.sm_100.tile_m: 256 → 128"]
+    assert 'tiles.sm_100: "256x128, occupancy 1" → "128x128, occupancy 1"' in result.stdout
     assert "exp_fn: \"ct.exp2\" → \"ct.exp\"" in result.stdout
     assert "\n--- " not in result.stdout  # --stat: counts only
     assert "3. Source: +" in result.stdout
@@ -95,9 +95,11 @@ def test_compiled_section_reports_cubins_and_resources():
     assert a["cubin_bytes"] > b["cubin_bytes"] > 0  # two EVEN_N variants vs one
     if shutil.which("cuobjdump") is None and a["kernels"] is None:
         pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
-    assert len(a["kernels"]) == 2 and len(b["kernels"]) == 1
+    # sm_90: a seq_k bucket and the target's own config, each a cubin; EVEN_N
+    # doubles the kernels of each where the loop is split.
+    assert len(a["kernels"]) == 4 and len(b["kernels"]) == 2
     assert {k["kernel"] for k in a["kernels"]} == {
-        "TILE_M=64 TILE_N=64 EVEN_N=True", "TILE_M=64 TILE_N=64 EVEN_N=False"}
+        f"TILE_M={m} TILE_N=128 EVEN_N={even}" for m in (64, 128) for even in (True, False)}
     assert all(k["registers"] > 0 and k["shared"] > 0 for k in a["kernels"] + b["kernels"])
     text = diff("specs/fmha_gqa_causal.yaml", "--set", "loop_split=false").stdout
     assert "4. Compiled\n  sm_90: cubin" in text and "reg 128 → 128" in text
@@ -114,7 +116,7 @@ def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
     shutil.copytree(ROOT / "specs", tmp_path / "specs")
     assert specgen("build", "specs", "--no-compile", cwd=tmp_path).returncode == 0
     clean = specgen("diff", "--templates", cwd=tmp_path)
-    assert clean.returncode == 0 and clean.stdout.count("+0 -0 lines") == 3
+    assert clean.returncode == 0 and clean.stdout.count("+0 -0 lines") == len(SPECS)
     module = tmp_path / "generated" / "fmha_mha_bf16.py"
     module.write_text(module.read_text().replace("MAX_GRID_Y = 65535", "MAX_GRID_Y = 1"))
     changed = specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path)

@@ -78,6 +78,24 @@ VARIANTS = {
     "k_permuted_no_hints": {"loads": {"k_transposed": False, "k_latency": None, "v_latency": None}},
     "non_causal_gqa8_d64": {"causal": False, "block_remap": None, "gqa_ratio": 8, "head_dim": 64},
     "d256_tiles_32": {"head_dim": 256, "targets": {"default": {"tile_m": 32, "tile_n": 32, "occupancy": 1}}},
+    "subtiles_prescale_nobounds": {
+        "q_subtiles": 2, "prescale_q": True,
+        "loads": {"check_bounds": "masked", "allow_tma": False},
+        "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1, "num_worker_warps": 8}},
+    },
+    "non_causal_subtiles": {
+        "causal": False, "block_remap": None, "q_subtiles": 2,
+        "loads": {"check_bounds": "masked"},
+        "targets": {"default": {"tile_m": 64, "tile_n": 32, "occupancy": 2}},
+    },
+    # Key-length buckets: 77 and 128 run the first config, 1000 the target's own.
+    "seq_buckets": {
+        "targets": {"default": {
+            "tile_m": 128, "tile_n": 64, "occupancy": 1, "num_ctas": 2,
+            "by_seq_k": [{"max_seq_k": 100, "tile_m": 32, "tile_n": 32, "occupancy": 2},
+                         {"max_seq_k": 500, "tile_m": 64, "tile_n": 128, "occupancy": 1}],
+        }},
+    },
 }
 
 

@@ -13,7 +13,7 @@ import yaml
 
 from specgen.plan import make_plan
 from specgen.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
-from specgen.spec import validate_spec
+from specgen.spec import spec_to_dict, validate_spec
 
 from .helpers import ROOT, SPECS, SPEC_NAMES, generated_module
 
@@ -101,9 +101,15 @@ def test_every_generated_module_imports_without_gpu_or_specgen():
 def test_module_exposes_spec_and_configs(path):
     spec = validate_spec(yaml.safe_load(path.read_text()), path)
     mod = generated_module(path.stem)
-    assert mod.SPEC == spec.model_dump(mode="json")
-    assert mod.CONFIGS == {k: v.model_dump() for k, v in spec.targets.items()}
-    kernel_name = make_plan(spec).kernel_name
+    plan = make_plan(spec)
+    assert mod.SPEC == spec_to_dict(spec)
+    assert validate_spec(mod.SPEC) == spec  # the module's SPEC is the whole spec
+    assert mod.CONFIGS == {t.name: tuple(c.as_dict() for c in t.configs) for t in plan.targets}
+    for name, cfg in spec.targets.items():  # the target's own config comes last
+        assert mod.CONFIGS[name][-1]["max_seq_k"] is None
+        assert (mod.CONFIGS[name][-1]["tile_m"], mod.CONFIGS[name][-1]["tile_n"]) == (cfg.tile_m, cfg.tile_n)
+        assert [c["max_seq_k"] for c in mod.CONFIGS[name][:-1]] == [b.max_seq_k for b in cfg.by_seq_k]
+    kernel_name = plan.kernel_name
     assert hasattr(mod, kernel_name)
 
 
@@ -129,7 +135,7 @@ VISIBLE = [
     ("head_dim", 64, "HEAD_DIM = 64", True),
     ("gqa_ratio", 8, "GROUP_SIZE = 8", True),
     ("causal", False, "visible = keys <= rows", False),
-    ("fast_math.exp2", False, "p = ct.exp(s * scale - m_new)", True),
+    ("fast_math.exp2", False, "p = ct.exp(s - m_new)", True),
     ("fast_math.flush_to_zero", False, "flush_to_zero=True", False),
     ("fast_math.approx_div", False, "rounding_mode=ct.RoundingMode.APPROX", False),
     ("loop_split", False, "for j in range(0, num_n):", True),
@@ -138,7 +144,17 @@ VISIBLE = [
     ("loads.k_latency", None, "latency=2", False),
     ("loads.v_latency", 7, "latency=7", True),
     ("targets.sm_90", {"tile_m": 128, "tile_n": 32, "occupancy": 1},
-     '"sm_90": {"tile_m": 128, "tile_n": 32, "occupancy": 1}', True),
+     '{"max_seq_k": None, "tile_m": 128, "tile_n": 32, "occupancy": 1}', True),
+    ("targets.sm_90.num_worker_warps", 4, "num_worker_warps=ct.ByTarget(sm_90=4)", True),
+    ("targets.sm_90.num_ctas", 2, "num_ctas=ct.ByTarget(sm_90=2)", True),
+    ("targets.sm_90.opt_level", 2, "opt_level=ct.ByTarget(sm_90=2)", True),
+    ("targets.sm_90.by_seq_k", [{"max_seq_k": 4096, "tile_m": 64, "tile_n": 32, "occupancy": 3}],
+     '"hints": {"occupancy": 3, "num_worker_warps": None}', True),
+    ("prescale_q", False, "q = (q.astype(ct.float32) * scale).astype(Q.dtype)", False),
+    ("q_subtiles", 2, "SUB_M = TILE_M // 2", True),
+    ("loads.check_bounds", "masked", "check_bounds=False", True),
+    ("loads.allow_tma", False, "allow_tma=False", True),
+    ("autotune", {}, "autotune", False),
     ("targets.sm_100", {"tile_m": 128, "tile_n": 128, "occupancy": 3},
      "sm_100=3", True),
     ("compile_for", ["sm_90"], '"compile_for": ["sm_90"]', True),
@@ -161,3 +177,37 @@ def test_fast_math_off_keeps_natural_exp_and_plain_division():
     text = render(make_plan(validate_spec(data)), "specs/v.yaml").text
     assert "INV_LN2" not in text and "ct.exp2" not in text
     assert "out = ct.truediv(acc, l_i)" in text
+
+
+def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch):
+    """The launcher's choice, without a GPU: sm_90 buckets by seq_k, replace_hints
+    variants made once, the target's own config past the last bucket."""
+    from specgen.compile import load_module_from_source
+
+    data = copy.deepcopy(BASE)
+    data["targets"]["sm_90"] = {
+        "tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8,
+        "by_seq_k": [{"max_seq_k": 1024, "tile_m": 64, "tile_n": 64, "occupancy": 2},
+                     {"max_seq_k": 4096, "tile_m": 64, "tile_n": 128, "occupancy": 1,
+                      "num_worker_warps": 8}],
+    }
+    plan = make_plan(validate_spec(data))
+    mod = load_module_from_source("buckets", render(plan, "specs/b.yaml").text, "buckets.py")
+    monkeypatch.setattr(mod.torch.cuda, "get_device_capability", lambda index: (9, 0))
+
+    class Device:
+        index = 0
+
+    picked = {}
+    for seq_k in (1, 1024, 1025, 4096, 4097, 100000):
+        config, kernel = mod._launch_config(Device(), seq_k)
+        picked[seq_k] = (config["tile_m"], config["tile_n"], kernel)
+    base_kernel = getattr(mod, plan.kernel_name)
+    assert picked[1][:2] == picked[1024][:2] == (64, 64)
+    assert picked[1025][:2] == picked[4096][:2] == (64, 128)
+    assert picked[4097][:2] == picked[100000][:2] == (128, 128)
+    # Own hints: the decorated kernel; other hints: one replace_hints variant each.
+    assert picked[100000][2] is base_kernel and picked[4096][2] is base_kernel
+    assert picked[1][2] is picked[1024][2] is not base_kernel
+    assert mod.CONFIGS["sm_90"][0]["hints"] == {"occupancy": 2, "num_worker_warps": None}
+    assert "hints" not in mod.CONFIGS["sm_90"][1]  # same options as the target's own

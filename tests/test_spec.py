@@ -75,9 +75,11 @@ BAD = [
      "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, head_dim, "
-     "gqa_ratio, causal, fast_math, loop_split, block_remap, loads, targets, compile_for"),
+     "gqa_ratio, causal, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
+     "q_subtiles, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
-     "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy"),
+     "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
+     "num_ctas, num_worker_warps, opt_level, by_seq_k"),
     ({"compile_for": []}, "specs/bad.yaml: compile_for: must not be empty, got []"),
     ({"compile_for": ["sm_90", "sm_90"]},
      "specs/bad.yaml: compile_for: lists sm_90 twice, got [\"sm_90\", \"sm_90\"]"),
@@ -142,3 +144,54 @@ def test_spec_is_immutable():
     with pytest.raises(Exception):
         spec.causal = True  # type: ignore[misc]
     assert isinstance(spec, Spec)
+
+
+NEW_FIELDS_BAD = [
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_ctas": 3}}},
+     "specs/bad.yaml: targets.sm_90.num_ctas: must be a power of two in [1, 16] or null (auto), got 3"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_worker_warps": 64}}},
+     "specs/bad.yaml: targets.sm_90.num_worker_warps: must be a power of two in [1, 32] or null "
+     "(auto), got 64"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "opt_level": 4}}},
+     "specs/bad.yaml: targets.sm_90.opt_level: must be an integer in [0, 3] or null (the compiler's "
+     "3), got 4"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "by_seq_k": [
+        {"max_seq_k": 4096, "tile_m": 64, "tile_n": 64},
+        {"max_seq_k": 2048, "tile_m": 64, "tile_n": 64}]}}},
+     "specs/bad.yaml: targets.sm_90.by_seq_k: max_seq_k must increase from bucket to bucket, "
+     "got 4096 then 2048"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "by_seq_k": [{"tile_m": 64, "tile_n": 64}]}}},
+     "specs/bad.yaml: targets.sm_90.by_seq_k[0].max_seq_k: required field is missing"),
+    ({"q_subtiles": 2, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+     "specs/bad.yaml: q_subtiles: 2 needs tile_m >= 32 in every target, got tile_m 16 in "
+     "targets.default"),
+    ({"q_subtiles": 3}, "specs/bad.yaml: q_subtiles: must be one of 1 or 2, got 3"),
+    ({"loop_split": False, "loads": {"check_bounds": "masked"}},
+     "specs/bad.yaml: loads: check_bounds 'masked' needs loop_split: true"),
+    ({"autotune": {"sm_90": {"tile_m": [64, 64]}}},
+     "specs/bad.yaml: autotune.sm_90.tile_m: lists a value twice, got [64, 64]"),
+    ({"autotune": {"sm_90": {"occupancy": []}}},
+     "specs/bad.yaml: autotune.sm_90.occupancy: must not be empty, got []"),
+    ({"autotune": {"default": {}}},
+     "specs/bad.yaml: autotune.default: must be a GPU target such as sm_90"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", NEW_FIELDS_BAD, ids=[e.split(": ")[1] for _, e in NEW_FIELDS_BAD])
+def test_tuning_fields_errors_name_the_field(overrides, expected):
+    lines = _error({"name": "ok", **overrides})
+    assert len(lines) == 1 and lines[0].startswith(expected), lines
+
+
+def test_spec_to_dict_round_trips_and_leaves_out_auto_hints():
+    from specgen.spec import spec_to_dict
+
+    spec = validate_spec({"name": "ok", "targets": {"sm_90": {
+        "tile_m": 128, "tile_n": 64, "num_worker_warps": 8,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64}]}}})
+    data = spec_to_dict(spec)
+    assert data["targets"]["sm_90"] == {
+        "tile_m": 128, "tile_n": 64, "occupancy": 2, "num_worker_warps": 8,
+        "by_seq_k": [{"tile_m": 64, "tile_n": 64, "occupancy": 2, "max_seq_k": 2048}]}
+    assert "autotune" not in data
+    assert validate_spec(data) == spec

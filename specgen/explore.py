@@ -1,0 +1,232 @@
+"""Variants of one spec, timed side by side against cuDNN in one process.
+
+A variants file names a base spec and a set of variants, each a list of
+``key.path=value`` assignments (the syntax of ``specgen diff --set``)::
+
+    spec: specs/fmha_gqa_causal.yaml
+    base: ["targets.sm_90={tile_m: 64, tile_n: 64, occupancy: 2}"]  # before every variant
+    shapes: {batch: 4, heads: 32, seqs: [2048, 8192]}
+    variants:
+      base: []
+      prescale: [prescale_q=true]
+      128x64 occ1 ww8: [targets.sm_90.tile_m=128, targets.sm_90.occupancy=1,
+                        targets.sm_90.num_worker_warps=8]
+
+Every variant is validated and rendered before anything runs on the GPU. On the
+GPU each is first checked against the fp64 reference on a small ragged shape (a
+wrong variant is reported and not timed), then timed at every length next to the
+cuDNN SDPA backend on the same inputs. The result is one JSON and one markdown
+table under ``<out>/<gpu>/variants-<file stem>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import SpecError, UsageError
+from .plan import Plan, make_plan
+from .render import render
+from .spec import load_spec, spec_to_dict, validate_spec
+
+
+class Shapes(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    batch: int = Field(4, ge=1, le=1024)
+    heads: int = Field(32, ge=1, le=1024)
+    seqs: list[int] = Field(default_factory=lambda: [2048, 8192], min_length=1)
+
+
+class VariantsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    spec: str
+    # Assignments applied before every variant's own: pin the spec's state of the
+    # day, so the file reproduces after the spec is tuned.
+    base: list[str] = Field(default_factory=list)
+    shapes: Shapes = Field(default_factory=Shapes)
+    variants: dict[str, list[str]] = Field(min_length=1)
+
+
+class VariantTiming(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variant: str
+    seq: int
+    ms: Optional[float] = None
+    tflops: Optional[float] = None
+    cudnn_ms: Optional[float] = None
+    cudnn_tflops: Optional[float] = None
+    vs_cudnn: Optional[float] = None  # cuDNN time / variant time (> 1: faster)
+    error: Optional[str] = None
+
+
+class VariantsResult(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: str
+    spec: str
+    base: list[str] = []
+    created: str
+    device: dict
+    shapes: Shapes
+    variants: dict[str, list[str]]
+    max_rel_err: dict[str, Optional[float]]
+    rows: list[VariantTiming]
+
+
+def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, str]]:
+    """Parse the file and render every variant; any problem is a UsageError."""
+    from .diff import apply_sets
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+        config = VariantsFile.model_validate(raw)
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise UsageError(f"{path}: {where}: {err['msg']}") from None
+    base = spec_to_dict(load_spec(config.spec))
+    plans, sources = {}, {}
+    for label, assignments in config.variants.items():
+        data = apply_sets(base, config.base + assignments)
+        try:
+            plan = make_plan(validate_spec(data, f"{path}: variant {label!r}"))
+        except SpecError as exc:
+            raise UsageError("\n".join(exc.lines())) from None
+        plans[label] = plan
+        sources[label] = render(plan, config.spec).text
+    return config, plans, sources
+
+
+def format_markdown(result: VariantsResult) -> str:
+    seqs = result.shapes.seqs
+    head = "| variant | max rel err | " + " | ".join(f"S={s} TFLOPS (×cuDNN)" for s in seqs) + " |"
+    lines = [
+        f"Variants of `{result.spec}` from `{result.file}` on {result.device.get('name')}, "
+        f"{result.created}; B={result.shapes.batch}, Hq={result.shapes.heads}, Sq=Skv.",
+        "",
+        head,
+        "|" + "---|" * (2 + len(seqs)),
+    ]
+    by_key = {(r.variant, r.seq): r for r in result.rows}
+    cudnn = {s: next((r.cudnn_tflops for r in result.rows if r.seq == s and r.cudnn_tflops), None) for s in seqs}
+    for label in result.variants:
+        err = result.max_rel_err.get(label)
+        cells = []
+        for s in seqs:
+            row = by_key.get((label, s))
+            if row is None or row.tflops is None:
+                cells.append(row.error if row and row.error else "–")
+            else:
+                cells.append(f"{row.tflops:.0f} ({row.vs_cudnn:.2f}×)" if row.vs_cudnn else f"{row.tflops:.0f}")
+        lines.append(f"| {label} | {'–' if err is None else f'{err:.1e}'} | " + " | ".join(cells) + " |")
+    lines.append("| cuDNN (same run) | | " + " | ".join(f"{cudnn[s]:.0f}" if cudnn[s] else "–" for s in seqs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run_variants(
+    path: Path,
+    out_dir: Path,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> Path:
+    from .bench import attention_flops, tflops
+    from .check import TOLERANCES
+    from .gpu import device_info, device_slug, import_module_file, require_cuda
+    from .reference import attention_reference
+
+    config, plans, sources = load_variants(path)  # every variant valid before the GPU
+    torch = require_cuda("bench --variants")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from triton.testing import do_bench
+
+    device = device_info()
+    log(f"device: {device['name']} ({device['sm']}); {len(plans)} variants of {config.spec}")
+    tmp = Path(tempfile.mkdtemp(prefix="specgen-variants-"))
+    modules = {}
+    for i, (label, source) in enumerate(sources.items()):
+        file = tmp / f"variant_{i}.py"
+        file.write_text(source)
+        modules[label] = import_module_file(file)
+
+    first = next(iter(plans.values()))
+    ratio, causal, d = first.group_size, first.causal, first.head_dim
+    dtype = getattr(torch, first.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    # Correctness first: a ragged chunked-prefill shape, against fp64.
+    errs: dict[str, Optional[float]] = {}
+    hk = 2
+    q = torch.randn(2, hk * ratio, 333, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(2, hk, 1000, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(2, hk, 1000, d, device="cuda", dtype=dtype, generator=gen)
+    ref = attention_reference(q, k, v, causal=causal, q_offset=667)
+    for label, module in modules.items():
+        try:
+            out = torch.full_like(q, float("nan"))
+            module.attention(q, k, v, q_offset=667, out=out)
+            torch.cuda.synchronize()
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            errs[label] = err if err == err else float("inf")
+        except Exception as exc:  # noqa: BLE001 - reported per variant
+            errs[label] = None
+            log(f"[{label}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        ok = errs[label] <= TOLERANCES[first.dtype]
+        log(f"[{label}] max rel err {errs[label]:.2e} {'ok' if ok else 'WRONG'}")
+
+    rows = []
+    shapes = config.shapes
+    kv_heads = shapes.heads // ratio
+    for seq in shapes.seqs:
+        q = torch.randn(shapes.batch, shapes.heads, seq, d, device="cuda", dtype=dtype)
+        k = torch.randn(shapes.batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+        v = torch.randn(shapes.batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+        kf = k.repeat_interleave(ratio, 1) if ratio > 1 else k
+        vf = v.repeat_interleave(ratio, 1) if ratio > 1 else v
+        out = torch.empty_like(q)
+        flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal)
+
+        def cudnn():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return sdpa(q, kf, vf, is_causal=causal)
+
+        cudnn_ms = do_bench(cudnn, warmup=25, rep=200, return_mode="median")
+        for label, module in modules.items():
+            err = errs.get(label)
+            if err is None or err > TOLERANCES[first.dtype]:
+                rows.append(VariantTiming(variant=label, seq=seq, error="incorrect or failed"))
+                continue
+            module.attention(q, k, v, out=out)  # JIT outside the timing
+            ms = do_bench(lambda: module.attention(q, k, v, out=out), warmup=25, rep=200,
+                          return_mode="median")
+            row = VariantTiming(
+                variant=label, seq=seq, ms=ms, tflops=tflops(flops, ms), cudnn_ms=cudnn_ms,
+                cudnn_tflops=tflops(flops, cudnn_ms), vs_cudnn=cudnn_ms / ms,
+            )
+            rows.append(row)
+            log(f"[{label}] S={seq}: {row.tflops:.0f} TFLOPS, {row.vs_cudnn:.2f}x cuDNN ({row.cudnn_tflops:.0f})")
+        del q, k, v, kf, vf, out
+
+    result = VariantsResult(
+        file=path.as_posix(), spec=config.spec, base=config.base, created=datetime.date.today().isoformat(),
+        device=device, shapes=shapes, variants=config.variants, max_rel_err=errs, rows=rows,
+    )
+    target = out_dir / device_slug(device["name"])
+    target.mkdir(parents=True, exist_ok=True)
+    stem = target / f"variants-{path.stem}"
+    stem.with_suffix(".json").write_text(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
+    table = format_markdown(result)
+    stem.with_suffix(".md").write_text(table)
+    print(table)
+    log(f"wrote {stem}.json and .md")
+    return stem

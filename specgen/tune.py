@@ -1,0 +1,352 @@
+"""`specgen tune`: search a spec's declared config space on the GPU and write the
+winners back into the spec's ``targets``.
+
+The space is the spec's ``autotune.<target>`` (tile sizes and compiler hints);
+every combination is timed with cuda-tile's ``cuda.tile.tune.exhaustive_search``
+at each sequence length of a bench suite. The winner of the longest length
+becomes the target's own config; a shorter length whose winner beats it by at
+least ``min_gain`` gets a ``by_seq_k`` bucket. Every winner is checked against
+the fp64 reference before it is written. The spec is edited in place with
+ruamel.yaml, so comments, key order and the rest of the file survive; the edited
+text is validated before it replaces the file, and the generated module is
+re-rendered. The launcher then picks the config by device and key length, with
+no search at call time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import itertools
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from .errors import SpecError, UsageError
+from .spec import (
+    HINT_DEFAULTS,
+    HINT_FIELDS,
+    TUNABLE_FIELDS,
+    AutotuneSpace,
+    Spec,
+    TargetConfig,
+    load_spec,
+)
+
+def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        seqs = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        seqs = []
+    if not seqs or seqs[0] < 1:
+        raise UsageError(f"--seqs: expected comma-separated positive lengths like 2048,8192, got {text!r}")
+    return seqs
+
+
+@dataclass(frozen=True)
+class Timed:
+    config: dict  # tile_m, tile_n and the hint fields (None: auto)
+    mean_us: float
+
+
+def config_key(config: dict) -> tuple:
+    return tuple(config.get(name) for name in TUNABLE_FIELDS)
+
+
+def search_space(space: AutotuneSpace, q_subtiles: int = 1) -> list[dict]:
+    """Every combination of the space, minus those the kernel cannot take."""
+    values = [getattr(space, name) for name in TUNABLE_FIELDS]
+    configs = []
+    for combo in itertools.product(*values):
+        config = dict(zip(TUNABLE_FIELDS, combo))
+        if config["tile_m"] // q_subtiles < 16:
+            continue
+        configs.append(config)
+    return configs
+
+
+def describe(config: dict) -> str:
+    text = f"{config['tile_m']}x{config['tile_n']} occ{config['occupancy']}"
+    for name, short in (("num_ctas", "ctas"), ("num_worker_warps", "ww"), ("opt_level", "O")):
+        if config.get(name) is not None:
+            text += f" {short}{config[name]}"
+    return text
+
+
+def choose(
+    results: dict[int, list[Timed]], *, seq_buckets: bool, min_gain: float
+) -> tuple[dict, list[dict]]:
+    """The target's own config and its by_seq_k buckets from timings per length.
+
+    The longest length's winner is the target's own config. Each shorter length
+    keeps its own winner only if that beats the own config, timed at that
+    length, by at least ``min_gain``; otherwise it uses the own config too. Runs
+    of lengths with one config become one bucket (max_seq_k: the run's longest
+    length), and the run that ends at the longest length is the own config.
+    """
+    if not results:
+        raise ValueError("no timings")
+    seqs = sorted(results)
+    best = {s: min(results[s], key=lambda t: t.mean_us) for s in seqs}
+    own = best[seqs[-1]].config
+    if not seq_buckets:
+        return own, []
+    picked = []
+    for seq in seqs:
+        winner = best[seq].config
+        own_here = next((t for t in results[seq] if config_key(t.config) == config_key(own)), None)
+        if own_here is not None and best[seq].mean_us > own_here.mean_us * (1 - min_gain):
+            winner = own  # not worth a bucket: the own config is within min_gain
+        picked.append((seq, winner))
+    buckets: list[dict] = []
+    for seq, config in picked:
+        if buckets and config_key(buckets[-1]) == config_key(config):
+            buckets[-1]["max_seq_k"] = seq
+        else:
+            buckets.append({"max_seq_k": seq, **config})
+    buckets.pop()  # the last run ends at the longest length: the own config
+    return own, buckets
+
+
+def _clean(config: dict) -> dict:
+    """A config as the spec writes it: null hints left out, occupancy kept."""
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]) -> str:
+    """The spec text with ``targets.<target>`` set to the tuned config.
+
+    Comments, key order and formatting elsewhere are kept (ruamel.yaml round
+    trip); the target's existing mapping is updated in place, so a comment on it
+    survives too. The result is validated before it is returned.
+    """
+    from ruamel.yaml import YAML
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    yaml = YAML()  # round-trip mode
+    yaml.preserve_quotes = True
+    yaml.width = 100
+    yaml.indent(mapping=2, sequence=4, offset=2)
+    data = yaml.load(text)
+    if not isinstance(data, CommentedMap):
+        raise UsageError(f"{path}: the spec is not a mapping")
+    targets = data.get("targets")
+    if targets is None:
+        targets = CommentedMap()
+        data["targets"] = targets
+    new = _clean(own)
+    entry = targets.get(target)
+    if not isinstance(entry, CommentedMap):
+        entry = CommentedMap()
+        targets[target] = entry
+    for key in list(entry):
+        if key not in new and key != "by_seq_k":
+            del entry[key]
+    for key, value in new.items():
+        entry[key] = value
+    if buckets:
+        seq = CommentedSeq()
+        for bucket in buckets:
+            item = CommentedMap(_clean(bucket))
+            item.fa.set_flow_style()
+            seq.append(item)
+        entry["by_seq_k"] = seq
+    elif "by_seq_k" in entry:
+        del entry["by_seq_k"]
+    # One line per target, as the shipped specs write them; block style once it
+    # holds buckets.
+    if buckets:
+        entry.fa.set_block_style()
+    else:
+        entry.fa.set_flow_style()
+    out = io.StringIO()
+    yaml.dump(data, out)
+    new_text = out.getvalue()
+    from .spec import parse_spec_text, validate_spec
+
+    try:
+        validate_spec(parse_spec_text(new_text, path), path)
+    except SpecError as exc:  # a tuned value the spec rejects is a bug: keep the file
+        raise UsageError("tune produced an invalid spec, file left unchanged: "
+                         + "; ".join(exc.lines())) from None
+    return new_text
+
+
+# --- GPU side ---------------------------------------------------------------------
+
+
+def _hints(config: dict) -> dict:
+    """Every kernel option, null ones reset to their defaults (the decorator's
+    per-target values must not leak into another config)."""
+    return {name: HINT_DEFAULTS[name] if config.get(name) is None else config[name]
+            for name in HINT_FIELDS}
+
+
+def run_tune(
+    path: Path,
+    target: str,
+    suite: str,
+    out_dir: Path,
+    gen_dir: Path,
+    *,
+    seqs: Optional[list[int]] = None,
+    dry_run: bool = False,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+) -> int:
+    from .bench import SUITES, attention_flops, tflops
+    from .build import load_jobs, write_jobs
+    from .check import TOLERANCES
+    from .compile import atomic_write, load_module_from_source
+    from .gpu import device_info, device_slug, require_cuda
+    from .plan import make_plan
+    from .reference import attention_reference
+    from .render import render
+
+    spec: Spec = load_spec(path)
+    space = spec.autotune.get(target)
+    if space is None:
+        declared = ", ".join(spec.autotune) or "none"
+        raise UsageError(
+            f"{path}: autotune.{target}: no search space for {target} (declared: {declared}); "
+            f"add e.g. autotune: {{{target}: {{tile_m: [64, 128], tile_n: [64, 128]}}}}"
+        )
+    configs = search_space(space, spec.q_subtiles)
+    if not configs:
+        raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
+    batch, heads, suite_seqs = SUITES[suite]
+    seqs = sorted(seqs or suite_seqs)
+    if heads % spec.gqa_ratio:
+        raise UsageError(f"suite {suite}: {heads} query heads not divisible by gqa_ratio {spec.gqa_ratio}")
+
+    torch = require_cuda("tune")
+    import cuda.tile as ct
+    from cuda.tile.tune import exhaustive_search
+
+    device = device_info()
+    if device["sm"] != target:
+        raise UsageError(f"--target {target}: this GPU is {device['name']} ({device['sm']}); "
+                         f"tune on a {target} device")
+    log(f"device: {device['name']} ({device['sm']}); tuning {spec.name} for {target}: "
+        f"{len(configs)} configs x {len(seqs)} lengths (B={batch}, Hq={heads})")
+
+    plan = make_plan(spec)
+    source = render(plan, path.as_posix()).text
+    module = load_module_from_source(f"{spec.name}_tune", source, f"{spec.name}_tune.py")
+    kernel = getattr(module, plan.kernel_name)
+    dtype = getattr(torch, spec.dtype)
+    kv_heads, d = heads // spec.gqa_ratio, spec.head_dim
+    scale = 1.0 / math.sqrt(d)
+    stream = torch.cuda.current_stream()
+
+    def kernel_args(q, k, v, out, config, q_offset=0):
+        args = (q, k, v, out, scale, q_offset, config["tile_m"], config["tile_n"])
+        if plan.even_n_param:
+            args += (k.shape[2] % config["tile_n"] == 0,)
+        return args
+
+    results: dict[int, list[Timed]] = {}
+    report: dict = {"spec": spec.name, "target": target, "suite": suite,
+                    "created": datetime.date.today().isoformat(), "device": device,
+                    "batch": batch, "heads_q": heads, "space": space.model_dump(mode="json"),
+                    "lengths": []}
+    for seq in seqs:
+        q = torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype)
+        k = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+        v = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+        out = torch.empty_like(q)
+        log(f"[S={seq}] searching {len(configs)} configs")
+        result = exhaustive_search(
+            configs, stream,
+            grid_fn=lambda c: (math.ceil(seq / c["tile_m"]), batch * heads, 1),
+            kernel=kernel,
+            args_fn=lambda c: kernel_args(q, k, v, out, c),
+            hints_fn=_hints,
+            quiet=True,
+        )
+        flops = attention_flops(batch, heads, seq, seq, d, spec.causal)
+        timed = [Timed(m.config, m.mean_us) for m in result.successes]
+        results[seq] = timed
+        for m in sorted(result.successes, key=lambda m: m.mean_us)[:5]:
+            log(f"[S={seq}]   {describe(m.config):24s} {m.mean_us:9.1f} us "
+                f"{tflops(flops, m.mean_us / 1000):6.0f} TFLOPS")
+        if result.failures:
+            log(f"[S={seq}]   {len(result.failures)} configs failed, e.g. "
+                f"{describe(result.failures[0][0])}: {result.failures[0][1].__name__}")
+        report["lengths"].append({
+            "seq": seq,
+            "measurements": [{"config": m.config, "mean_us": m.mean_us,
+                              "error_margin_us": m.error_margin_us,
+                              "tflops": tflops(flops, m.mean_us / 1000)}
+                             for m in sorted(result.successes, key=lambda m: m.mean_us)],
+            "failures": [{"config": c, "error": f"{t.__name__}: {msg.splitlines()[0] if msg else ''}"[:300]}
+                         for c, t, msg in result.failures],
+        })
+        del q, k, v, out
+
+    # Correctness before anything is written: a ragged chunked-prefill shape.
+    q = torch.randn(2, 2 * spec.gqa_ratio, 333, d, device="cuda", dtype=dtype)
+    k = torch.randn(2, 2, 1000, d, device="cuda", dtype=dtype)
+    v = torch.randn(2, 2, 1000, d, device="cuda", dtype=dtype)
+    q_offset = 667 if spec.causal else 0
+    ref = attention_reference(q, k, v, causal=spec.causal, q_offset=q_offset)
+    checked: dict[tuple, float] = {}
+
+    def correct(config: dict) -> bool:
+        key = config_key(config)
+        if key not in checked:
+            variant = kernel.replace_hints(**_hints(config))
+            out = torch.full_like(q, float("nan"))
+            grid = (math.ceil(q.shape[2] / config["tile_m"]), q.shape[0] * q.shape[1], 1)
+            ct.launch(stream, grid, variant, kernel_args(q, k, v, out, config, q_offset))
+            torch.cuda.synchronize()
+            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            checked[key] = err if err == err else math.inf
+            log(f"check {describe(config)}: max rel err {checked[key]:.2e}")
+        return checked[key] <= TOLERANCES[spec.dtype]
+
+    # Only the chosen configs are checked; a wrong one is dropped and the choice redone.
+    while True:
+        results = {s: r for s, r in results.items() if r}
+        if not results:
+            log("no config ran correctly; the spec is unchanged")
+            return 1
+        own, buckets = choose(results, seq_buckets=space.seq_buckets, min_gain=space.min_gain)
+        wrong = [c for c in [own, *buckets] if not correct(c)]
+        if not wrong:
+            break
+        bad = {config_key(c) for c in wrong}
+        results = {s: [t for t in r if config_key(t.config) not in bad] for s, r in results.items()}
+    report["chosen"] = {"own": own, "by_seq_k": buckets, "checked": {
+        describe(dict(zip(TUNABLE_FIELDS, key))): err for key, err in checked.items()}}
+
+    slug = device_slug(device["name"])
+    report_path = out_dir / slug / f"tune-{spec.name}-{target}.json"
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(report_path, (json.dumps(report, indent=2) + "\n").encode())
+    log(f"wrote {report_path}")
+
+    summary = f"{target}: {describe(own)}" + "".join(
+        f"; seq_k <= {b['max_seq_k']}: {describe(b)}" for b in buckets)
+    print(summary)
+    if dry_run:
+        log("--dry-run: the spec is unchanged")
+        return 0
+    text = path.read_text(encoding="utf-8")
+    tuned = TargetConfig.model_validate({**_clean(own), "by_seq_k": [_clean(b) for b in buckets]})
+    current = spec.targets.get(target)
+    new_text = text if current == tuned else write_back(text, str(path), target, own, buckets)
+    if new_text == text:
+        log(f"{path}: unchanged (already tuned to these configs)")
+    else:
+        atomic_write(path, new_text.encode())
+        log(f"{path}: targets.{target} updated")
+    jobs = load_jobs([str(path)], gen_dir)
+    refused = write_jobs(jobs, gen_dir, force=False, log=log)
+    if refused:
+        raise UsageError("; ".join(refused))
+    return 0

@@ -1,0 +1,73 @@
+"""`specgen bench --variants` without a GPU: every variant is validated and
+rendered before anything runs; bad files and bad variants exit 2 in one line."""
+
+from pathlib import Path
+
+import pytest
+
+from specgen.errors import UsageError
+from specgen.explore import VariantsResult, VariantTiming, format_markdown, load_variants
+
+from .helpers import ROOT
+from .test_cli import specgen
+
+
+def test_shipped_variant_files_all_render(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    files = sorted((ROOT / "bench" / "variants").glob("*.yaml"))
+    assert files
+    for path in files:
+        config, plans, sources = load_variants(path.relative_to(ROOT))
+        assert set(plans) == set(config.variants) == set(sources)
+        assert len(set(sources.values())) == len(sources), f"{path.name}: two variants render alike"
+
+
+def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "v.yaml"
+    path.write_text("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  base: []\n"
+                    "  split off: [loop_split=false]\n")
+    _, plans, sources = load_variants(path)
+    assert plans["base"].loop_split and not plans["split off"].loop_split
+    assert "No loop split" in sources["split off"] and "No loop split" not in sources["base"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants: {}\n", "variants:"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [targets.sm_90.tile_m=100]\n",
+     "variant 'x': targets.sm_90.tile_m: must be a power of two in [16, 256], got 100"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [loop_split]\n", "expected key.path=value"),
+    ("spec: specs/fmha_gqa_causal.yaml\nbogus: 1\nvariants:\n  x: []\n", "bogus"),
+    ("spec: [\n", "not valid YAML"),
+])
+def test_bad_variant_files_are_usage_errors(tmp_path, monkeypatch, text, message):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "v.yaml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=None) as info:
+        load_variants(path)
+    assert message in str(info.value)
+
+
+def test_bench_variants_cli_errors():
+    both = specgen("bench", "specs/fmha_gqa_causal.yaml", "--variants", "x.yaml", cwd=ROOT)
+    assert both.returncode == 2 and "not both" in both.stderr
+    neither = specgen("bench", cwd=ROOT)
+    assert neither.returncode == 2 and "at least one SPEC" in neither.stderr
+    missing = specgen("bench", "--variants", "no/such.yaml", cwd=ROOT)
+    assert missing.returncode == 2 and "no/such.yaml: cannot read" in missing.stderr
+
+
+def test_markdown_table_has_one_row_per_variant_and_the_cudnn_row():
+    result = VariantsResult(
+        file="v.yaml", spec="specs/s.yaml", created="2026-11-21", device={"name": "GPU"},
+        shapes={"batch": 1, "heads": 2, "seqs": [2048]}, variants={"a": [], "b": ["x=1"]},
+        max_rel_err={"a": 1e-4, "b": None},
+        rows=[VariantTiming(variant="a", seq=2048, ms=1.0, tflops=500.0, cudnn_ms=1.1,
+                            cudnn_tflops=455.0, vs_cudnn=1.1),
+              VariantTiming(variant="b", seq=2048, error="incorrect or failed")],
+    )
+    table = format_markdown(result)
+    assert "| a | 1.0e-04 | 500 (1.10×) |" in table
+    assert "| b | – | incorrect or failed |" in table
+    assert "| cuDNN (same run) | | 455 |" in table

@@ -1,0 +1,127 @@
+"""`specgen tune` without a GPU: the search space, the choice of configs and
+buckets, the write-back into the YAML (comments kept), and the CLI's errors."""
+
+import pytest
+import yaml
+
+from specgen.errors import UsageError
+from specgen.spec import AutotuneSpace, load_spec, validate_spec
+from specgen.tune import Timed, choose, parse_seqs, search_space, write_back
+
+from .helpers import ROOT
+from .test_cli import specgen
+
+A = {"tile_m": 64, "tile_n": 128, "occupancy": 2, "num_ctas": None, "num_worker_warps": None,
+     "opt_level": None}
+B = {**A, "tile_m": 128, "occupancy": 1, "num_worker_warps": 8}
+C = {**A, "tile_n": 64}
+
+
+def test_search_space_is_the_product_minus_what_the_kernel_cannot_take():
+    space = AutotuneSpace(tile_m=[16, 64], tile_n=[64], occupancy=[1, 2], num_worker_warps=[None, 8])
+    assert space.size() == 8 and len(search_space(space)) == 8
+    halves = search_space(space, q_subtiles=2)  # 16 rows cannot be split in two tiles of >= 16
+    assert len(halves) == 4 and all(c["tile_m"] == 64 for c in halves)
+
+
+def test_choose_keeps_a_bucket_only_where_it_wins_by_min_gain():
+    results = {
+        1024: [Timed(A, 90.0), Timed(B, 100.0)],
+        2048: [Timed(A, 280.0), Timed(B, 290.0)],
+        8192: [Timed(B, 3400.0), Timed(A, 3600.0)],
+        16384: [Timed(B, 14800.0), Timed(A, 16000.0)],
+    }
+    own, buckets = choose(results, seq_buckets=True, min_gain=0.02)
+    assert own == B
+    assert buckets == [{"max_seq_k": 2048, **A}]  # 1024 and 2048 merge into one bucket
+    # 2048's win is 3.4%: under a 5% threshold that length goes back to the own config,
+    # and 1024 (10% faster) keeps its bucket.
+    own, buckets = choose(results, seq_buckets=True, min_gain=0.05)
+    assert buckets == [{"max_seq_k": 1024, **A}]
+    assert choose(results, seq_buckets=False, min_gain=0.0) == (B, [])
+
+
+def test_choose_makes_contiguous_buckets():
+    # A wins at 1k, B (the own config) at 2k, C at 4k: 2k must get an explicit
+    # bucket, or the 4k bucket would catch it.
+    results = {
+        1024: [Timed(A, 1.0), Timed(B, 2.0)],
+        2048: [Timed(B, 1.0), Timed(A, 2.0)],
+        4096: [Timed(C, 1.0), Timed(B, 2.0)],
+        8192: [Timed(B, 1.0), Timed(C, 2.0)],
+    }
+    own, buckets = choose(results, seq_buckets=True, min_gain=0.02)
+    assert own == B
+    assert [b["max_seq_k"] for b in buckets] == [1024, 2048, 4096]
+    assert [b["tile_n"] for b in buckets] == [128, 128, 64]
+
+
+SPEC_TEXT = """\
+# A tuned spec keeps this comment.
+name: tuned   # and this one
+causal: true
+targets:
+  default: {tile_m: 64, tile_n: 64, occupancy: 2}
+  sm_90:   {tile_m: 64, tile_n: 64, occupancy: 2, num_ctas: 2}   # before tuning
+  sm_100:  {tile_m: 128, tile_n: 128, occupancy: 1}
+autotune:
+  sm_90: {tile_m: [64, 128]}
+"""
+
+
+def test_write_back_updates_the_target_and_keeps_comments_and_order():
+    text = write_back(SPEC_TEXT, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A}])
+    assert text.startswith("# A tuned spec keeps this comment.\nname: tuned   # and this one\n")
+    assert "autotune:\n  sm_90: {tile_m: [64, 128]}\n" in text
+    keys = [line.split(":")[0].strip() for line in text.splitlines() if line.startswith("  ") and ":" in line]
+    assert keys.index("default") < keys.index("sm_90") < keys.index("sm_100")
+    spec = validate_spec(yaml.safe_load(text))
+    sm90 = spec.targets["sm_90"]
+    assert (sm90.tile_m, sm90.occupancy, sm90.num_worker_warps, sm90.num_ctas) == (128, 1, 8, None)
+    assert [(b.max_seq_k, b.tile_m, b.tile_n) for b in sm90.by_seq_k] == [(2048, 64, 128)]
+    # Tuning again without buckets removes them and keeps one line.
+    again = write_back(text, "t.yaml", "sm_90", A, [])
+    assert validate_spec(yaml.safe_load(again)).targets["sm_90"].by_seq_k == []
+    assert "sm_90: {tile_m: 64, tile_n: 128, occupancy: 2}" in again
+
+
+def test_write_back_adds_a_missing_target():
+    text = write_back(SPEC_TEXT, "t.yaml", "sm_120", A, [])
+    assert validate_spec(yaml.safe_load(text)).targets["sm_120"].tile_n == 128
+
+
+def test_parse_seqs():
+    assert parse_seqs("8192, 2048,2048") == [2048, 8192]
+    assert parse_seqs(None) is None
+    for bad in ("", "a,b", "0,1024"):
+        with pytest.raises(UsageError, match="--seqs"):
+            parse_seqs(bad)
+
+
+def test_shipped_optimised_specs_declare_an_sm_90_space():
+    for name in ("fmha_gqa_causal", "fmha_gqa8_bf16", "fmha_mha_bf16", "fmha_mha_f16_d128",
+                 "fmha_gqa4_f16_d64"):
+        spec = load_spec(ROOT / "specs" / f"{name}.yaml")
+        assert spec.autotune["sm_90"].size() >= 8
+
+
+@pytest.mark.parametrize("args,message", [
+    (["specs/fmha_seed_baseline.yaml", "--target", "sm_90"],
+     "specs/fmha_seed_baseline.yaml: autotune.sm_90: no search space for sm_90"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--targets: expected"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--seqs", "x"], "--seqs: expected"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--suite", "nope"], "--suite: unknown"),
+])
+def test_tune_errors_exit_2_with_one_line(args, message):
+    result = specgen("tune", *args, cwd=ROOT)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_tune_without_cuda_exits_2_and_leaves_the_spec(tmp_path):
+    spec = tmp_path / "t.yaml"
+    spec.write_text(SPEC_TEXT)
+    result = specgen("tune", str(spec), "--target", "sm_90", "--gen", str(tmp_path / "gen"),
+                     cwd=tmp_path)
+    assert result.returncode == 2 and "CUDA" in result.stderr, result.stderr
+    assert spec.read_text() == SPEC_TEXT

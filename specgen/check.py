@@ -34,3 +34,28 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     scale = max(ref.abs().max().item(), 1e-30)
     rel = err / scale
     return Comparison(err, rel, nonfinite, nonfinite == 0 and rel <= TOLERANCES[dtype])
+
+
+@dataclass(frozen=True)
+class SmokeCase:
+    """One ragged chunked-prefill shape (B2, Hkv2, Sq333, Skv1000, q_offset 667
+    when causal) and its fp64 reference: the check a config or variant passes
+    before it is timed or written anywhere."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_offset: int
+    ref: torch.Tensor
+
+
+def smoke_case(dtype: str, ratio: int, head_dim: int, causal: bool, generator=None) -> SmokeCase:
+    from .reference import attention_reference
+
+    def rand(heads: int, seq: int) -> torch.Tensor:
+        return torch.randn(2, heads, seq, head_dim, device="cuda", dtype=getattr(torch, dtype),
+                           generator=generator)
+
+    q, k, v = rand(2 * ratio, 333), rand(2, 1000), rand(2, 1000)
+    q_offset = 667 if causal else 0
+    return SmokeCase(q, k, v, q_offset, attention_reference(q, k, v, causal=causal, q_offset=q_offset))

@@ -139,9 +139,8 @@ def run_variants(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Path:
     from .bench import attention_flops, tflops
-    from .check import TOLERANCES
+    from .check import TOLERANCES, compare, smoke_case
     from .gpu import device_info, device_slug, import_module_file, require_cuda
-    from .reference import attention_reference
 
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")
@@ -165,24 +164,19 @@ def run_variants(
 
     # Correctness first: a ragged chunked-prefill shape, against fp64.
     errs: dict[str, Optional[float]] = {}
-    hk = 2
-    q = torch.randn(2, hk * ratio, 333, d, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(2, hk, 1000, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(2, hk, 1000, d, device="cuda", dtype=dtype, generator=gen)
-    ref = attention_reference(q, k, v, causal=causal, q_offset=667)
+    case = smoke_case(first.dtype, ratio, d, causal, generator=gen)
     for label, module in modules.items():
         try:
-            out = torch.full_like(q, float("nan"))
-            module.attention(q, k, v, q_offset=667, out=out)
+            out = torch.full_like(case.q, float("nan"))
+            module.attention(case.q, case.k, case.v, q_offset=case.q_offset, out=out)
             torch.cuda.synchronize()
-            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-            errs[label] = err if err == err else float("inf")
+            result = compare(out, case.ref, first.dtype)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             errs[label] = None
             log(f"[{label}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             continue
-        ok = errs[label] <= TOLERANCES[first.dtype]
-        log(f"[{label}] max rel err {errs[label]:.2e} {'ok' if ok else 'WRONG'}")
+        errs[label] = result.rel_err
+        log(f"[{label}] max rel err {result.rel_err:.2e} {'ok' if result.ok else 'WRONG'}")
 
     rows = []
     shapes = config.shapes

@@ -200,11 +200,10 @@ def run_tune(
 ) -> int:
     from .bench import SUITES, attention_flops, tflops
     from .build import load_jobs, write_jobs
-    from .check import TOLERANCES
+    from .check import Comparison, compare, smoke_case
     from .compile import atomic_write, load_module_from_source
     from .gpu import device_info, device_slug, require_cuda
     from .plan import make_plan
-    from .reference import attention_reference
     from .render import render
 
     spec: Spec = load_spec(path)
@@ -289,25 +288,21 @@ def run_tune(
         del q, k, v, out
 
     # Correctness before anything is written: a ragged chunked-prefill shape.
-    q = torch.randn(2, 2 * spec.gqa_ratio, 333, d, device="cuda", dtype=dtype)
-    k = torch.randn(2, 2, 1000, d, device="cuda", dtype=dtype)
-    v = torch.randn(2, 2, 1000, d, device="cuda", dtype=dtype)
-    q_offset = 667 if spec.causal else 0
-    ref = attention_reference(q, k, v, causal=spec.causal, q_offset=q_offset)
-    checked: dict[tuple, float] = {}
+    case = smoke_case(spec.dtype, spec.gqa_ratio, d, spec.causal)
+    checked: dict[tuple, Comparison] = {}
 
     def correct(config: dict) -> bool:
         key = config_key(config)
         if key not in checked:
             variant = kernel.replace_hints(**_hints(config))
-            out = torch.full_like(q, float("nan"))
-            grid = (math.ceil(q.shape[2] / config["tile_m"]), q.shape[0] * q.shape[1], 1)
-            ct.launch(stream, grid, variant, kernel_args(q, k, v, out, config, q_offset))
+            out = torch.full_like(case.q, float("nan"))
+            grid = (math.ceil(case.q.shape[2] / config["tile_m"]), case.q.shape[0] * case.q.shape[1], 1)
+            ct.launch(stream, grid, variant,
+                      kernel_args(case.q, case.k, case.v, out, config, case.q_offset))
             torch.cuda.synchronize()
-            err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-            checked[key] = err if err == err else math.inf
-            log(f"check {describe(config)}: max rel err {checked[key]:.2e}")
-        return checked[key] <= TOLERANCES[spec.dtype]
+            checked[key] = compare(out, case.ref, spec.dtype)
+            log(f"check {describe(config)}: max rel err {checked[key].rel_err:.2e}")
+        return checked[key].ok
 
     # Only the chosen configs are checked; a wrong one is dropped and the choice redone.
     while True:
@@ -322,7 +317,7 @@ def run_tune(
         bad = {config_key(c) for c in wrong}
         results = {s: [t for t in r if config_key(t.config) not in bad] for s, r in results.items()}
     report["chosen"] = {"own": own, "by_seq_k": buckets, "checked": {
-        describe(dict(zip(TUNABLE_FIELDS, key))): err for key, err in checked.items()}}
+        describe(dict(zip(TUNABLE_FIELDS, key))): c.rel_err for key, c in checked.items()}}
 
     slug = device_slug(device["name"])
     report_path = out_dir / slug / f"tune-{spec.name}-{target}.json"

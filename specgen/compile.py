@@ -83,6 +83,7 @@ def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = 
         "target": target,
         "tiles": [config.tile_m, config.tile_n],
         "hints": config.extra_hints,
+        "tile_order": config.tile_order,
         **toolchain_versions(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -97,7 +98,8 @@ def target_configs(plan: Plan, target: str) -> list[ConfigPlan]:
     """The distinct kernel builds the launcher can pick on ``target``."""
     seen, configs = set(), []
     for config in plan.target(target).configs:
-        key = (config.tile_m, config.tile_n, tuple(config.extra_hints.items()))
+        key = (config.tile_m, config.tile_n, tuple(config.extra_hints.items()),
+               config.tile_order if plan.tile_order_param else None)
         if key not in seen:
             seen.add(key)
             configs.append(config)
@@ -176,8 +178,9 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     params += [cfg.tile_m, cfg.tile_n]
     even_values = (True, False) if plan.even_n_param else (None,)
     result = []
+    order = [cfg.tiles_outer] if plan.tile_order_param else []
     for even in even_values:
-        extra = [] if even is None else [even]
+        extra = ([] if even is None else [even]) + order
         result.append(
             KernelSignature(params + extra, CallingConvention.cutile_python_v1())
         )

@@ -26,17 +26,25 @@ class ConfigPlan:
     # Options that differ from the target's own config: the launcher makes a
     # replace_hints variant of the kernel for them. Empty for the target's config.
     extra_hints: dict
+    tile_order: str = "per_head"  # "global": query tiles on the grid's slow axis
+
+    @property
+    def tiles_outer(self) -> bool:
+        return self.tile_order == "global"
 
     def describe(self) -> str:
         """'64x64, occupancy 2, num_ctas 2 (seq_k <= 2048)'."""
         text = ", ".join([f"{self.tile_m}x{self.tile_n}"]
                          + [f"{k.replace('_', ' ') if k == 'opt_level' else k} {v}"
-                            for k, v in self.hints.items()])
+                            for k, v in self.hints.items()]
+                         + (["global tile order"] if self.tiles_outer else []))
         return text + (f" (seq_k <= {self.max_seq_k})" if self.max_seq_k else "")
 
     def as_dict(self) -> dict:
         data = {"max_seq_k": self.max_seq_k, "tile_m": self.tile_m, "tile_n": self.tile_n}
         data.update(self.hints)
+        if self.tiles_outer:
+            data["tile_order"] = self.tile_order
         if self.extra_hints:
             data["hints"] = dict(self.extra_hints)
         return data
@@ -71,6 +79,9 @@ class Plan:
     # EVEN_N (Skv divisible by tile_n) is a ct.Constant[bool] kernel argument only
     # where it can fold a mask: in the masked tiles of a split causal loop.
     even_n_param: bool
+    # TILES_OUTER is a ct.Constant[bool] kernel argument only where some config
+    # launches with tile_order "global" (query tiles on the grid's y axis).
+    tile_order_param: bool
     k_transposed: bool
     exp2: bool
     flush_to_zero: bool
@@ -103,7 +114,8 @@ class Plan:
     def kernel_constants(self) -> tuple[str, ...]:
         """Names of the kernel's ct.Constant parameters, in signature order."""
         names = ("TILE_M", "TILE_N")
-        return names + (("EVEN_N",) if self.even_n_param else ())
+        names += ("EVEN_N",) if self.even_n_param else ()
+        return names + (("TILES_OUTER",) if self.tile_order_param else ())
 
 
 def _arch_key(name: str) -> tuple:
@@ -133,7 +145,7 @@ def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict) -> C
         # (an option the bucket leaves out is reset to its default).
         extra = {k: hints.get(k, HINT_DEFAULTS[k]) for k in HINT_FIELDS
                  if k in hints or k in own_hints}
-    return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra)
+    return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra, cfg.tile_order)
 
 
 def _target_plans(targets: dict[str, TargetConfig]) -> tuple[TargetPlan, ...]:
@@ -179,6 +191,9 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
         lines.append(f"loop split: masks only on the key tiles {where}")
     if block_remap:
         lines.append("block remap: the heaviest (last) query tiles launch first")
+    if any(c.tile_order == "global" for t in spec.targets.values() for c in [t, *t.by_seq_k]):
+        lines.append("global tile order (some configs): tile t of every head launches "
+                     "before any head's tile t - 1")
     if loads.k_transposed:
         lines.append("K^T loaded directly with order=(0, 1, 3, 2)")
     if loads.k_latency is not None or loads.v_latency is not None:
@@ -194,7 +209,10 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
     return tuple(lines) or ("none (baseline)",)
 
 
-def make_plan(spec: Spec) -> Plan:
+def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
+    """The plan of ``spec``. ``tile_order_param`` forces the TILES_OUTER kernel
+    argument on or off (``specgen tune`` searches both orders with one kernel);
+    None: present where a config of the spec uses tile_order "global"."""
     fm = spec.fast_math
     block_remap = spec.use_block_remap
     targets = _target_plans(spec.targets)
@@ -212,6 +230,8 @@ def make_plan(spec: Spec) -> Plan:
         loop_split=spec.loop_split,
         block_remap=block_remap,
         even_n_param=spec.causal and spec.loop_split,
+        tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
+                          if tile_order_param is None else tile_order_param),
         k_transposed=spec.loads.k_transposed,
         exp2=fm.exp2,
         flush_to_zero=fm.flush_to_zero,

@@ -133,6 +133,8 @@ class Loads(_Strict):
     )
 
 
+TileOrder = Literal["per_head", "global"]
+
 HINT_FIELDS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
 # What each kernel option is when left out (replace_hints resets to these).
 HINT_DEFAULTS = {"occupancy": None, "num_ctas": None, "num_worker_warps": None, "opt_level": 3}
@@ -153,6 +155,13 @@ class LaunchConfig(_Strict):
         "a power of two 1..32; null: auto.",
     )
     opt_level: OptLevel = Field(None, description="tileiras optimisation level 0..3; null: 3.")
+    tile_order: TileOrder = Field(
+        "per_head",
+        description="Launch order of the query tiles. per_head: one (batch, head)'s "
+        "tiles after another, which keeps its K/V in L2; global: tile t of every head "
+        "before any head's next tile, so with block remap the heaviest tiles of all "
+        "heads run first (wins on short causal sequences).",
+    )
 
     def hints(self) -> dict[str, int]:
         """The kernel options this config sets (the ones left null are auto)."""
@@ -190,7 +199,9 @@ class TargetConfig(LaunchConfig):
         return value
 
 
-TUNABLE_FIELDS = ("tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level")
+TUNABLE_FIELDS = (
+    "tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level", "tile_order",
+)
 
 
 def _distinct(value: list) -> list:
@@ -223,6 +234,9 @@ class AutotuneSpace(_Strict):
     )
     opt_level: _choices(OptLevel) = Field(
         default_factory=lambda: [None], min_length=1
+    )
+    tile_order: _choices(TileOrder) = Field(
+        default_factory=lambda: ["per_head"], min_length=1
     )
     seq_buckets: bool = Field(
         True,
@@ -533,12 +547,17 @@ def load_spec(path: str | Path) -> Spec:
     return validate_spec(parse_spec_text(text, path), path)
 
 
+def _config_dict(data: dict) -> dict:
+    return {k: v for k, v in data.items()
+            if v is not None and v != [] and not (k == "tile_order" and v == "per_head")}
+
+
 def _target_dict(cfg: TargetConfig) -> dict:
-    """A target's config without the hints left to the compiler (null) or no buckets."""
-    data = cfg.model_dump(mode="json")
-    data = {k: v for k, v in data.items() if v is not None and v != []}
+    """A target's config without the hints left to the compiler (null), the default
+    tile order or an empty bucket list."""
+    data = _config_dict(cfg.model_dump(mode="json"))
     if "by_seq_k" in data:
-        data["by_seq_k"] = [{k: v for k, v in b.items() if v is not None} for b in data["by_seq_k"]]
+        data["by_seq_k"] = [_config_dict(b) for b in data["by_seq_k"]]
     return data
 
 

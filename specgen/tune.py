@@ -75,6 +75,8 @@ def describe(config: dict) -> str:
     for name, short in (("num_ctas", "ctas"), ("num_worker_warps", "ww"), ("opt_level", "O")):
         if config.get(name) is not None:
             text += f" {short}{config[name]}"
+    if config.get("tile_order") == "global":
+        text += " global"
     return text
 
 
@@ -114,8 +116,10 @@ def choose(
 
 
 def _clean(config: dict) -> dict:
-    """A config as the spec writes it: null hints left out, occupancy kept."""
-    return {k: v for k, v in config.items() if v is not None}
+    """A config as the spec writes it: null hints and the default tile order left
+    out, occupancy kept."""
+    return {k: v for k, v in config.items()
+            if v is not None and not (k == "tile_order" and v == "per_head")}
 
 
 def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]) -> str:
@@ -233,7 +237,8 @@ def run_tune(
     log(f"device: {device['name']} ({device['sm']}); tuning {spec.name} for {target}: "
         f"{len(configs)} configs x {len(seqs)} lengths (B={batch}, Hq={heads})")
 
-    plan = make_plan(spec)
+    # One kernel for both tile orders when the space has "global".
+    plan = make_plan(spec, tile_order_param=space.tile_order != ["per_head"])
     source = render(plan, path.as_posix()).text
     module = load_module_from_source(f"{spec.name}_tune", source, f"{spec.name}_tune.py")
     kernel = getattr(module, plan.kernel_name)
@@ -246,7 +251,15 @@ def run_tune(
         args = (q, k, v, out, scale, q_offset, config["tile_m"], config["tile_n"])
         if plan.even_n_param:
             args += (k.shape[2] % config["tile_n"] == 0,)
+        if plan.tile_order_param:
+            args += (config["tile_order"] == "global",)
         return args
+
+    def grid(config, seq_q, batch_heads):
+        tiles = math.ceil(seq_q / config["tile_m"])
+        if config["tile_order"] == "global":
+            return (batch_heads, tiles, 1)
+        return (tiles, batch_heads, 1)
 
     results: dict[int, list[Timed]] = {}
     report: dict = {"spec": spec.name, "target": target, "suite": suite,
@@ -261,7 +274,7 @@ def run_tune(
         log(f"[S={seq}] searching {len(configs)} configs")
         result = exhaustive_search(
             configs, stream,
-            grid_fn=lambda c: (math.ceil(seq / c["tile_m"]), batch * heads, 1),
+            grid_fn=lambda c: grid(c, seq, batch * heads),
             kernel=kernel,
             args_fn=lambda c: kernel_args(q, k, v, out, c),
             hints_fn=_hints,
@@ -296,8 +309,7 @@ def run_tune(
         if key not in checked:
             variant = kernel.replace_hints(**_hints(config))
             out = torch.full_like(case.q, float("nan"))
-            grid = (math.ceil(case.q.shape[2] / config["tile_m"]), case.q.shape[0] * case.q.shape[1], 1)
-            ct.launch(stream, grid, variant,
+            ct.launch(stream, grid(config, case.q.shape[2], case.q.shape[0] * case.q.shape[1]), variant,
                       kernel_args(case.q, case.k, case.v, out, config, case.q_offset))
             torch.cuda.synchronize()
             checked[key] = compare(out, case.ref, spec.dtype)

@@ -77,3 +77,25 @@ def test_bucketed_target_compiles_each_distinct_config_once():
     source = render(plan, "specs/b.yaml").text
     keys = {cache_key(plan, source, "sm_90", c) for c in configs}
     assert len(keys) == 2
+
+
+def test_global_tile_order_is_a_kernel_constant_compiled_per_config():
+    data = yaml.safe_load(SPECS[0].read_text())
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2,
+                      "tile_order": "global"}],
+    }}
+    plan = make_plan(validate_spec(data))
+    assert plan.tile_order_param and plan.kernel_constants[-1] == "TILES_OUTER"
+    # Same tiles and options, another order: two builds, told apart by TILES_OUTER.
+    configs = target_configs(plan, "sm_90")
+    assert [c.tile_order for c in configs] == ["global", "per_head"]
+    assert [s.parameters[-1].value for c in configs for s in signatures(plan, "sm_90", c)] == [
+        True, True, False, False]  # per EVEN_N value
+    source = render(plan, "specs/order.yaml").text
+    assert len({cache_key(plan, source, "sm_90", c) for c in configs}) == 2
+    result = compile_target(plan, source, "generated/order.py", "sm_90")
+    assert len(result.paths) == 2 and all(p.stat().st_size > 0 for p in result.paths)
+    # A spec that never asks for the global order has no such argument.
+    assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).tile_order_param

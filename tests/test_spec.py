@@ -79,7 +79,7 @@ BAD = [
      "q_subtiles, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
-     "num_ctas, num_worker_warps, opt_level, by_seq_k"),
+     "num_ctas, num_worker_warps, opt_level, tile_order, by_seq_k"),
     ({"compile_for": []}, "specs/bad.yaml: compile_for: must not be empty, got []"),
     ({"compile_for": ["sm_90", "sm_90"]},
      "specs/bad.yaml: compile_for: lists sm_90 twice, got [\"sm_90\", \"sm_90\"]"),
@@ -174,6 +174,10 @@ NEW_FIELDS_BAD = [
      "specs/bad.yaml: autotune.sm_90.occupancy: must not be empty, got []"),
     ({"autotune": {"default": {}}},
      "specs/bad.yaml: autotune.default: must be a GPU target such as sm_90"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "tile_order": "lpt"}}},
+     "specs/bad.yaml: targets.sm_90.tile_order: must be one of 'per_head' or 'global', got \"lpt\""),
+    ({"autotune": {"sm_90": {"tile_order": ["global", "global"]}}},
+     "specs/bad.yaml: autotune.sm_90.tile_order: lists a value twice"),
 ]
 
 
@@ -194,4 +198,16 @@ def test_spec_to_dict_round_trips_and_leaves_out_auto_hints():
         "tile_m": 128, "tile_n": 64, "occupancy": 2, "num_worker_warps": 8,
         "by_seq_k": [{"tile_m": 64, "tile_n": 64, "occupancy": 2, "max_seq_k": 2048}]}
     assert "autotune" not in data
+    assert validate_spec(data) == spec
+
+
+def test_spec_to_dict_leaves_out_the_default_tile_order():
+    from specgen.spec import spec_to_dict
+
+    spec = validate_spec({"name": "ok", "causal": True, "targets": {"sm_90": {
+        "tile_m": 128, "tile_n": 64, "tile_order": "per_head",
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "tile_order": "global"}]}}})
+    data = spec_to_dict(spec)
+    assert "tile_order" not in data["targets"]["sm_90"]
+    assert data["targets"]["sm_90"]["by_seq_k"][0]["tile_order"] == "global"
     assert validate_spec(data) == spec

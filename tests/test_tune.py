@@ -12,7 +12,7 @@ from .helpers import ROOT
 from .test_cli import specgen
 
 A = {"tile_m": 64, "tile_n": 128, "occupancy": 2, "num_ctas": None, "num_worker_warps": None,
-     "opt_level": None}
+     "opt_level": None, "tile_order": "per_head"}
 B = {**A, "tile_m": 128, "occupancy": 1, "num_worker_warps": 8}
 C = {**A, "tile_n": 64}
 
@@ -83,6 +83,21 @@ def test_write_back_updates_the_target_and_keeps_comments_and_order():
     again = write_back(text, "t.yaml", "sm_90", A, [])
     assert validate_spec(yaml.safe_load(again)).targets["sm_90"].by_seq_k == []
     assert "sm_90: {tile_m: 64, tile_n: 128, occupancy: 2}" in again
+
+
+def test_write_back_writes_the_global_tile_order_only_where_chosen():
+    text = write_back(SPEC_TEXT, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A, "tile_order": "global"}])
+    assert "tile_order: per_head" not in text and text.count("tile_order: global") == 1
+    sm90 = validate_spec(yaml.safe_load(text)).targets["sm_90"]
+    assert sm90.tile_order == "per_head" and sm90.by_seq_k[0].tile_order == "global"
+
+
+def test_search_space_includes_both_tile_orders_when_declared():
+    space = AutotuneSpace(tile_m=[64], tile_n=[64], occupancy=[1], tile_order=["per_head", "global"])
+    orders = [c["tile_order"] for c in search_space(space)]
+    assert orders == ["per_head", "global"]
+    from specgen.tune import describe
+    assert describe(search_space(space)[1]) == "64x64 occ1 global"
 
 
 def test_write_back_adds_a_missing_target():

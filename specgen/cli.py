@@ -71,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--suite", default="prefill", help="suite whose shapes are timed (default: prefill)")
     tune.add_argument("--seqs", metavar="LIST",
                       help="comma-separated sequence lengths instead of the suite's")
+    tune.add_argument("--confirm", default="4", metavar="N",
+                      help="re-time the N fastest configs per length (and the long-sequence "
+                      "winner) with do_bench medians, as specgen bench does, and choose by "
+                      "those; 0 chooses by the search's means (default: 4)")
     tune.add_argument("--dry-run", action="store_true",
                       help="search and report, but leave the spec and module unchanged")
     tune.add_argument("--out", default="bench/results", metavar="DIR",
@@ -158,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             target = parse_targets(args.target)
             if len(target) != 1:
                 raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
+            if not args.confirm.isdigit() or int(args.confirm) > 64:
+                raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
             return run_tune(Path(args.path), target[0], parse_suite(args.suite), Path(args.out),
-                            Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run)
+                            Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
+                            confirm=int(args.confirm))
         if args.command == "bench":
             from .bench import parse_baselines, parse_suite, run_bench
 

@@ -6,7 +6,7 @@ import yaml
 
 from specgen.errors import UsageError
 from specgen.spec import AutotuneSpace, load_spec, validate_spec
-from specgen.tune import Timed, choose, parse_seqs, search_space, write_back
+from specgen.tune import Timed, choose, finalists, parse_seqs, search_space, write_back
 
 from .helpers import ROOT
 from .test_cli import specgen
@@ -100,6 +100,15 @@ def test_search_space_includes_both_tile_orders_when_declared():
     assert describe(search_space(space)[1]) == "64x64 occ1 global"
 
 
+def test_finalists_are_the_fastest_plus_the_long_sequence_winner():
+    timed = [Timed(A, 90.0), Timed(B, 120.0), Timed(C, 80.0)]
+    assert finalists(timed, 2, None) == [C, A]
+    assert finalists(timed, 2, B) == [C, A, B]  # own config re-timed so choose() can weigh it
+    assert finalists(timed, 2, A) == [C, A]
+    assert finalists(timed, 5, B) == [C, A, B]
+    assert finalists([Timed(A, 1.0)], 1, C) == [A]  # own did not run at this length
+
+
 def test_write_back_adds_a_missing_target():
     text = write_back(SPEC_TEXT, "t.yaml", "sm_120", A, [])
     assert validate_spec(yaml.safe_load(text)).targets["sm_120"].tile_n == 128
@@ -125,6 +134,7 @@ def test_shipped_optimised_specs_declare_an_sm_90_space():
      "specs/fmha_seed_baseline.yaml: autotune.sm_90: no search space for sm_90"),
     (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--targets: expected"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--seqs", "x"], "--seqs: expected"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--confirm", "-1"], "--confirm: expected a count"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--suite", "nope"], "--suite: unknown"),
 ])
 def test_tune_errors_exit_2_with_one_line(args, message):

@@ -34,7 +34,7 @@ def test_bad_spec_exits_2_with_one_line_and_overwrites_nothing(project):
     target = project / "generated" / "fmha_gqa_causal.py"
     before = target.read_bytes()
     spec = project / "specs" / "fmha_gqa_causal.yaml"
-    spec.write_text(spec.read_text().replace("sm_120:  {tile_m: 64", "sm_120:  {tile_m: 100"))
+    spec.write_text(spec.read_text().replace("sm_120: {tile_m: 64", "sm_120: {tile_m: 100"))
     result = specgen("build", "specs", "--no-compile", cwd=project)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [

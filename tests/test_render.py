@@ -140,10 +140,11 @@ VISIBLE = [
     ("fast_math.approx_div", False, "rounding_mode=ct.RoundingMode.APPROX", False),
     ("loop_split", False, "for j in range(0, num_n):", True),
     ("block_remap", False, "tile_idx = tile_bid", True),
-    ("targets.sm_90.tile_order", "global", "if TILES_OUTER:", True),
-    ("targets.sm_90.by_seq_k", [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64,
-                                 "tile_order": "global"}],
-     '"tile_order": "global"', True),
+    # The shipped spec's short-sequence bucket uses the global tile order: without
+    # it the kernel loses its TILES_OUTER argument and the launcher its branch.
+    ("targets.sm_90.by_seq_k", [], "if TILES_OUTER:", False),
+    ("targets.sm_90.by_seq_k", [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 128}],
+     "TILES_OUTER: ConstBool", False),
     ("loads.k_transposed", False, "k_t = ct.permute(k, (1, 0))", True),
     ("loads.k_latency", None, "latency=2", False),
     ("loads.v_latency", 7, "latency=7", True),

@@ -55,6 +55,30 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: in
     return flops // 2 if causal else flops
 
 
+def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: Optional[dict] = None,
+                  q_offset: int = 0) -> int:
+    """Query-key pairs a kernel computes: every pair, or those under the causal
+    diagonal and inside the window (row i at position q_offset + i)."""
+    left = window.get("left") if window else None
+    right = window.get("right") if window else None
+    total = 0
+    for i in range(seq_q):
+        p = q_offset + i
+        hi = min(p if causal else (p + right if right is not None else seq_k - 1), seq_k - 1)
+        lo = max(p - left, 0) if left is not None else 0
+        total += max(hi - lo + 1, 0)
+    return total
+
+
+def spec_flops(spec: dict, batch: int, heads: int, seq_q: int, seq_k: int) -> int:
+    """4 * B * Hq * D * visible pairs; the classic formula (causal: half) where no
+    window applies, so dense and causal figures compare with published ones."""
+    if not spec.get("window"):
+        return attention_flops(batch, heads, seq_q, seq_k, spec["head_dim"], spec["causal"])
+    pairs = visible_pairs(seq_q, seq_k, spec["causal"], spec["window"])
+    return 4 * batch * heads * pairs * spec["head_dim"]
+
+
 def tflops(flops: int, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
@@ -222,8 +246,16 @@ def load_result(path: Path) -> BenchResult:
 # --- timing (GPU) --------------------------------------------------------------
 
 
-def _make_baselines(torch, names, causal: bool, ratio: int):
-    """Callables (q, k, v) -> out for each baseline, or the reason it is missing."""
+def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict] = None):
+    """Callables (q, k, v) -> out for each baseline, or the reason it is missing.
+
+    SDPA's cuDNN and FA2 backends take neither a window, a soft-cap nor sinks;
+    FlexAttention gets the window as a mask_mod and the soft-cap as a score_mod
+    (it has no sinks)."""
+    spec = spec or {}
+    window, softcap = spec.get("window"), spec.get("softcap")
+    unsupported = [n for n, on in (("window", window), ("softcap", softcap), ("sinks", spec.get("sinks")))
+                   if on]
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -236,24 +268,39 @@ def _make_baselines(torch, names, causal: bool, ratio: int):
 
         return run
 
-    if "cudnn" in names:
-        made["cudnn"] = sdpa_with(SDPBackend.CUDNN_ATTENTION)
-    if "flash" in names:
-        made["flash"] = sdpa_with(SDPBackend.FLASH_ATTENTION)
-    if "flex" in names:
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        if name in names:
+            made[name] = (f"SDPA has no {', '.join(unsupported)}" if unsupported
+                          else sdpa_with(backend))
+    if "flex" in names and spec.get("sinks"):
+        made["flex"] = "FlexAttention has no attention sinks"
+    elif "flex" in names:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
             compiled = torch.compile(flex_attention)
             masks: dict[tuple, object] = {}
 
+            left = window.get("left") if window else None
+            right = window.get("right") if window else None
+
+            def mask_mod(b, h, qi, ki):
+                visible = qi >= ki if causal else qi >= 0
+                if left is not None:
+                    visible = visible & (ki >= qi - left)
+                if right is not None and not causal:
+                    visible = visible & (ki <= qi + right)
+                return visible
+
+            def cap(score, b, h, qi, ki):
+                return softcap * torch.tanh(score / softcap)
+
             def run_flex(q, _kf, _vf, k, v):
                 key = (q.shape[2], k.shape[2])
-                if causal and key not in masks:
-                    masks[key] = create_block_mask(
-                        lambda b, h, qi, ki: qi >= ki, None, None, key[0], key[1], device="cuda"
-                    )
-                return compiled(q, k, v, block_mask=masks.get(key), enable_gqa=ratio > 1)
+                if (causal or window) and key not in masks:
+                    masks[key] = create_block_mask(mask_mod, None, None, key[0], key[1], device="cuda")
+                return compiled(q, k, v, block_mask=masks.get(key), enable_gqa=ratio > 1,
+                                score_mod=cap if softcap else None)
 
             made["flex"] = run_flex
         except Exception as exc:  # noqa: BLE001 - reported, not dropped
@@ -269,6 +316,7 @@ def run_bench(
     baselines: tuple[str, ...],
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Path]:
+    from .check import call_kernel, feature_inputs
     from .gpu import device_info, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
@@ -294,7 +342,7 @@ def run_bench(
             continue
         dtype = getattr(torch, spec["dtype"])
         kv_heads, d = heads // ratio, spec["head_dim"]
-        fns = _make_baselines(torch, baselines, causal, ratio)
+        fns = _make_baselines(torch, baselines, causal, ratio, spec)
         rows = []
         for seq in seqs:
             log(f"[{job.plan.module_name}] S={seq}")
@@ -305,13 +353,14 @@ def run_bench(
             k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
             v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
             out = torch.full_like(q, float("nan"))
-            flops = attention_flops(batch, heads, seq, seq, d, causal)
+            extra = feature_inputs(spec, heads)
+            flops = spec_flops(spec, batch, heads, seq, seq)
             timings: dict[str, Timing] = {}
 
-            module.attention(q, k, v, out=out)  # JIT compile + correctness below
+            call_kernel(module, q, k, v, extra, out=out)  # JIT compile + correctness below
             torch.cuda.synchronize()
             ours = out.clone()
-            ms = do_bench(lambda: module.attention(q, k, v, out=out), warmup=25, rep=200,
+            ms = do_bench(lambda: call_kernel(module, q, k, v, extra, out=out), warmup=25, rep=200,
                           return_mode="median")
             timings["specgen"] = timed(ms, flops, matmul)
             if not torch.isfinite(ours).all():

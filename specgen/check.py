@@ -36,26 +36,70 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     return Comparison(err, rel, nonfinite, nonfinite == 0 and rel <= TOLERANCES[dtype])
 
 
+def feature_inputs(spec: dict, num_heads: int, generator=None) -> dict:
+    """The extra keyword tensors a spec's ``attention`` takes (``sinks`` [Hq]),
+    drawn at random: sinks around the scale of real logits, so they matter."""
+    extra = {}
+    if spec.get("sinks"):
+        extra["sinks"] = torch.randn(num_heads, device="cuda", generator=generator) * 2.0
+    return extra
+
+
+def call_kernel(module, q, k, v, extra: dict, **kwargs):
+    """``module.attention`` with the spec's extra inputs; returns (out, lse or None)."""
+    result = module.attention(q, k, v, **kwargs, **extra)
+    if module.SPEC.get("return_lse"):
+        return result
+    return result, None
+
+
+def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None):
+    """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse)."""
+    from .reference import attention_reference
+
+    window = spec.get("window")
+    return attention_reference(
+        q, k, v, causal=spec["causal"], scale=scale, q_offset=q_offset,
+        window=(window["left"], window["right"]) if window else None,
+        softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
+    )
+
+
+def compare_lse(lse: torch.Tensor, ref: torch.Tensor) -> Comparison:
+    """LSE against the fp64 one: -inf exactly where the reference is -inf (rows
+    that see no key), absolute error <= 1e-2 elsewhere (natural-log units)."""
+    lse64 = lse.to(torch.float64)
+    empty = torch.isneginf(ref)
+    mismatch = int((torch.isneginf(lse64) != empty).sum() + torch.isnan(lse64).sum())
+    finite = ~empty & torch.isfinite(lse64)
+    err = (lse64[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
+    return Comparison(err, err, mismatch, mismatch == 0 and err <= 1e-2)
+
+
 @dataclass(frozen=True)
 class SmokeCase:
     """One ragged chunked-prefill shape (B2, Hkv2, Sq333, Skv1000, q_offset 667
-    when causal) and its fp64 reference: the check a config or variant passes
-    before it is timed or written anywhere."""
+    when causal or windowed) and its fp64 reference: the check a config or
+    variant passes before it is timed or written anywhere."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     q_offset: int
+    extra: dict  # sinks, where the spec has them
     ref: torch.Tensor
 
 
-def smoke_case(dtype: str, ratio: int, head_dim: int, causal: bool, generator=None) -> SmokeCase:
-    from .reference import attention_reference
+def smoke_case(spec: dict, generator=None) -> SmokeCase:
+    """The smoke case of a spec (its SPEC dict or spec_to_dict form)."""
+    dtype, ratio, head_dim = spec["dtype"], spec["gqa_ratio"], spec["head_dim"]
 
     def rand(heads: int, seq: int) -> torch.Tensor:
         return torch.randn(2, heads, seq, head_dim, device="cuda", dtype=getattr(torch, dtype),
                            generator=generator)
 
     q, k, v = rand(2 * ratio, 333), rand(2, 1000), rand(2, 1000)
-    q_offset = 667 if causal else 0
-    return SmokeCase(q, k, v, q_offset, attention_reference(q, k, v, causal=causal, q_offset=q_offset))
+    q_offset = 667 if spec["causal"] or spec.get("window") else 0
+    extra = feature_inputs(spec, q.shape[1], generator)
+    ref, _ = reference_for(spec, q, k, v, extra, q_offset=q_offset)
+    return SmokeCase(q, k, v, q_offset, extra, ref)

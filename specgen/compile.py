@@ -25,9 +25,6 @@ from filelock import FileLock
 from .errors import CompileError
 from .plan import ConfigPlan, Plan
 
-# Array parameters of the prefill kernel, in signature order.
-PREFILL_ARRAYS = ("Q", "K", "V", "Out")
-
 
 @dataclass(frozen=True)
 class CompileResult:
@@ -155,25 +152,28 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
         ScalarConstraint,
     )
 
-    dtype = getattr(ct, plan.dtype)
-    elem_bytes = 2
-    align = 16 // elem_bytes
-
-    def array():
+    def array(dtype, ndim: int, elem_bytes: int, inner_aligned: bool):
+        align = 16 // elem_bytes if inner_aligned else 1
         return ArrayConstraint(
             dtype,
-            4,
+            ndim,
             index_dtype=ct.int32,
             stride_lower_bound_incl=0,
             alias_groups=(),
             may_alias_internally=False,
-            stride_constant=(None, None, None, 1),
-            stride_divisible_by=(align, align, align, 1),
-            base_addr_divisible_by=16,
+            stride_constant=(None,) * (ndim - 1) + (1,),
+            stride_divisible_by=(align,) * (ndim - 1) + (1,),
+            base_addr_divisible_by=16 if inner_aligned else elem_bytes,
         )
 
+    layouts = {
+        # q, k, v, out: 4-D with a contiguous last axis and 16-byte aligned rows.
+        "Q": (getattr(ct, plan.dtype), 4, 2, True),
+        "Sinks": (ct.float32, 1, 4, False),  # [Hq] float32, made contiguous
+        "Lse": (ct.float32, 3, 4, False),  # [B, Hq, Sq] float32, Sq arbitrary
+    }
     cfg = config or plan.target(target).configs[-1]
-    params = [array() for _ in PREFILL_ARRAYS]
+    params = [array(*layouts.get(name, layouts["Q"])) for name in plan.array_params]
     params += [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
     params += [cfg.tile_m, cfg.tile_n]
     even_values = (True, False) if plan.even_n_param else (None,)

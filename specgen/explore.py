@@ -102,6 +102,10 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
             plan = make_plan(validate_spec(data, f"{path}: variant {label!r}"))
         except SpecError as exc:
             raise UsageError("\n".join(exc.lines())) from None
+        features = [n for n in ("window", "softcap", "sinks") if getattr(plan.spec, n)]
+        if features:
+            raise UsageError(f"{path}: variant {label!r}: uses {', '.join(features)}, which the "
+                             "cuDNN baseline of bench --variants cannot compute; use specgen bench")
         plans[label] = plan
         sources[label] = render(plan, config.spec).text
     return config, plans, sources
@@ -139,7 +143,7 @@ def run_variants(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Path:
     from .bench import attention_flops, tflops
-    from .check import TOLERANCES, compare, smoke_case
+    from .check import TOLERANCES, call_kernel, compare, smoke_case
     from .gpu import device_info, device_slug, import_module_file, require_cuda
 
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
@@ -164,11 +168,11 @@ def run_variants(
 
     # Correctness first: a ragged chunked-prefill shape, against fp64.
     errs: dict[str, Optional[float]] = {}
-    case = smoke_case(first.dtype, ratio, d, causal, generator=gen)
+    case = smoke_case(first.spec_dict, generator=gen)
     for label, module in modules.items():
         try:
             out = torch.full_like(case.q, float("nan"))
-            module.attention(case.q, case.k, case.v, q_offset=case.q_offset, out=out)
+            call_kernel(module, case.q, case.k, case.v, case.extra, q_offset=case.q_offset, out=out)
             torch.cuda.synchronize()
             result = compare(out, case.ref, first.dtype)
         except Exception as exc:  # noqa: BLE001 - reported per variant
@@ -188,7 +192,7 @@ def run_variants(
         kf = k.repeat_interleave(ratio, 1) if ratio > 1 else k
         vf = v.repeat_interleave(ratio, 1) if ratio > 1 else v
         out = torch.empty_like(q)
-        flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal)
+        flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal)  # no window here
 
         def cudnn():
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -200,8 +204,8 @@ def run_variants(
             if err is None or err > TOLERANCES[first.dtype]:
                 rows.append(VariantTiming(variant=label, seq=seq, error="incorrect or failed"))
                 continue
-            module.attention(q, k, v, out=out)  # JIT outside the timing
-            ms = do_bench(lambda: module.attention(q, k, v, out=out), warmup=25, rep=200,
+            call_kernel(module, q, k, v, {}, out=out)  # JIT outside the timing
+            ms = do_bench(lambda: call_kernel(module, q, k, v, {}, out=out), warmup=25, rep=200,
                           return_mode="median")
             row = VariantTiming(
                 variant=label, seq=seq, ms=ms, tflops=tflops(flops, ms), cudnn_ms=cudnn_ms,

@@ -94,6 +94,20 @@ class Plan:
     # check_bounds=False on the K/V loads of the unmasked tiles
     unmasked_load_kwargs: str  # ", check_bounds=False" | ""
     prescale_q: bool
+    # Issue-6 features. window_left/right: None = unbounded (causal: right is 0).
+    window_left: int | None
+    window_right: int | None  # non-causal only
+    softcap: float | None
+    sinks: bool
+    return_lse: bool
+    # S comes out of the MMA (+ soft-cap) already in the softmax's units.
+    scores_scaled: bool
+    # A left window can leave a row with no visible key in a tile, or at all: the
+    # softmax takes its exponents against 0 there and the division guards l = 0.
+    rows_may_be_empty: bool
+    # Terms of the per-row mask of a masked key tile ("keys <= rows", ...).
+    row_mask: tuple[str, ...]
+    array_params: tuple[str, ...]  # "Q", "K", "V", "Out" [, "Sinks"] [, "Lse"]
     q_subtiles: int  # 1, or 2 for two halves of tile_m with their own softmax state
     halves: tuple[str, ...]  # name suffixes of the query tiles: ("",) or ("0", "1")
     sub_m: str  # rows of one query tile: "TILE_M" or "SUB_M"
@@ -109,6 +123,11 @@ class Plan:
             if target.name == name:
                 return target
         return self.targets[0]
+
+    def visible_expr(self, half: str = "") -> str:
+        """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""
+        terms = [t.replace("rows", "rows" + half) for t in self.row_mask]
+        return terms[0] if len(terms) == 1 else " & ".join(f"({t})" for t in terms)
 
     @property
     def kernel_constants(self) -> tuple[str, ...]:
@@ -204,9 +223,22 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
         lines.append(f"allow_tma={loads.allow_tma} on the K/V loads")
     if spec.prescale_q:
         lines.append("Q pre-scaled once by the softmax scale, not every S tile")
+    if spec.window is not None:
+        lines.append("sliding window: key tiles wholly outside it are skipped, its edge tiles masked")
     if spec.q_subtiles == 2:
         lines.append("two query half-tiles per CTA share each K/V tile (ping-pong)")
     return tuple(lines) or ("none (baseline)",)
+
+
+def _row_mask(spec: Spec) -> tuple[str, ...]:
+    terms = []
+    if spec.causal:
+        terms.append("keys <= rows")
+    elif spec.window is not None and spec.window.right is not None:
+        terms.append("keys <= rows + WINDOW_RIGHT")
+    if spec.window is not None and spec.window.left is not None:
+        terms.append("keys >= rows - WINDOW_LEFT")
+    return tuple(terms)
 
 
 def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
@@ -229,7 +261,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         causal=spec.causal,
         loop_split=spec.loop_split,
         block_remap=block_remap,
-        even_n_param=spec.causal and spec.loop_split,
+        even_n_param=bool(_row_mask(spec)) and spec.loop_split,
         tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
                           if tile_order_param is None else tile_order_param),
         k_transposed=spec.loads.k_transposed,
@@ -249,6 +281,16 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
             check_bounds=False if loads.check_bounds == "masked" else None
         ),
         prescale_q=spec.prescale_q,
+        window_left=spec.window.left if spec.window else None,
+        window_right=spec.window.right if spec.window and not spec.causal else None,
+        softcap=spec.softcap,
+        sinks=spec.sinks,
+        return_lse=spec.return_lse,
+        scores_scaled=spec.prescale_q or spec.softcap is not None,
+        rows_may_be_empty=spec.window is not None and spec.window.left is not None,
+        row_mask=_row_mask(spec),
+        array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
+        + (("Lse",) if spec.return_lse else ()),
         q_subtiles=spec.q_subtiles,
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",

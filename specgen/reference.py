@@ -18,6 +18,28 @@ def causal_mask(seq_q: int, seq_k: int, q_offset: int = 0, device=None) -> torch
     return cols <= rows
 
 
+def causal_mask(seq_q: int, seq_k: int, q_offset: int = 0, device=None) -> torch.Tensor:
+    """[seq_q, seq_k] bool, True where query row i may attend key j: j <= q_offset + i."""
+    return visible_mask(seq_q, seq_k, causal=True, q_offset=q_offset, device=device)
+
+
+def visible_mask(seq_q: int, seq_k: int, *, causal: bool, q_offset: int = 0,
+                 window: tuple | None = None, device=None) -> torch.Tensor:
+    """[seq_q, seq_k] bool: query row i (position p = q_offset + i) sees key j when
+    j <= p (causal), p - left <= j (window left) and j <= p + right (window right)."""
+    rows = torch.arange(seq_q, device=device)[:, None] + q_offset
+    cols = torch.arange(seq_k, device=device)[None, :]
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if causal:
+        visible &= cols <= rows
+    left, right = window or (None, None)
+    if left is not None:
+        visible &= cols >= rows - left
+    if right is not None:
+        visible &= cols <= rows + right
+    return visible
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -26,9 +48,18 @@ def attention_reference(
     causal: bool,
     scale: float | None = None,
     q_offset: int = 0,
-) -> torch.Tensor:
+    window: tuple | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+):
     """softmax(scale * q k^T + mask) v in float64, for q [B, Hq, Sq, D] and k/v
     [B, Hkv, Skv, D] with Hq a multiple of Hkv (query head h reads KV head h // ratio).
+
+    ``window`` is (left, right), None for unbounded; ``softcap`` c maps each
+    score to c * tanh(score / c); ``sinks`` [Hq] adds exp(sink[h]) to each row's
+    normaliser. A row with no visible key gives zeros and an LSE of -inf (or the
+    sink alone). With ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
@@ -39,7 +70,23 @@ def attention_reference(
         v64 = v64.repeat_interleave(ratio, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
-    if causal:
-        visible = causal_mask(q.shape[2], k.shape[2], q_offset, device=q.device)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or window is not None:
+        visible = visible_mask(q.shape[2], k.shape[2], causal=causal, q_offset=q_offset,
+                               window=window, device=q.device)
         scores = scores.masked_fill(~visible, -math.inf)
-    return torch.matmul(torch.softmax(scores, dim=-1), v64)
+    if sinks is not None:
+        sink = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    # Row max over visible keys (and the sink); 0 for a row that sees nothing.
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weights = torch.exp(scores - top)
+    norm = weights.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    out = torch.matmul(weights, v64) / torch.where(norm == 0, torch.ones_like(norm), norm)
+    if not return_lse:
+        return out
+    return out, (top + torch.log(norm)).squeeze(-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import keyword
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -20,6 +21,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from .errors import SpecError
@@ -131,6 +133,26 @@ class Loads(_Strict):
         description="allow_tma of the K and V loads: false forbids TMA, null leaves "
         "the choice to the compiler.",
     )
+
+
+class Window(_Strict):
+    """A sliding window around each query's absolute position p = q_offset + i."""
+
+    left: Optional[int] = Field(
+        None, ge=0, le=2**31 - 1,
+        description="Keys j >= p - left are visible; null: unbounded to the left.",
+    )
+    right: Optional[int] = Field(
+        None, ge=0, le=2**31 - 1,
+        description="Keys j <= p + right are visible; null: unbounded to the right. "
+        "A causal kernel takes null or 0.",
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        if self.left is None and self.right is None:
+            raise ValueError("set left or right (or both); without either, drop window")
+        return self
 
 
 TileOrder = Literal["per_head", "global"]
@@ -288,6 +310,26 @@ class Spec(_Strict):
         False,
         description="Query row i (absolute position q_offset+i) sees keys j <= q_offset+i.",
     )
+    window: Optional[Window] = Field(
+        None,
+        description="Sliding window: key tiles wholly outside it are skipped, the "
+        "edge tiles masked (Mistral: causal with left 4095). null: no window.",
+    )
+    softcap: Optional[float] = Field(
+        None, gt=0, le=1e6,
+        description="Logit soft-cap c: score = c * tanh(score / c) (Gemma 2: 50). "
+        "null: none.",
+    )
+    sinks: bool = Field(
+        False,
+        description="A learned sink logit per query head joins the softmax "
+        "normaliser (gpt-oss); attention(..., sinks=tensor[Hq]) passes it.",
+    )
+    return_lse: bool = Field(
+        False,
+        description="attention returns (out, lse), lse [B, Hq, Sq] float32: the "
+        "natural log of each row's softmax normaliser (-inf for a row that sees no key).",
+    )
     fast_math: FastMath = Field(default_factory=FastMath)
     loop_split: bool = Field(
         True,
@@ -361,6 +403,16 @@ class Spec(_Strict):
             seen.add(target)
         return value
 
+    @field_validator("window")
+    @classmethod
+    def _causal_window(cls, value: Optional[Window], info) -> Optional[Window]:
+        if value is not None and info.data.get("causal") and value.right not in (None, 0):
+            raise ValueError(
+                f"right {value.right} needs causal: false (a causal kernel never sees "
+                "keys after the query); use null or 0"
+            )
+        return value
+
     @field_validator("block_remap")
     @classmethod
     def _check_block_remap(cls, value: Optional[bool], info) -> Optional[bool]:
@@ -384,6 +436,11 @@ class Spec(_Strict):
     @field_validator("q_subtiles")
     @classmethod
     def _subtiles_fit(cls, value: int, info) -> int:
+        if value > 1:
+            used = [name for name in ("window", "softcap", "sinks", "return_lse")
+                    if info.data.get(name)]
+            if used:
+                raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")
         for name, cfg in (info.data.get("targets") or {}).items():
             for bucket in [cfg, *cfg.by_seq_k]:
                 if bucket.tile_m // value < 16:
@@ -459,6 +516,11 @@ def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
             continue
         field = model.model_fields.get(item) if isinstance(item, str) else None
         annotation = getattr(field, "annotation", None)
+        # Optional[Model]: the model inside.
+        inner = [a for a in typing.get_args(annotation)
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
+        if inner:
+            annotation = inner[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return None
         model = annotation
@@ -488,12 +550,15 @@ def _problem(error: dict) -> tuple[str, str]:
         message = "must be a list"
     elif kind == "string_type":
         message = "must be a string"
-    elif kind in ("greater_than_equal", "less_than_equal"):
-        ctx = Spec.model_fields.get(loc[-1]) if len(loc) == 1 else None
+    elif kind in ("greater_than_equal", "less_than_equal", "greater_than"):
+        owner = _model_at(loc[:-1])
+        ctx = owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
         bounds = {type(m).__name__: m for m in getattr(ctx, "metadata", [])}
-        low, high = bounds.get("Ge"), bounds.get("Le")
+        low, high, above = bounds.get("Ge"), bounds.get("Le"), bounds.get("Gt")
         if low is not None and high is not None:
             message = f"must be an integer in [{low.ge}, {high.le}]"
+        elif above is not None and high is not None:
+            message = f"must be a number in ({above.gt}, {high.le}]"
         else:
             message = error["msg"]
     elif kind == "too_short":

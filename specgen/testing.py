@@ -10,9 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .check import TOLERANCES, compare
+from .check import TOLERANCES, call_kernel, compare, compare_lse, feature_inputs, reference_for
 from .gpu import fresh_modules, require_cuda
-from .reference import attention_reference
 
 
 @dataclass(frozen=True)
@@ -37,15 +36,22 @@ FULL_SEQS = (1, 17, 64, 1000, 4096)
 QUICK_SEQS = (1, 17, 1000)
 
 
-def case_matrix(quick: bool = False) -> list[Case]:
+def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     """B in {1, 3} x Hkv in {1, 2} x Sq=Skv in FULL_SEQS; chunked prefill with
-    Sq < Skv and q_offset = Skv - Sq; and a transposed (non-contiguous) layout."""
+    Sq < Skv and q_offset = Skv - Sq; and a transposed (non-contiguous) layout.
+    A spec with a left window adds queries placed past its keys: some rows see
+    part of the window, some see no key at all (zeros, LSE -inf)."""
     batches, kv_heads = ((1,), (1, 2)) if quick else ((1, 3), (1, 2))
     seqs = QUICK_SEQS if quick else FULL_SEQS
     cases = [Case(b, h, s, s) for b in batches for h in kv_heads for s in seqs]
     chunks = ((128, 1000),) if quick else ((128, 1000), (17, 4096), (1, 333))
     cases += [Case(b, h, sq, sk, sk - sq) for b in batches for h in kv_heads for sq, sk in chunks]
     cases += [Case(2, 2, 300, 300, layout="transposed"), Case(1, 2, 100, 700, 600, "transposed")]
+    window = (spec or {}).get("window") or {}
+    if window.get("left") is not None:
+        # Positions seq_k + left - 50 ... : the first 50 rows still see a key.
+        cases += [Case(1, 2, 200, 1000, 1000 + window["left"] - 50),
+                  Case(2, 1, 64, 333, 333 + window["left"] + 7)]
     return cases
 
 
@@ -67,19 +73,26 @@ def run_case(torch, module, case: Case, generator) -> dict:
     spec = module.SPEC
     dtype = getattr(torch, spec["dtype"])
     q, k, v = make_inputs(torch, case, spec["gqa_ratio"], spec["head_dim"], dtype, generator)
+    extra = feature_inputs(spec, q.shape[1], generator)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    module.attention(q, k, v, q_offset=case.q_offset, out=out)
+    _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     torch.cuda.synchronize()
-    ref = attention_reference(q, k, v, causal=spec["causal"], q_offset=case.q_offset)
+    ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
     result = compare(out, ref, spec["dtype"])
-    del ref
-    return {
+    row = {
         "shape": case.label(spec["gqa_ratio"]),
         "max_abs_err": result.max_abs_err,
         "rel_err": result.rel_err,
         "nonfinite": result.nonfinite,
         "ok": result.ok,
     }
+    if lse is not None:
+        lse_result = compare_lse(lse, ref_lse)
+        row["lse_err"] = lse_result.max_abs_err
+        row["lse_mismatch"] = lse_result.nonfinite
+        row["ok"] = row["ok"] and lse_result.ok
+    del ref, ref_lse
+    return row
 
 
 def format_table(name: str, dtype: str, rows: list[dict]) -> str:
@@ -91,6 +104,9 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
     ]
     for r in rows:
         note = f"  ({r['nonfinite']} non-finite)" if r.get("nonfinite") else ""
+        if "lse_err" in r:
+            note += f"  lse err {r['lse_err']:.1e}" + (
+                f" ({r['lse_mismatch']} -inf/NaN mismatches)" if r["lse_mismatch"] else "")
         lines.append(
             f"  {r['shape']:<{width}}  {r['max_abs_err']:>11.3e}  {r['rel_err']:>9.3e}  "
             f"{'ok' if r['ok'] else 'FAIL'}{note}"
@@ -105,7 +121,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int) -> int:
     for job, module in fresh_modules(paths, out_dir, log):
         generator = torch.Generator(device="cuda").manual_seed(seed)
         rows = []
-        cases = case_matrix(quick)
+        cases = case_matrix(quick, module.SPEC)
         for i, case in enumerate(cases, 1):
             log(f"[{job.plan.module_name} {i}/{len(cases)}] {case.label(module.SPEC['gqa_ratio'])}")
             rows.append(run_case(torch, module, case, generator))

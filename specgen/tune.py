@@ -34,6 +34,7 @@ from .spec import (
     Spec,
     TargetConfig,
     load_spec,
+    spec_to_dict,
 )
 
 def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
@@ -214,7 +215,7 @@ def run_tune(
     confirm: int = 4,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> int:
-    from .bench import SUITES, attention_flops, tflops
+    from .bench import SUITES, spec_flops, tflops
     from .build import load_jobs, write_jobs
     from .check import Comparison, compare, smoke_case
     from .compile import atomic_write, load_module_from_source
@@ -260,8 +261,14 @@ def run_tune(
     scale = 1.0 / math.sqrt(d)
     stream = torch.cuda.current_stream()
 
-    def kernel_args(q, k, v, out, config, q_offset=0):
-        args = (q, k, v, out, scale, q_offset, config["tile_m"], config["tile_n"])
+    def kernel_args(q, k, v, out, config, q_offset=0, sinks=None):
+        arrays = [q, k, v, out]
+        if plan.sinks:  # zeros while timing; the smoke case's random sinks when checking
+            arrays.append(sinks if sinks is not None
+                          else torch.zeros(q.shape[1], device="cuda", dtype=torch.float32))
+        if plan.return_lse:
+            arrays.append(torch.empty(q.shape[:3], device="cuda", dtype=torch.float32))
+        args = (*arrays, scale, q_offset, config["tile_m"], config["tile_n"])
         if plan.even_n_param:
             args += (k.shape[2] % config["tile_n"] == 0,)
         if plan.tile_order_param:
@@ -303,7 +310,7 @@ def run_tune(
             hints_fn=_hints,
             quiet=True,
         )
-        flops = attention_flops(batch, heads, seq, seq, d, spec.causal)
+        flops = spec_flops(spec_to_dict(spec), batch, heads, seq, seq)
         searched = [Timed(m.config, m.mean_us) for m in result.successes]
         if result.failures:
             log(f"[S={seq}]   {len(result.failures)} configs failed, e.g. "
@@ -343,7 +350,7 @@ def run_tune(
         del q, k, v, out
 
     # Correctness before anything is written: a ragged chunked-prefill shape.
-    case = smoke_case(spec.dtype, spec.gqa_ratio, d, spec.causal)
+    case = smoke_case(spec_to_dict(spec))
     checked: dict[tuple, Comparison] = {}
 
     def correct(config: dict) -> bool:
@@ -351,7 +358,8 @@ def run_tune(
         if key not in checked:
             out = torch.full_like(case.q, float("nan"))
             ct.launch(stream, grid(config, case.q.shape[2], case.q.shape[0] * case.q.shape[1]), variant(config),
-                      kernel_args(case.q, case.k, case.v, out, config, case.q_offset))
+                      kernel_args(case.q, case.k, case.v, out, config, case.q_offset,
+                                  case.extra.get("sinks")))
             torch.cuda.synchronize()
             checked[key] = compare(out, case.ref, spec.dtype)
             log(f"check {describe(config)}: max rel err {checked[key].rel_err:.2e}")

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from specgen.check import compare
-from specgen.reference import attention_reference
+from specgen.check import call_kernel, compare, compare_lse, feature_inputs, reference_for
 from specgen.testing import Case, run_case
 
 from .helpers import SPEC_NAMES, generated_module
@@ -53,9 +52,11 @@ def test_custom_scale(name):
     q = torch.randn(1, spec["gqa_ratio"], 200, spec["head_dim"], device="cuda", dtype=dtype)
     k = torch.randn(1, 1, 200, spec["head_dim"], device="cuda", dtype=dtype)
     v = torch.randn(1, 1, 200, spec["head_dim"], device="cuda", dtype=dtype)
-    out = mod.attention(q, k, v, scale=0.05)
-    ref = attention_reference(q, k, v, causal=spec["causal"], scale=0.05)
+    extra = feature_inputs(spec, q.shape[1])
+    out, lse = call_kernel(mod, q, k, v, extra, scale=0.05)
+    ref, ref_lse = reference_for(spec, q, k, v, extra, scale=0.05)
     assert compare(out, ref, spec["dtype"]).ok
+    assert lse is None or compare_lse(lse, ref_lse).ok
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
@@ -66,7 +67,8 @@ def test_empty_query_returns_empty(name):
     d, ratio = spec["head_dim"], spec["gqa_ratio"]
     q = torch.randn(1, ratio, 0, d, device="cuda", dtype=dtype)
     k = torch.randn(1, 1, 5, d, device="cuda", dtype=dtype)
-    assert mod.attention(q, k, k).shape == q.shape
+    out, lse = call_kernel(mod, q, k, k, feature_inputs(spec, ratio))
+    assert out.shape == q.shape and (lse is None or lse.shape == q.shape[:3])
 
 
 # Variants of fmha_gqa_causal rendered at test time: every structural branch of the
@@ -122,3 +124,55 @@ def _variant_module(name, overrides):
                          ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_template_variants_match_reference(variant, shape):
     _check(_variant_module(variant, VARIANTS[variant]), *shape, seed=shape[2] * 7 + shape[3])
+
+
+# Issue-6 features on a small kernel each: every combination the template prints
+# differently (left/right windows, causal or not, split or not, soft-cap with or
+# without pre-scaling, sinks, LSE, exp vs exp2), against the fp64 reference,
+# including rows that see no key.
+FEATURE_VARIANTS = {
+    "window_causal_small": {"window": {"left": 100}, "return_lse": True},
+    "window_both_sides_noncausal": {"causal": False, "block_remap": None,
+                                    "window": {"left": 70, "right": 33}, "return_lse": True},
+    "window_right_only_noncausal": {"causal": False, "block_remap": None, "window": {"right": 5}},
+    "window_no_split": {"window": {"left": 64}, "loop_split": False, "return_lse": True},
+    "softcap": {"softcap": 5.0, "prescale_q": False},
+    "softcap_prescaled_no_exp2": {"softcap": 5.0, "prescale_q": True,
+                                  "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False}},
+    "sinks_lse": {"sinks": True, "return_lse": True},
+    "sinks_window_lse_no_exp2": {"sinks": True, "return_lse": True, "window": {"left": 40},
+                                 "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": True}},
+    "everything_tiles_128x64": {"sinks": True, "return_lse": True, "window": {"left": 200}, "softcap": 20.0,
+                                "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1,
+                                                        "num_worker_warps": 8}}},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(FEATURE_VARIANTS))
+@pytest.mark.parametrize("shape", [(1, 1, 1000, 1000, 0), (2, 1, 128, 1000, 872), (1, 2, 77, 77, 0),
+                                   (1, 2, 100, 300, 450)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
+def test_feature_variants_match_reference(variant, shape):
+    _check(_variant_module(variant, FEATURE_VARIANTS[variant]), *shape, seed=shape[2] * 11 + shape[3])
+
+
+def test_empty_rows_are_zero_with_lse_minus_inf():
+    """Queries placed past the window of every key: zeros and -inf, never NaN."""
+    mod = _variant_module("empty_rows", {"window": {"left": 16}, "return_lse": True})
+    q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 1, 50, 128, device="cuda", dtype=torch.float16)
+    out, lse = mod.attention(q, k, k, q_offset=40)  # rows at 40..103: 40..65 see keys, the rest none
+    visible = torch.arange(40, 104, device="cuda") - 16 <= 49
+    assert torch.isfinite(out).all()
+    assert (out[:, :, ~visible] == 0).all() and torch.isneginf(lse[:, :, ~visible]).all()
+    assert torch.isfinite(lse[:, :, visible]).all()
+
+
+def test_sinks_argument_is_checked_before_launch():
+    mod = generated_module("fmha_gptoss_sinks")
+    q = torch.randn(1, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"sinks must be a floating-point tensor of shape \[8\]"):
+        mod.attention(q, k, k, sinks=torch.zeros(4, device="cuda"))
+    with pytest.raises(ValueError, match="sinks must be a \\[8\\] tensor"):
+        mod.attention(q, k, k, sinks=None)

@@ -75,7 +75,7 @@ BAD = [
      "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, head_dim, "
-     "gqa_ratio, causal, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
+     "gqa_ratio, causal, window, softcap, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
      "q_subtiles, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
@@ -176,6 +176,17 @@ NEW_FIELDS_BAD = [
      "specs/bad.yaml: autotune.default: must be a GPU target such as sm_90"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "tile_order": "lpt"}}},
      "specs/bad.yaml: targets.sm_90.tile_order: must be one of 'per_head' or 'global', got \"lpt\""),
+    ({"window": {}}, "specs/bad.yaml: window: set left or right (or both); without either, drop window"),
+    ({"window": {"left": -1}}, "specs/bad.yaml: window.left: must be an integer in [0, 2147483647], got -1"),
+    ({"window": {"left": 10, "size": 3}}, "specs/bad.yaml: window.size: unknown key; allowed keys: left, right"),
+    ({"causal": True, "window": {"left": 10, "right": 4}},
+     "specs/bad.yaml: window: right 4 needs causal: false (a causal kernel never sees keys after the "
+     "query); use null or 0"),
+    ({"softcap": 0.0}, "specs/bad.yaml: softcap: must be a number in (0, 1000000.0], got 0.0"),
+    ({"softcap": "high"}, "specs/bad.yaml: softcap: Input should be a valid number"),
+    ({"sinks": "yes"}, "specs/bad.yaml: sinks: must be true or false"),
+    ({"return_lse": True, "q_subtiles": 2},
+     "specs/bad.yaml: q_subtiles: 2 does not support return_lse yet; use 1"),
     ({"autotune": {"sm_90": {"tile_order": ["global", "global"]}}},
      "specs/bad.yaml: autotune.sm_90.tile_order: lists a value twice"),
 ]

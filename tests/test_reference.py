@@ -65,3 +65,60 @@ def test_reference_rejects_bad_head_ratio():
     q, k, v = _qkv(1, 3, 2, 4, 4, 8)
     with pytest.raises(ValueError, match="multiple of kv heads"):
         attention_reference(q, k, v, causal=False)
+
+
+def _naive(q, k, v, scale, visible, softcap=None, sinks=None):
+    """Row by row, straight from the definitions (independent of the reference)."""
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float64)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(q.shape[2]):
+                terms = []
+                for j in range(k.shape[2]):
+                    if visible[i, j]:
+                        s = float(q[b, h, i] @ k[b, h, j]) * scale
+                        if softcap is not None:
+                            s = softcap * math.tanh(s / softcap)
+                        terms.append((s, j))
+                norm = sum(math.exp(s) for s, _ in terms)
+                if sinks is not None:
+                    norm += math.exp(float(sinks[h]))
+                if norm:
+                    out[b, h, i] = sum(math.exp(s) * v[b, h, j] for s, j in terms) / norm
+                    lse[b, h, i] = math.log(norm)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal,window,softcap,with_sinks", [
+    (True, (3, None), None, False),
+    (True, (1, None), None, False),  # row 10 sees no key: zeros and -inf
+    (False, (2, 1), 4.0, False),
+    (True, None, 2.0, True),
+    (True, (1, None), None, True),
+])
+def test_window_softcap_sinks_match_a_naive_loop(causal, window, softcap, with_sinks):
+    q, k, v = _qkv(1, 2, 2, 6, 9, 4, seed=3)
+    sinks = torch.tensor([0.5, -1.0], dtype=torch.float64) if with_sinks else None
+    q_offset = 5  # rows at 5..10; with window left 3 / 1 some see few keys, some none
+    out, lse = attention_reference(q, k, v, causal=causal, q_offset=q_offset, window=window,
+                                   softcap=softcap, sinks=sinks, return_lse=True)
+    rows = torch.arange(6)[:, None] + q_offset
+    cols = torch.arange(9)[None, :]
+    visible = torch.ones(6, 9, dtype=torch.bool)
+    if causal:
+        visible &= cols <= rows
+    if window and window[0] is not None:
+        visible &= cols >= rows - window[0]
+    if window and window[1] is not None:
+        visible &= cols <= rows + window[1]
+    want, want_lse = _naive(q, k, v, 0.5, visible, softcap, sinks)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    if window == (1, None) and causal:
+        assert not with_sinks or torch.isfinite(lse).all()  # a sink keeps every row's lse finite
+    empty = ~visible.any(dim=1)
+    if window == (1, None) and sinks is None:
+        assert empty.any()
+    if empty.any() and sinks is None:
+        assert (out[:, :, empty] == 0).all() and torch.isneginf(lse[:, :, empty]).all()

@@ -163,6 +163,10 @@ VISIBLE = [
     ("targets.sm_100", {"tile_m": 128, "tile_n": 128, "occupancy": 3},
      "sm_100=3", True),
     ("compile_for", ["sm_90"], '"compile_for": ["sm_90"]', True),
+    ("window", {"left": 511}, "WINDOW_LEFT = 511", True),
+    ("softcap", 30.0, "s = ct.tanh(s) * cap_out", True),
+    ("sinks", True, "sink = ct.load(Sinks, index=(head,), shape=(1,))", True),
+    ("return_lse", True, "return out, lse", True),
 ]
 
 

@@ -102,9 +102,6 @@ class Plan:
     return_lse: bool
     # S comes out of the MMA (+ soft-cap) already in the softmax's units.
     scores_scaled: bool
-    # A left window can leave a row with no visible key in a tile, or at all: the
-    # softmax takes its exponents against 0 there and the division guards l = 0.
-    rows_may_be_empty: bool
     # Terms of the per-row mask of a masked key tile ("keys <= rows", ...).
     row_mask: tuple[str, ...]
     array_params: tuple[str, ...]  # "Q", "K", "V", "Out" [, "Sinks"] [, "Lse"]
@@ -123,6 +120,12 @@ class Plan:
             if target.name == name:
                 return target
         return self.targets[0]
+
+    @property
+    def rows_may_be_empty(self) -> bool:
+        """A left window can leave a row with no visible key in a tile, or at all:
+        the softmax takes its exponents against 0 there and the division guards l = 0."""
+        return self.window_left is not None
 
     def visible_expr(self, half: str = "") -> str:
         """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""
@@ -249,6 +252,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
     block_remap = spec.use_block_remap
     targets = _target_plans(spec.targets)
     loads = spec.loads
+    row_mask = _row_mask(spec)
     return Plan(
         spec=spec,
         module_name=spec.name,
@@ -261,7 +265,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         causal=spec.causal,
         loop_split=spec.loop_split,
         block_remap=block_remap,
-        even_n_param=bool(_row_mask(spec)) and spec.loop_split,
+        even_n_param=bool(row_mask) and spec.loop_split,
         tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
                           if tile_order_param is None else tile_order_param),
         k_transposed=spec.loads.k_transposed,
@@ -287,8 +291,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         sinks=spec.sinks,
         return_lse=spec.return_lse,
         scores_scaled=spec.prescale_q or spec.softcap is not None,
-        rows_may_be_empty=spec.window is not None and spec.window.left is not None,
-        row_mask=_row_mask(spec),
+        row_mask=row_mask,
         array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
         + (("Lse",) if spec.return_lse else ()),
         q_subtiles=spec.q_subtiles,

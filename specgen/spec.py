@@ -612,7 +612,9 @@ def load_spec(path: str | Path) -> Spec:
     return validate_spec(parse_spec_text(text, path), path)
 
 
-def _config_dict(data: dict) -> dict:
+def compact_config(data: dict) -> dict:
+    """A launch config as a spec writes it: null hints, an empty bucket list and
+    the default tile order left out."""
     return {k: v for k, v in data.items()
             if v is not None and v != [] and not (k == "tile_order" and v == "per_head")}
 
@@ -620,9 +622,9 @@ def _config_dict(data: dict) -> dict:
 def _target_dict(cfg: TargetConfig) -> dict:
     """A target's config without the hints left to the compiler (null), the default
     tile order or an empty bucket list."""
-    data = _config_dict(cfg.model_dump(mode="json"))
+    data = compact_config(cfg.model_dump(mode="json"))
     if "by_seq_k" in data:
-        data["by_seq_k"] = [_config_dict(b) for b in data["by_seq_k"]]
+        data["by_seq_k"] = [compact_config(b) for b in data["by_seq_k"]]
     return data
 
 

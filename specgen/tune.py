@@ -33,6 +33,7 @@ from .spec import (
     AutotuneSpace,
     Spec,
     TargetConfig,
+    compact_config,
     load_spec,
     spec_to_dict,
 )
@@ -128,10 +129,8 @@ def choose(
 
 
 def _clean(config: dict) -> dict:
-    """A config as the spec writes it: null hints and the default tile order left
-    out, occupancy kept."""
-    return {k: v for k, v in config.items()
-            if v is not None and not (k == "tile_order" and v == "per_head")}
+    """A config as the spec writes it (occupancy kept)."""
+    return compact_config(config)
 
 
 def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]) -> str:

@@ -49,9 +49,11 @@ def parse_suite(name: str) -> str:
     return name
 
 
-def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool) -> int:
-    """4 * B * Hq * Sq * Skv * D (two matmuls, multiply-add = 2), halved for causal."""
-    flops = 4 * batch * heads * seq_q * seq_k * head_dim
+def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool,
+                    v_head_dim: Optional[int] = None) -> int:
+    """2 * B * Hq * Sq * Skv * (D + Dv) (two matmuls, multiply-add = 2; 4 * ... * D
+    when Dv = D), halved for causal."""
+    flops = 2 * batch * heads * seq_q * seq_k * (head_dim + (v_head_dim or head_dim))
     return flops // 2 if causal else flops
 
 
@@ -73,10 +75,11 @@ def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: Optional[dict] =
 def spec_flops(spec: dict, batch: int, heads: int, seq_q: int, seq_k: int) -> int:
     """4 * B * Hq * D * visible pairs; the classic formula (causal: half) where no
     window applies, so dense and causal figures compare with published ones."""
+    d, dv = spec["head_dim"], spec.get("v_head_dim") or spec["head_dim"]
     if not spec.get("window"):
-        return attention_flops(batch, heads, seq_q, seq_k, spec["head_dim"], spec["causal"])
+        return attention_flops(batch, heads, seq_q, seq_k, d, spec["causal"], dv)
     pairs = visible_pairs(seq_q, seq_k, spec["causal"], spec["window"])
-    return 4 * batch * heads * pairs * spec["head_dim"]
+    return 2 * batch * heads * pairs * (d + dv)
 
 
 def tflops(flops: int, ms: float) -> float:
@@ -316,7 +319,7 @@ def run_bench(
     baselines: tuple[str, ...],
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Path]:
-    from .check import call_kernel, feature_inputs
+    from .check import call_kernel, feature_inputs, poisoned_out, random_qkv
     from .gpu import device_info, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
@@ -340,19 +343,16 @@ def run_bench(
         if heads % ratio:
             log(f"{job.plan.module_name}: skipped, {heads} query heads not divisible by gqa_ratio {ratio}")
             continue
-        dtype = getattr(torch, spec["dtype"])
         kv_heads, d = heads // ratio, spec["head_dim"]
         fns = _make_baselines(torch, baselines, causal, ratio, spec)
         rows = []
         for seq in seqs:
             log(f"[{job.plan.module_name}] S={seq}")
-            q = torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype)
-            k = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
-            v = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+            q, k, v = random_qkv(spec, batch, kv_heads, seq, seq)
             # Expanded K/V for baselines needing equal head counts, outside timing.
             k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
             v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
-            out = torch.full_like(q, float("nan"))
+            out = poisoned_out(spec, q, v)
             extra = feature_inputs(spec, heads)
             flops = spec_flops(spec, batch, heads, seq, seq)
             timings: dict[str, Timing] = {}

@@ -36,6 +36,30 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     return Comparison(err, rel, nonfinite, nonfinite == 0 and rel <= TOLERANCES[dtype])
 
 
+def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
+               generator=None, layout: str = "contiguous"):
+    """Random q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] for
+    ``spec`` (its SPEC dict), N(0, 1) in the spec's dtype. ``layout`` "transposed"
+    makes each a [B, S, H, D] tensor seen as [B, H, S, D] (non-contiguous)."""
+    dtype = getattr(torch, spec["dtype"])
+    d = spec["head_dim"]
+    dv = spec.get("v_head_dim") or d
+
+    def rand(heads: int, seq: int, dim: int) -> torch.Tensor:
+        shape = (batch, seq, heads, dim) if layout == "transposed" else (batch, heads, seq, dim)
+        t = torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32).to(dtype)
+        return t.transpose(1, 2) if layout == "transposed" else t
+
+    heads = kv_heads * spec["gqa_ratio"]
+    return rand(heads, seq_q, d), rand(kv_heads, seq_k, d), rand(kv_heads, seq_k, dv)
+
+
+def poisoned_out(spec: dict, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An output buffer [B, Hq, Sq, Dv] full of NaN: an element never written fails."""
+    return torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=getattr(torch, spec["dtype"]),
+                      device=q.device)
+
+
 def feature_inputs(spec: dict, num_heads: int, generator=None) -> dict:
     """The extra keyword tensors a spec's ``attention`` takes (``sinks`` [Hq]),
     drawn at random: sinks around the scale of real logits, so they matter."""
@@ -92,13 +116,7 @@ class SmokeCase:
 
 def smoke_case(spec: dict, generator=None) -> SmokeCase:
     """The smoke case of a spec (its SPEC dict or spec_to_dict form)."""
-    dtype, ratio, head_dim = spec["dtype"], spec["gqa_ratio"], spec["head_dim"]
-
-    def rand(heads: int, seq: int) -> torch.Tensor:
-        return torch.randn(2, heads, seq, head_dim, device="cuda", dtype=getattr(torch, dtype),
-                           generator=generator)
-
-    q, k, v = rand(2 * ratio, 333), rand(2, 1000), rand(2, 1000)
+    q, k, v = random_qkv(spec, 2, 2, 333, 1000, generator=generator)
     q_offset = 667 if spec["causal"] or spec.get("window") else 0
     extra = feature_inputs(spec, q.shape[1], generator)
     ref, _ = reference_for(spec, q, k, v, extra, q_offset=q_offset)

@@ -143,7 +143,7 @@ def run_variants(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Path:
     from .bench import attention_flops, tflops
-    from .check import TOLERANCES, call_kernel, compare, smoke_case
+    from .check import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
     from .gpu import device_info, device_slug, import_module_file, require_cuda
 
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
@@ -163,7 +163,6 @@ def run_variants(
 
     first = next(iter(plans.values()))
     ratio, causal, d = first.group_size, first.causal, first.head_dim
-    dtype = getattr(torch, first.dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     # Correctness first: a ragged chunked-prefill shape, against fp64.
@@ -171,7 +170,7 @@ def run_variants(
     case = smoke_case(first.spec_dict, generator=gen)
     for label, module in modules.items():
         try:
-            out = torch.full_like(case.q, float("nan"))
+            out = poisoned_out(first.spec_dict, case.q, case.v)
             call_kernel(module, case.q, case.k, case.v, case.extra, q_offset=case.q_offset, out=out)
             torch.cuda.synchronize()
             result = compare(out, case.ref, first.dtype)
@@ -186,13 +185,11 @@ def run_variants(
     shapes = config.shapes
     kv_heads = shapes.heads // ratio
     for seq in shapes.seqs:
-        q = torch.randn(shapes.batch, shapes.heads, seq, d, device="cuda", dtype=dtype)
-        k = torch.randn(shapes.batch, kv_heads, seq, d, device="cuda", dtype=dtype)
-        v = torch.randn(shapes.batch, kv_heads, seq, d, device="cuda", dtype=dtype)
+        q, k, v = random_qkv(first.spec_dict, shapes.batch, kv_heads, seq, seq)
         kf = k.repeat_interleave(ratio, 1) if ratio > 1 else k
         vf = v.repeat_interleave(ratio, 1) if ratio > 1 else v
-        out = torch.empty_like(q)
-        flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal)  # no window here
+        out = poisoned_out(first.spec_dict, q, v)
+        flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal, first.v_head_dim)
 
         def cudnn():
             with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -72,6 +72,14 @@ class Plan:
     ct_dtype: str  # "ct.float16"
     torch_dtype: str  # "torch.float16"
     head_dim: int
+    v_head_dim: int  # of v and the output (head_dim unless the spec sets it)
+    head_dim_tile: int  # head_dim rounded up to a power of two (tiles are padded)
+    v_head_dim_tile: int
+    d_tile: str  # the constant of a q/k tile's D extent: "HEAD_DIM" or "HEAD_DIM_TILE"
+    dv_tile: str  # of a v/out tile: "HEAD_DIM", "V_HEAD_DIM", "HEAD_DIM_TILE", ...
+    dv_name: str  # the constant holding v's head dim: "HEAD_DIM" or "V_HEAD_DIM"
+    # padding_mode=ZERO on the q and k loads where D is padded (0 * 0 adds nothing)
+    qk_pad_kwargs: str
     group_size: int
     causal: bool
     loop_split: bool
@@ -151,7 +159,8 @@ def procedural_name(spec: Spec) -> str:
     """The one name of a kernel variant, used for the kernel, cache and bench rows."""
     mask = "causal" if spec.causal else "full"
     heads = "mha" if spec.gqa_ratio == 1 else f"gqa{spec.gqa_ratio}"
-    return f"fmha_{spec.family}_{mask}_{heads}_{DTYPE_SHORT[spec.dtype]}_d{spec.head_dim}"
+    dims = f"d{spec.head_dim}" + (f"_dv{spec.v_head_dim}" if spec.v_head_dim else "")
+    return f"fmha_{spec.family}_{mask}_{heads}_{DTYPE_SHORT[spec.dtype]}_{dims}"
 
 
 def _kwargs(**values) -> str:
@@ -244,6 +253,27 @@ def _row_mask(spec: Spec) -> tuple[str, ...]:
     return tuple(terms)
 
 
+def _pow2_ceil(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+def _dims(spec: Spec) -> dict:
+    """Head dims, their tile extents and the names the template prints for them."""
+    d, dv = spec.head_dim, spec.dv
+    d_tile, dv_tile = _pow2_ceil(d), _pow2_ceil(dv)
+    d_name = "HEAD_DIM" if d_tile == d else "HEAD_DIM_TILE"
+    dv_name = "HEAD_DIM" if dv == d else "V_HEAD_DIM"
+    if dv == d:
+        dv_tile_name = d_name
+    else:
+        dv_tile_name = "V_HEAD_DIM" if dv_tile == dv else "V_HEAD_DIM_TILE"
+    return dict(
+        head_dim=d, v_head_dim=dv, head_dim_tile=d_tile, v_head_dim_tile=dv_tile,
+        d_tile=d_name, dv_tile=dv_tile_name, dv_name=dv_name,
+        qk_pad_kwargs=", padding_mode=ct.PaddingMode.ZERO" if d_tile != d else "",
+    )
+
+
 def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
     """The plan of ``spec``. ``tile_order_param`` forces the TILES_OUTER kernel
     argument on or off (``specgen tune`` searches both orders with one kernel);
@@ -260,7 +290,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         dtype=spec.dtype,
         ct_dtype=f"ct.{spec.dtype}",
         torch_dtype=f"torch.{spec.dtype}",
-        head_dim=spec.head_dim,
+        **_dims(spec),
         group_size=spec.gqa_ratio,
         causal=spec.causal,
         loop_split=spec.loop_split,

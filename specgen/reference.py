@@ -13,13 +13,6 @@ import torch
 
 def causal_mask(seq_q: int, seq_k: int, q_offset: int = 0, device=None) -> torch.Tensor:
     """[seq_q, seq_k] bool, True where query row i may attend key j: j <= q_offset + i."""
-    rows = torch.arange(seq_q, device=device)[:, None] + q_offset
-    cols = torch.arange(seq_k, device=device)[None, :]
-    return cols <= rows
-
-
-def causal_mask(seq_q: int, seq_k: int, q_offset: int = 0, device=None) -> torch.Tensor:
-    """[seq_q, seq_k] bool, True where query row i may attend key j: j <= q_offset + i."""
     return visible_mask(seq_q, seq_k, causal=True, q_offset=q_offset, device=device)
 
 

@@ -69,7 +69,15 @@ def _opt_level(value: Optional[int]) -> Optional[int]:
     return value
 
 
+def _head_dim(value: int) -> int:
+    # Multiples of 8 keep every row of a 2-byte q/k/v 16-byte aligned (TMA).
+    if not 16 <= value <= 256 or value % 8:
+        raise ValueError("must be a multiple of 8 in [16, 256]")
+    return value
+
+
 TileSize = Annotated[int, AfterValidator(_power_of_two_tile)]
+HeadDim = Annotated[int, AfterValidator(_head_dim)]
 Latency = Annotated[Optional[int], AfterValidator(_latency)]
 Occupancy = Annotated[int, AfterValidator(_occupancy)]
 NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16))]
@@ -302,7 +310,17 @@ class Spec(_Strict):
     dtype: Literal["float16", "bfloat16"] = Field(
         "float16", description="Element type of q, k, v and the output."
     )
-    head_dim: Literal[64, 128, 256] = Field(128, description="Head dimension D.")
+    head_dim: HeadDim = Field(
+        128,
+        description="Head dimension D of q and k: a multiple of 8 in [16, 256]; one "
+        "that is not a power of two (Phi: 80) is zero-padded to the next power of two "
+        "inside the kernel.",
+    )
+    v_head_dim: Optional[HeadDim] = Field(
+        None,
+        description="Head dimension of v and the output when it differs from "
+        "head_dim (DeepSeek MLA: head_dim 192, v_head_dim 128); null: head_dim.",
+    )
     gqa_ratio: int = Field(
         1, ge=1, le=128, description="Query heads per KV head; 1 means MHA."
     )
@@ -431,7 +449,31 @@ class Spec(_Strict):
                 "check_bounds 'masked' needs loop_split: true (without the split "
                 "every key tile is masked); use 'all'"
             )
+        dims = [info.data.get("head_dim"), info.data.get("v_head_dim")]
+        odd = [d for d in dims if isinstance(d, int) and d & (d - 1)]
+        if value.check_bounds == "masked" and odd:
+            raise ValueError(
+                f"check_bounds 'masked' needs power-of-two head dims (head dim {odd[0]} "
+                "is padded, so every tile reads past the array's last axis); use 'all'"
+            )
         return value
+
+    @field_validator("v_head_dim")
+    @classmethod
+    def _v_head_dim(cls, value: Optional[int], info) -> Optional[int]:
+        if value is not None and value == info.data.get("head_dim"):
+            return None  # the same as leaving it out
+        return value
+
+    @property
+    def dv(self) -> int:
+        """The head dimension of v and the output."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def padded(self) -> bool:
+        """A head dimension is not a power of two: tiles are zero-padded in D."""
+        return any(d & (d - 1) for d in (self.head_dim, self.dv))
 
     @field_validator("q_subtiles")
     @classmethod

@@ -10,7 +10,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .check import TOLERANCES, call_kernel, compare, compare_lse, feature_inputs, reference_for
+from .check import (
+    TOLERANCES,
+    call_kernel,
+    compare,
+    compare_lse,
+    feature_inputs,
+    poisoned_out,
+    random_qkv,
+    reference_for,
+)
 from .gpu import fresh_modules, require_cuda
 
 
@@ -55,26 +64,12 @@ def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     return cases
 
 
-def make_inputs(torch, case: Case, ratio: int, head_dim: int, dtype, generator):
-    heads = case.kv_heads * ratio
-
-    def rand(h, s):
-        if case.layout == "transposed":
-            shape = (case.batch, s, h, head_dim)
-        else:
-            shape = (case.batch, h, s, head_dim)
-        t = torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32).to(dtype)
-        return t.transpose(1, 2) if case.layout == "transposed" else t
-
-    return rand(heads, case.seq_q), rand(case.kv_heads, case.seq_k), rand(case.kv_heads, case.seq_k)
-
-
 def run_case(torch, module, case: Case, generator) -> dict:
     spec = module.SPEC
-    dtype = getattr(torch, spec["dtype"])
-    q, k, v = make_inputs(torch, case, spec["gqa_ratio"], spec["head_dim"], dtype, generator)
+    q, k, v = random_qkv(spec, case.batch, case.kv_heads, case.seq_q, case.seq_k,
+                         generator=generator, layout=case.layout)
     extra = feature_inputs(spec, q.shape[1], generator)
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    out = poisoned_out(spec, q, v)
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     torch.cuda.synchronize()
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)

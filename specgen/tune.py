@@ -216,7 +216,7 @@ def run_tune(
 ) -> int:
     from .bench import SUITES, spec_flops, tflops
     from .build import load_jobs, write_jobs
-    from .check import Comparison, compare, smoke_case
+    from .check import Comparison, compare, poisoned_out, random_qkv, smoke_case
     from .compile import atomic_write, load_module_from_source
     from .gpu import device_info, device_slug, require_cuda
     from .plan import make_plan
@@ -255,7 +255,7 @@ def run_tune(
     source = render(plan, path.as_posix()).text
     module = load_module_from_source(f"{spec.name}_tune", source, f"{spec.name}_tune.py")
     kernel = getattr(module, plan.kernel_name)
-    dtype = getattr(torch, spec.dtype)
+    spec_dict = spec_to_dict(spec)
     kv_heads, d = heads // spec.gqa_ratio, spec.head_dim
     scale = 1.0 / math.sqrt(d)
     stream = torch.cuda.current_stream()
@@ -296,10 +296,8 @@ def run_tune(
     own = None
     # Longest first: its winner is the own config, re-timed at every shorter length.
     for seq in sorted(seqs, reverse=True):
-        q = torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype)
-        k = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
-        v = torch.randn(batch, kv_heads, seq, d, device="cuda", dtype=dtype)
-        out = torch.empty_like(q)
+        q, k, v = random_qkv(spec_dict, batch, kv_heads, seq, seq)
+        out = poisoned_out(spec_dict, q, v)
         log(f"[S={seq}] searching {len(configs)} configs")
         result = exhaustive_search(
             configs, stream,
@@ -309,7 +307,7 @@ def run_tune(
             hints_fn=_hints,
             quiet=True,
         )
-        flops = spec_flops(spec_to_dict(spec), batch, heads, seq, seq)
+        flops = spec_flops(spec_dict, batch, heads, seq, seq)
         searched = [Timed(m.config, m.mean_us) for m in result.successes]
         if result.failures:
             log(f"[S={seq}]   {len(result.failures)} configs failed, e.g. "
@@ -349,13 +347,13 @@ def run_tune(
         del q, k, v, out
 
     # Correctness before anything is written: a ragged chunked-prefill shape.
-    case = smoke_case(spec_to_dict(spec))
+    case = smoke_case(spec_dict)
     checked: dict[tuple, Comparison] = {}
 
     def correct(config: dict) -> bool:
         key = config_key(config)
         if key not in checked:
-            out = torch.full_like(case.q, float("nan"))
+            out = poisoned_out(spec_dict, case.q, case.v)
             ct.launch(stream, grid(config, case.q.shape[2], case.q.shape[0] * case.q.shape[1]), variant(config),
                       kernel_args(case.q, case.k, case.v, out, config, case.q_offset,
                                   case.extra.get("sinks")))

@@ -1,7 +1,6 @@
 """`specgen bench --variants` without a GPU: every variant is validated and
 rendered before anything runs; bad files and bad variants exit 2 in one line."""
 
-from pathlib import Path
 
 import pytest
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specgen.check import call_kernel, compare, compare_lse, feature_inputs, reference_for
+from specgen.check import call_kernel, compare, compare_lse, feature_inputs, random_qkv, reference_for
 from specgen.testing import Case, run_case
 
 from .helpers import SPEC_NAMES, generated_module
@@ -48,10 +48,7 @@ def test_transposed_views(name):
 def test_custom_scale(name):
     mod = generated_module(name)
     spec = mod.SPEC
-    dtype = getattr(torch, spec["dtype"])
-    q = torch.randn(1, spec["gqa_ratio"], 200, spec["head_dim"], device="cuda", dtype=dtype)
-    k = torch.randn(1, 1, 200, spec["head_dim"], device="cuda", dtype=dtype)
-    v = torch.randn(1, 1, 200, spec["head_dim"], device="cuda", dtype=dtype)
+    q, k, v = random_qkv(spec, 1, 1, 200, 200)
     extra = feature_inputs(spec, q.shape[1])
     out, lse = call_kernel(mod, q, k, v, extra, scale=0.05)
     ref, ref_lse = reference_for(spec, q, k, v, extra, scale=0.05)
@@ -63,12 +60,9 @@ def test_custom_scale(name):
 def test_empty_query_returns_empty(name):
     mod = generated_module(name)
     spec = mod.SPEC
-    dtype = getattr(torch, spec["dtype"])
-    d, ratio = spec["head_dim"], spec["gqa_ratio"]
-    q = torch.randn(1, ratio, 0, d, device="cuda", dtype=dtype)
-    k = torch.randn(1, 1, 5, d, device="cuda", dtype=dtype)
-    out, lse = call_kernel(mod, q, k, k, feature_inputs(spec, ratio))
-    assert out.shape == q.shape and (lse is None or lse.shape == q.shape[:3])
+    q, k, v = random_qkv(spec, 1, 1, 0, 5)
+    out, lse = call_kernel(mod, q, k, v, feature_inputs(spec, q.shape[1]))
+    assert out.shape == (*q.shape[:3], v.shape[3]) and (lse is None or lse.shape == q.shape[:3])
 
 
 # Variants of fmha_gqa_causal rendered at test time: every structural branch of the
@@ -80,6 +74,16 @@ VARIANTS = {
     "k_permuted_no_hints": {"loads": {"k_transposed": False, "k_latency": None, "v_latency": None}},
     "non_causal_gqa8_d64": {"causal": False, "block_remap": None, "gqa_ratio": 8, "head_dim": 64},
     "d256_tiles_32": {"head_dim": 256, "targets": {"default": {"tile_m": 32, "tile_n": 32, "occupancy": 1}}},
+    # Head dims that are not a power of two: tiles zero-padded in D.
+    "d80": {"head_dim": 80},
+    "d56_gqa8_non_causal": {"head_dim": 56, "gqa_ratio": 8, "causal": False, "block_remap": None},
+    "d96_k_permuted_no_prescale": {"head_dim": 96, "prescale_q": False,
+                                   "loads": {"k_transposed": False}},
+    "d24_bf16_no_split": {"head_dim": 24, "dtype": "bfloat16", "loop_split": False},
+    # v_head_dim != head_dim (MLA): one padded, one not; and the other way round.
+    "d192_dv128": {"head_dim": 192, "v_head_dim": 128},
+    "d64_dv40_window_lse": {"head_dim": 64, "v_head_dim": 40, "window": {"left": 100},
+                            "return_lse": True},
     "subtiles_prescale_nobounds": {
         "q_subtiles": 2, "prescale_q": True,
         "loads": {"check_bounds": "masked", "allow_tma": False},
@@ -176,3 +180,11 @@ def test_sinks_argument_is_checked_before_launch():
         mod.attention(q, k, k, sinks=torch.zeros(4, device="cuda"))
     with pytest.raises(ValueError, match="sinks must be a \\[8\\] tensor"):
         mod.attention(q, k, k, sinks=None)
+
+
+def test_v_head_dim_out_buffer_is_checked():
+    mod = generated_module("fmha_mla_d192")
+    q = torch.randn(1, 2, 8, 192, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out must be a torch.bfloat16 tensor of shape \(1, 2, 8, 128\)"):
+        mod.attention(q, q, v, out=torch.empty_like(q))

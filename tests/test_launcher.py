@@ -48,3 +48,26 @@ def test_bad_arguments_raise_value_error_before_launch(tensors, kwargs, message,
     with pytest.raises(ValueError) as info:
         mod.attention(tensors["q"], tensors["k"], tensors["v"], **kwargs)
     assert message in str(info.value)
+
+
+mla = generated_module("fmha_mla_d192")  # head_dim 192, v_head_dim 128, MHA, bfloat16
+
+
+def _b(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+MLA_CASES = [
+    ((_b(1, 2, 8, 192), _b(1, 2, 8, 192), _b(1, 2, 8, 192)), {}, "v must have head_dim 128, got 192"),
+    ((_b(1, 2, 8, 128), _b(1, 2, 8, 192), _b(1, 2, 8, 128)), {}, "q must have head_dim 192, got 128"),
+    ((_b(1, 2, 8, 192), _b(1, 2, 8, 192), _b(1, 2, 9, 128)), {},
+     "k and v must agree in batch, heads and seq, got (1, 2, 8, 192) and (1, 2, 9, 128)"),
+]
+
+
+@pytest.mark.parametrize("tensors,kwargs,message", MLA_CASES, ids=[c[2][:40] for c in MLA_CASES])
+def test_v_head_dim_checks(tensors, kwargs, message, monkeypatch):
+    monkeypatch.setattr(mla.ct, "launch", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError) as info:
+        mla.attention(*tensors, **kwargs)
+    assert message in str(info.value)

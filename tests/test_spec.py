@@ -59,7 +59,12 @@ BAD = [
      "specs/bad.yaml: targets.default.tile_n: required field is missing"),
     ({"dtype": "float32"},
      "specs/bad.yaml: dtype: must be one of 'float16' or 'bfloat16', got \"float32\""),
-    ({"head_dim": 96}, "specs/bad.yaml: head_dim: must be one of 64, 128 or 256, got 96"),
+    ({"head_dim": 100}, "specs/bad.yaml: head_dim: must be a multiple of 8 in [16, 256], got 100"),
+    ({"head_dim": 264}, "specs/bad.yaml: head_dim: must be a multiple of 8 in [16, 256], got 264"),
+    ({"v_head_dim": 12}, "specs/bad.yaml: v_head_dim: must be a multiple of 8 in [16, 256], got 12"),
+    ({"head_dim": 80, "loads": {"check_bounds": "masked"}},
+     "specs/bad.yaml: loads: check_bounds 'masked' needs power-of-two head dims (head dim 80 is "
+     "padded, so every tile reads past the array's last axis); use 'all'"),
     ({"gqa_ratio": 0}, "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got 0"),
     ({"gqa_ratio": 2.5}, "specs/bad.yaml: gqa_ratio: must be an integer, got 2.5"),
     ({"causal": "yes"}, "specs/bad.yaml: causal: must be true or false, got \"yes\""),
@@ -74,7 +79,7 @@ BAD = [
     ({"fast_math": {"exp3": True}},
      "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
-     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, head_dim, "
+     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, head_dim, v_head_dim, "
      "gqa_ratio, causal, window, softcap, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
      "q_subtiles, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},

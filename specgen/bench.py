@@ -257,7 +257,9 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
     (it has no sinks)."""
     spec = spec or {}
     window, softcap = spec.get("window"), spec.get("softcap")
-    unsupported = [n for n, on in (("window", window), ("softcap", softcap), ("sinks", spec.get("sinks")))
+    score_mod, mask_mod = spec.get("score_mod"), spec.get("mask_mod")
+    unsupported = [n for n, on in (("window", window), ("softcap", softcap), ("sinks", spec.get("sinks")),
+                                   ("score_mod", score_mod), ("mask_mod", mask_mod))
                    if on]
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -265,7 +267,7 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
     made: dict[str, object] = {}
 
     def sdpa_with(backend):
-        def run(q, k_full, v_full, _k, _v):
+        def run(q, k_full, v_full, _k, _v, _extra):
             with sdpa_kernel([backend]):
                 return sdpa(q, k_full, v_full, is_causal=causal)
 
@@ -287,23 +289,38 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
             left = window.get("left") if window else None
             right = window.get("right") if window else None
 
-            def mask_mod(b, h, qi, ki):
-                visible = qi >= ki if causal else qi >= 0
+            from .expr import evaluate
+
+            hook_tensors: dict = {}  # the current call's extra tensors, read by the hooks
+
+            def visible(b, h, qi, ki):
+                allowed = qi >= ki if causal else qi >= 0
                 if left is not None:
-                    visible = visible & (ki >= qi - left)
+                    allowed = allowed & (ki >= qi - left)
                 if right is not None and not causal:
-                    visible = visible & (ki <= qi + right)
-                return visible
+                    allowed = allowed & (ki <= qi + right)
+                if mask_mod:
+                    env = {"b": b, "h": h, "q_idx": qi, "kv_idx": ki}
+                    allowed = allowed & evaluate(mask_mod, env, hook_tensors)
+                return allowed
 
-            def cap(score, b, h, qi, ki):
-                return softcap * torch.tanh(score / softcap)
+            def modify(score, b, h, qi, ki):
+                if softcap:
+                    score = softcap * torch.tanh(score / softcap)
+                if score_mod:
+                    env = {"score": score, "b": b, "h": h, "q_idx": qi, "kv_idx": ki}
+                    score = evaluate(score_mod, env, hook_tensors).to(score.dtype)
+                return score
 
-            def run_flex(q, _kf, _vf, k, v):
+            def run_flex(q, _kf, _vf, k, v, extra):
                 key = (q.shape[2], k.shape[2])
-                if (causal or window) and key not in masks:
-                    masks[key] = create_block_mask(mask_mod, None, None, key[0], key[1], device="cuda")
+                hook_tensors.clear()
+                hook_tensors.update({n: extra[n] for n in spec.get("tensors") or {}})
+                if (causal or window or mask_mod) and key not in masks:
+                    masks[key] = create_block_mask(visible, q.shape[0] if mask_mod else None,
+                                                   None, key[0], key[1], device="cuda")
                 return compiled(q, k, v, block_mask=masks.get(key), enable_gqa=ratio > 1,
-                                score_mod=cap if softcap else None)
+                                score_mod=modify if softcap or score_mod else None)
 
             made["flex"] = run_flex
         except Exception as exc:  # noqa: BLE001 - reported, not dropped
@@ -319,7 +336,7 @@ def run_bench(
     baselines: tuple[str, ...],
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Path]:
-    from .check import call_kernel, feature_inputs, poisoned_out, random_qkv
+    from .check import call_kernel, feature_inputs, poisoned_out, random_qkv, shape_dims
     from .gpu import device_info, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
@@ -353,7 +370,7 @@ def run_bench(
             k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
             v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
             out = poisoned_out(spec, q, v)
-            extra = feature_inputs(spec, heads)
+            extra = feature_inputs(spec, shape_dims(q, k))
             flops = spec_flops(spec, batch, heads, seq, seq)
             timings: dict[str, Timing] = {}
 
@@ -371,10 +388,10 @@ def run_bench(
                     timings[name] = Timing(error=str(fn or "not available"))
                     continue
                 try:
-                    ref = fn(q, k_full, v_full, k, v)
+                    ref = fn(q, k_full, v_full, k, v, extra)
                     torch.cuda.synchronize()
                     diff = (ref.float() - ours.float()).abs().max().item()
-                    ms = do_bench(lambda: fn(q, k_full, v_full, k, v), warmup=25, rep=200,
+                    ms = do_bench(lambda: fn(q, k_full, v_full, k, v, extra), warmup=25, rep=200,
                                   return_mode="median")
                     timings[name] = timed(ms, flops, matmul, max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported

@@ -54,19 +54,44 @@ def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
     return rand(heads, seq_q, d), rand(kv_heads, seq_k, d), rand(kv_heads, seq_k, dv)
 
 
+def shape_dims(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """The named sizes of a call, for hook tensor shapes: batch, heads, ..."""
+    return {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1],
+            "seq_q": q.shape[2], "seq_k": k.shape[2]}
+
+
 def poisoned_out(spec: dict, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """An output buffer [B, Hq, Sq, Dv] full of NaN: an element never written fails."""
     return torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=getattr(torch, spec["dtype"]),
                       device=q.device)
 
 
-def feature_inputs(spec: dict, num_heads: int, generator=None) -> dict:
-    """The extra keyword tensors a spec's ``attention`` takes (``sinks`` [Hq]),
-    drawn at random: sinks around the scale of real logits, so they matter."""
+def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
+    """The extra keyword tensors a spec's ``attention`` takes (``sinks`` [Hq], hook
+    tensors), drawn at random: sinks around the scale of real logits, so they
+    matter. ``dims``: batch, heads, kv_heads, seq_q, seq_k (see shape_dims)."""
     extra = {}
     if spec.get("sinks"):
         extra["sinks"] = torch.randn(num_heads, device="cuda", generator=generator) * 2.0
+    extra.update(hook_tensors(spec, dims, generator))
     return extra
+
+
+def hook_tensors(spec: dict, dims: dict, generator=None, device="cuda") -> dict:
+    """Random values for the spec's hook tensors, shaped by ``dims`` (batch, heads,
+    kv_heads, seq_q, seq_k). float32: ALiBi-like slopes in (1/256, 1]; int32: ids
+    that stay constant over random runs along the last axis (document ids), so a
+    mask built from them keeps blocks of every size."""
+    made = {}
+    for name, decl in (spec.get("tensors") or {}).items():
+        shape = tuple(dims[d] if isinstance(d, str) else d for d in decl["shape"])
+        if decl["dtype"] == "float32":
+            u = torch.rand(shape, device=device, generator=generator)
+            made[name] = torch.exp2(-8.0 * u)
+        else:
+            starts = torch.rand(shape, device=device, generator=generator) < 0.01
+            made[name] = torch.cumsum(starts.to(torch.int32), dim=-1, dtype=torch.int32)
+    return made
 
 
 def call_kernel(module, q, k, v, extra: dict, **kwargs):
@@ -82,10 +107,12 @@ def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=
     from .reference import attention_reference
 
     window = spec.get("window")
+    tensors = {name: extra[name] for name in spec.get("tensors") or {}}
     return attention_reference(
         q, k, v, causal=spec["causal"], scale=scale, q_offset=q_offset,
         window=(window["left"], window["right"]) if window else None,
         softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
+        score_mod=spec.get("score_mod"), mask_mod=spec.get("mask_mod"), tensors=tensors,
     )
 
 
@@ -118,6 +145,6 @@ def smoke_case(spec: dict, generator=None) -> SmokeCase:
     """The smoke case of a spec (its SPEC dict or spec_to_dict form)."""
     q, k, v = random_qkv(spec, 2, 2, 333, 1000, generator=generator)
     q_offset = 667 if spec["causal"] or spec.get("window") else 0
-    extra = feature_inputs(spec, q.shape[1], generator)
+    extra = feature_inputs(spec, shape_dims(q, k), generator)
     ref, _ = reference_for(spec, q, k, v, extra, q_offset=q_offset)
     return SmokeCase(q, k, v, q_offset, extra, ref)

@@ -172,6 +172,8 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
         "Sinks": (ct.float32, 1, 4, False),  # [Hq] float32, made contiguous
         "Lse": (ct.float32, 3, 4, False),  # [B, Hq, Sq] float32, Sq arbitrary
     }
+    for _, param, dtype, dims in plan.extra_tensors:  # hook tensors, made contiguous
+        layouts[param] = (getattr(ct, dtype), len(dims), 4, False)
     cfg = config or plan.target(target).configs[-1]
     params = [array(*layouts.get(name, layouts["Q"])) for name in plan.array_params]
     params += [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .expr import Gather, Hook, compile_hook
 from .spec import HINT_DEFAULTS, HINT_FIELDS, LaunchConfig, Spec, TargetConfig, spec_to_dict
 
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
@@ -108,8 +109,14 @@ class Plan:
     softcap: float | None
     sinks: bool
     return_lse: bool
-    # S comes out of the MMA (+ soft-cap) already in the softmax's units.
+    # Expression hooks (None: absent) and the extra tensors they index:
+    # (name, kernel parameter, dtype, launcher size expressions).
+    score_mod: Hook | None
+    mask_mod: Hook | None
+    extra_tensors: tuple[tuple[str, str, str, tuple[str, ...]], ...]
+    # S comes out of the MMA (+ soft-cap, score_mod) already in the softmax's units.
     scores_scaled: bool
+    scale_expr: str  # the softmax scale the kernel multiplies by: "qk_scale * INV_LN2"
     # Terms of the per-row mask of a masked key tile ("keys <= rows", ...).
     row_mask: tuple[str, ...]
     array_params: tuple[str, ...]  # "Q", "K", "V", "Out" [, "Sinks"] [, "Lse"]
@@ -131,9 +138,34 @@ class Plan:
 
     @property
     def rows_may_be_empty(self) -> bool:
-        """A left window can leave a row with no visible key in a tile, or at all:
-        the softmax takes its exponents against 0 there and the division guards l = 0."""
-        return self.window_left is not None
+        """A left window or a mask_mod can leave a row with no visible key in a tile,
+        or at all: the softmax takes its exponents against 0 there and the division
+        guards l = 0."""
+        return self.window_left is not None or self.mask_mod is not None
+
+    @property
+    def hooks(self) -> tuple[Hook, ...]:
+        return tuple(h for h in (self.score_mod, self.mask_mod) if h is not None)
+
+    def gathers(self, where: str) -> tuple[Gather, ...]:
+        """Hook operands loaded once per CTA ("head"), per query tile ("rows") or
+        in every key step ("keys")."""
+        return tuple(g for h in self.hooks for g in h.gathers if g.where == where)
+
+    @property
+    def tensor_params(self) -> dict[str, str]:
+        """Extra tensor name -> its kernel parameter."""
+        return {name: param for name, param, _, _ in self.extra_tensors}
+
+    @property
+    def needs_rows(self) -> bool:
+        """The kernel computes each row's absolute position (masks and hooks)."""
+        return bool(self.row_mask) or any("q_idx" in h.uses for h in self.hooks)
+
+    @property
+    def keys_every_step(self) -> bool:
+        """A hook reads kv_idx: the key positions are needed in unmasked steps too."""
+        return any("kv_idx" in h.uses for h in self.hooks)
 
     def visible_expr(self, half: str = "") -> str:
         """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""
@@ -274,6 +306,28 @@ def _dims(spec: Spec) -> dict:
     )
 
 
+def tensor_param(name: str) -> str:
+    """The kernel parameter of an extra tensor: doc_ids -> DocIds."""
+    return name.title().replace("_", "")
+
+
+_DIM_EXPRS = {"batch": "batch", "heads": "num_heads", "kv_heads": "num_kv_heads",
+              "seq_q": "seq_q", "seq_k": "seq_k"}
+
+
+def _hooks(spec: Spec) -> dict:
+    tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
+    counter: dict = {}  # one numbering for both hooks: gathered locals stay distinct
+    hooks = {which: compile_hook(getattr(spec, which), which, tensors, counter)
+             if getattr(spec, which) else None for which in ("score_mod", "mask_mod")}
+    extra = tuple(
+        (name, tensor_param(name), t.dtype,
+         tuple(_DIM_EXPRS.get(d, str(d)) for d in t.shape))
+        for name, t in spec.tensors.items()
+    )
+    return dict(**hooks, extra_tensors=extra)
+
+
 def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
     """The plan of ``spec``. ``tile_order_param`` forces the TILES_OUTER kernel
     argument on or off (``specgen tune`` searches both orders with one kernel);
@@ -320,10 +374,14 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         softcap=spec.softcap,
         sinks=spec.sinks,
         return_lse=spec.return_lse,
-        scores_scaled=spec.prescale_q or spec.softcap is not None,
+        **_hooks(spec),
+        scores_scaled=spec.prescale_q or spec.softcap is not None or spec.score_mod is not None,
+        # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.
+        scale_expr="qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale",
         row_mask=row_mask,
         array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
-        + (("Lse",) if spec.return_lse else ()),
+        + (("Lse",) if spec.return_lse else ())
+        + tuple(tensor_param(name) for name in spec.tensors),
         q_subtiles=spec.q_subtiles,
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",

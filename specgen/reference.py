@@ -45,13 +45,18 @@ def attention_reference(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    tensors: dict | None = None,
 ):
     """softmax(scale * q k^T + mask) v in float64, for q [B, Hq, Sq, D] and k/v
     [B, Hkv, Skv, D] with Hq a multiple of Hkv (query head h reads KV head h // ratio).
 
     ``window`` is (left, right), None for unbounded; ``softcap`` c maps each
     score to c * tanh(score / c); ``sinks`` [Hq] adds exp(sink[h]) to each row's
-    normaliser. A row with no visible key gives zeros and an LSE of -inf (or the
+    normaliser. ``score_mod`` / ``mask_mod`` are checked hook expressions
+    (specgen.expr) over score, b, h, q_idx, kv_idx and ``tensors``; the score_mod
+    sees the scaled, soft-capped score. A row with no visible key gives zeros and an LSE of -inf (or the
     sink alone). With ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
@@ -65,6 +70,23 @@ def attention_reference(
     scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if score_mod or mask_mod:
+        from .expr import evaluate
+
+        batch, heads, seq_q, seq_k = scores.shape
+        env = {
+            "score": scores,
+            "b": torch.arange(batch, device=q.device).view(-1, 1, 1, 1),
+            "h": torch.arange(heads, device=q.device).view(1, -1, 1, 1),
+            "q_idx": (torch.arange(seq_q, device=q.device) + q_offset).view(1, 1, -1, 1),
+            "kv_idx": torch.arange(seq_k, device=q.device).view(1, 1, 1, -1),
+        }
+        if score_mod:
+            scores = torch.broadcast_to(evaluate(score_mod, env, tensors or {}), scores.shape)
+            scores = scores.to(torch.float64)
+        if mask_mod:
+            allowed = torch.broadcast_to(evaluate(mask_mod, env, tensors or {}), scores.shape)
+            scores = scores.masked_fill(~allowed, -math.inf)
     if causal or window is not None:
         visible = visible_mask(q.shape[2], k.shape[2], causal=causal, q_offset=q_offset,
                                window=window, device=q.device)

@@ -163,6 +163,30 @@ class Window(_Strict):
         return self
 
 
+DIM_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k")
+TENSOR_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+# Names a tensor may not take: the launcher's own arguments and locals, the hook
+# variables and functions, and module-level names of a generated module.
+RESERVED_NAMES = frozenset({
+    "q", "k", "v", "out", "scale", "q_offset", "sinks", "lse", "score", "b", "h", "q_idx",
+    "kv_idx", "batch", "num_heads", "num_kv_heads", "seq_q", "seq_k", "name", "t", "want",
+    "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
+    "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
+    "expected", "dims", "tensors", "got", "dtype",
+})
+
+
+class ExtraTensor(_Strict):
+    """An extra input tensor of score_mod / mask_mod: attention(..., <name>=tensor)."""
+
+    dtype: Literal["float32", "int32"] = Field(description="Element type.")
+    shape: list[Annotated[int, Field(ge=1, le=2**31 - 1)] | Literal[DIM_NAMES]] = Field(
+        min_length=1, max_length=4,
+        description="Sizes: batch, heads, kv_heads, seq_q, seq_k or a number each; the "
+        "launcher checks them before the launch.",
+    )
+
+
 TileOrder = Literal["per_head", "global"]
 
 HINT_FIELDS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
@@ -338,6 +362,21 @@ class Spec(_Strict):
         description="Logit soft-cap c: score = c * tanh(score / c) (Gemma 2: 50). "
         "null: none.",
     )
+    tensors: dict[str, ExtraTensor] = Field(
+        default_factory=dict,
+        description="Extra tensors the expression hooks index, e.g. slope: {dtype: "
+        "float32, shape: [heads]}; each becomes a keyword argument of attention.",
+    )
+    score_mod: Optional[str] = Field(
+        None,
+        description="Expression for the new score from score, b, h, q_idx, kv_idx and "
+        "the tensors (ALiBi: 'score - slope[h] * (q_idx - kv_idx)'). null: none.",
+    )
+    mask_mod: Optional[str] = Field(
+        None,
+        description="Condition: key kv_idx is visible to query q_idx (documents: "
+        "'doc[b, q_idx] == doc[b, kv_idx]'); ANDed with causal and window. null: none.",
+    )
     sinks: bool = Field(
         False,
         description="A learned sink logit per query head joins the softmax "
@@ -421,6 +460,40 @@ class Spec(_Strict):
             seen.add(target)
         return value
 
+    @field_validator("tensors")
+    @classmethod
+    def _tensor_names(cls, value: dict) -> dict:
+        for name in value:
+            if not TENSOR_NAME_RE.match(name) or keyword.iskeyword(name) or name in RESERVED_NAMES:
+                raise ValueError(
+                    f"tensor name {name!r} must be a lowercase identifier (a-z, 0-9, _; at most "
+                    "31 characters) that is not a keyword nor one of the launcher's names "
+                    "(q, k, v, out, scale, sinks, b, h, q_idx, kv_idx, ...)"
+                )
+        return value
+
+    @field_validator("score_mod", "mask_mod")
+    @classmethod
+    def _hook(cls, value: Optional[str], info) -> Optional[str]:
+        if value is None:
+            return value
+        from .expr import ExprError, compile_hook
+
+        tensors = {n: (t.dtype, len(t.shape)) for n, t in (info.data.get("tensors") or {}).items()}
+        try:
+            compile_hook(value, info.field_name, tensors)
+        except ExprError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _tensors_used(self):
+        used = " ".join(filter(None, (self.score_mod, self.mask_mod)))
+        for name in self.tensors:
+            if not re.search(rf"\b{name}\s*\[", used):
+                raise ValueError(f"tensors.{name}: declared but used by neither score_mod nor mask_mod")
+        return self
+
     @field_validator("window")
     @classmethod
     def _causal_window(cls, value: Optional[Window], info) -> Optional[Window]:
@@ -479,7 +552,8 @@ class Spec(_Strict):
     @classmethod
     def _subtiles_fit(cls, value: int, info) -> int:
         if value > 1:
-            used = [name for name in ("window", "softcap", "sinks", "return_lse")
+            used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "sinks",
+                                      "return_lse")
                     if info.data.get(name)]
             if used:
                 raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")

@@ -19,6 +19,7 @@ from .check import (
     poisoned_out,
     random_qkv,
     reference_for,
+    shape_dims,
 )
 from .gpu import fresh_modules, require_cuda
 
@@ -68,7 +69,7 @@ def run_case(torch, module, case: Case, generator) -> dict:
     spec = module.SPEC
     q, k, v = random_qkv(spec, case.batch, case.kv_heads, case.seq_q, case.seq_k,
                          generator=generator, layout=case.layout)
-    extra = feature_inputs(spec, q.shape[1], generator)
+    extra = feature_inputs(spec, shape_dims(q, k), generator)
     out = poisoned_out(spec, q, v)
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     torch.cuda.synchronize()

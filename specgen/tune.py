@@ -216,7 +216,15 @@ def run_tune(
 ) -> int:
     from .bench import SUITES, spec_flops, tflops
     from .build import load_jobs, write_jobs
-    from .check import Comparison, compare, poisoned_out, random_qkv, smoke_case
+    from .check import (
+        Comparison,
+        compare,
+        feature_inputs,
+        poisoned_out,
+        random_qkv,
+        shape_dims,
+        smoke_case,
+    )
     from .compile import atomic_write, load_module_from_source
     from .gpu import device_info, device_slug, require_cuda
     from .plan import make_plan
@@ -260,13 +268,14 @@ def run_tune(
     scale = 1.0 / math.sqrt(d)
     stream = torch.cuda.current_stream()
 
-    def kernel_args(q, k, v, out, config, q_offset=0, sinks=None):
+    def kernel_args(q, k, v, out, config, extra, q_offset=0):
+        """The launch arguments; ``extra``: sinks and hook tensors (feature_inputs)."""
         arrays = [q, k, v, out]
-        if plan.sinks:  # zeros while timing; the smoke case's random sinks when checking
-            arrays.append(sinks if sinks is not None
-                          else torch.zeros(q.shape[1], device="cuda", dtype=torch.float32))
+        if plan.sinks:
+            arrays.append(extra["sinks"].float())
         if plan.return_lse:
             arrays.append(torch.empty(q.shape[:3], device="cuda", dtype=torch.float32))
+        arrays += [extra[name].contiguous() for name, _, _, _ in plan.extra_tensors]
         args = (*arrays, scale, q_offset, config["tile_m"], config["tile_n"])
         if plan.even_n_param:
             args += (k.shape[2] % config["tile_n"] == 0,)
@@ -298,12 +307,13 @@ def run_tune(
     for seq in sorted(seqs, reverse=True):
         q, k, v = random_qkv(spec_dict, batch, kv_heads, seq, seq)
         out = poisoned_out(spec_dict, q, v)
+        extra = feature_inputs(spec_dict, shape_dims(q, k))
         log(f"[S={seq}] searching {len(configs)} configs")
         result = exhaustive_search(
             configs, stream,
             grid_fn=lambda c: grid(c, seq, batch * heads),
             kernel=kernel,
-            args_fn=lambda c: kernel_args(q, k, v, out, c),
+            args_fn=lambda c: kernel_args(q, k, v, out, c, extra),
             hints_fn=_hints,
             quiet=True,
         )
@@ -327,7 +337,7 @@ def run_tune(
             timed = []
             for config in finalists(searched, confirm, own):
                 launch = variant(config)
-                grid_c, args_c = grid(config, seq, batch * heads), kernel_args(q, k, v, out, config)
+                grid_c, args_c = grid(config, seq, batch * heads), kernel_args(q, k, v, out, config, extra)
                 ms = do_bench(lambda: ct.launch(stream, grid_c, launch, args_c),
                               warmup=25, rep=200, return_mode="median")
                 timed.append(Timed(config, ms * 1000))
@@ -355,8 +365,7 @@ def run_tune(
         if key not in checked:
             out = poisoned_out(spec_dict, case.q, case.v)
             ct.launch(stream, grid(config, case.q.shape[2], case.q.shape[0] * case.q.shape[1]), variant(config),
-                      kernel_args(case.q, case.k, case.v, out, config, case.q_offset,
-                                  case.extra.get("sinks")))
+                      kernel_args(case.q, case.k, case.v, out, config, case.extra, case.q_offset))
             torch.cuda.synchronize()
             checked[key] = compare(out, case.ref, spec.dtype)
             log(f"check {describe(config)}: max rel err {checked[key].rel_err:.2e}")

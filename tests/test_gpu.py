@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from specgen.check import call_kernel, compare, compare_lse, feature_inputs, random_qkv, reference_for
+from specgen.check import (
+    call_kernel,
+    compare,
+    compare_lse,
+    feature_inputs,
+    random_qkv,
+    reference_for,
+    shape_dims,
+)
 from specgen.testing import Case, run_case
 
 from .helpers import SPEC_NAMES, generated_module
@@ -49,7 +57,7 @@ def test_custom_scale(name):
     mod = generated_module(name)
     spec = mod.SPEC
     q, k, v = random_qkv(spec, 1, 1, 200, 200)
-    extra = feature_inputs(spec, q.shape[1])
+    extra = feature_inputs(spec, shape_dims(q, k))
     out, lse = call_kernel(mod, q, k, v, extra, scale=0.05)
     ref, ref_lse = reference_for(spec, q, k, v, extra, scale=0.05)
     assert compare(out, ref, spec["dtype"]).ok
@@ -61,7 +69,7 @@ def test_empty_query_returns_empty(name):
     mod = generated_module(name)
     spec = mod.SPEC
     q, k, v = random_qkv(spec, 1, 1, 0, 5)
-    out, lse = call_kernel(mod, q, k, v, feature_inputs(spec, q.shape[1]))
+    out, lse = call_kernel(mod, q, k, v, feature_inputs(spec, shape_dims(q, k)))
     assert out.shape == (*q.shape[:3], v.shape[3]) and (lse is None or lse.shape == q.shape[:3])
 
 

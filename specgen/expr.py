@@ -1,0 +1,384 @@
+"""Expression hooks: ``score_mod`` and ``mask_mod`` as small, checked expressions.
+
+A hook is parsed with Python's ``ast`` and accepted only if every node is on a
+whitelist: arithmetic, comparisons, boolean logic, a few math functions, the
+index variables ``b, h, q_idx, kv_idx`` (and ``score`` in a score_mod), numbers,
+and subscripts of the extra tensors the spec declares. Anything else (attribute
+access, calls of other names, lambdas, comprehensions, strings, ...) is refused
+with a message naming the construct. No text of the spec reaches the generated
+source: the kernel expression is printed from the checked tree, names mapped to
+the kernel's own variables and constants printed with ``repr``.
+
+The same tree is evaluated with torch (:func:`evaluate`) by the fp64 reference
+and by the FlexAttention baseline, so the three agree by construction.
+
+Semantics: ``score`` is the scaled (and soft-capped) logit in natural-log units;
+``b`` the batch index, ``h`` the query head, ``q_idx`` the query's absolute
+position (q_offset + row), ``kv_idx`` the key's position. A subscript whose
+index falls outside the tensor reads 0.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+
+INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
+# The kernel's name of each variable.
+KERNEL_NAMES = {"score": "s", "b": "batch", "h": "head", "q_idx": "rows", "kv_idx": "keys"}
+MAX_LENGTH = 500
+MAX_NODES = 200
+
+# name -> (number of arguments, cuTile function, torch function name, result kind)
+# kind "float": float result (int arguments are cast); "same": the arguments' kind.
+FUNCTIONS = {
+    "abs": (1, "ct.abs", "abs", "same"),
+    "exp": (1, "ct.exp", "exp", "float"),
+    "log": (1, "ct.log", "log", "float"),
+    "sqrt": (1, "ct.sqrt", "sqrt", "float"),
+    "tanh": (1, "ct.tanh", "tanh", "float"),
+    "min": (2, "ct.minimum", "minimum", "same"),
+    "max": (2, "ct.maximum", "maximum", "same"),
+    "where": (3, "ct.where", "where", "same"),
+}
+
+_ARITH = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
+          ast.Mod: "%"}
+_COMPARE = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
+            ast.GtE: ">="}
+_DESCRIBE = {
+    ast.Attribute: "attribute access", ast.Lambda: "a lambda", ast.ListComp: "a comprehension",
+    ast.SetComp: "a comprehension", ast.DictComp: "a comprehension",
+    ast.GeneratorExp: "a generator", ast.NamedExpr: "assignment (:=)",
+    ast.Starred: "a starred argument", ast.JoinedStr: "an f-string", ast.List: "a list",
+    ast.Tuple: "a tuple", ast.Dict: "a dict", ast.Set: "a set", ast.Await: "await",
+    ast.Yield: "yield", ast.Slice: "a slice", ast.Pow: "'**'", ast.MatMult: "'@'",
+    ast.LShift: "'<<'", ast.RShift: "'>>'", ast.BitXor: "'^'", ast.Is: "'is'",
+    ast.IsNot: "'is not'", ast.In: "'in'", ast.NotIn: "'not in'",
+}
+
+TENSOR_KINDS = {"float32": "float", "int32": "int"}
+
+
+class ExprError(ValueError):
+    """A hook that is not a valid expression; the message says why."""
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One subscript of an extra tensor: loaded once per kernel (``where`` "head"),
+    once per query tile ("rows") or in every key step ("keys")."""
+
+    local: str  # the kernel variable holding it: "slope_0"
+    tensor: str  # the tensor's name: "slope"
+    indices: tuple[str, ...]  # kernel expressions of the indices
+    where: str  # "head" | "rows" | "keys"
+    source: str  # the subscript as written, for the comment
+
+
+@dataclass(frozen=True)
+class Hook:
+    source: str  # the expression, normalised by ast.unparse
+    kernel: str  # the expression in kernel names
+    kind: str  # "float" | "int" | "bool"
+    uses: frozenset  # index variables used (directly or inside subscripts)
+    gathers: tuple[Gather, ...]
+
+
+def _node_name(node: ast.AST) -> str:
+    for cls, text in _DESCRIBE.items():
+        if isinstance(node, cls):
+            return text
+    return type(node).__name__
+
+
+class _Compiler:
+    def __init__(self, which: str, tensors: dict, counter: dict):
+        self.which = which  # "score_mod" | "mask_mod"
+        self.tensors = tensors  # name -> (dtype, ndim)
+        self.counter = counter  # shared across hooks: local names stay unique
+        self.uses: set[str] = set()
+        self.gathers: list[Gather] = []
+
+    def fail(self, message: str):
+        raise ExprError(message)
+
+    def compile(self, node: ast.AST) -> tuple[str, str]:
+        """(kernel text, kind) of ``node``."""
+        method = getattr(self, "_" + type(node).__name__, None)
+        if method is None:
+            self.fail(f"{_node_name(node)} is not allowed")
+        return method(node)
+
+    def _Constant(self, node):
+        value = node.value
+        if isinstance(value, bool):
+            return repr(value), "bool"
+        if isinstance(value, int):
+            if abs(value) >= 2**31:
+                self.fail(f"integer {value} does not fit in int32")
+            return repr(value), "int"
+        if isinstance(value, float):
+            if value != value or value in (float("inf"), float("-inf")):
+                self.fail("only finite number constants are allowed")
+            return repr(value), "float"
+        self.fail(f"constant {value!r} is not allowed (numbers and True/False only)")
+
+    def _Name(self, node):
+        name = node.id
+        if name == "score":
+            if self.which != "score_mod":
+                self.fail("'score' is only defined in a score_mod")
+            return KERNEL_NAMES[name], "float"
+        if name in INDEX_VARS:
+            self.uses.add(name)
+            return KERNEL_NAMES[name], "int"
+        if name in self.tensors:
+            self.fail(f"tensor '{name}' must be indexed, e.g. {name}[h]")
+        allowed = ", ".join((("score",) if self.which == "score_mod" else ()) + INDEX_VARS
+                            + tuple(self.tensors))
+        self.fail(f"unknown name '{name}'; allowed: {allowed}")
+
+    def _number(self, node, text, kind, what):
+        if kind == "bool":
+            self.fail(f"{what} needs numbers, got a condition: {ast.unparse(node)}")
+        return text
+
+    def _BinOp(self, node):
+        op = type(node.op)
+        if op in (ast.BitAnd, ast.BitOr):
+            left, lk = self.compile(node.left)
+            right, rk = self.compile(node.right)
+            if lk != "bool" or rk != "bool":
+                self.fail(f"'&' and '|' combine conditions, got {ast.unparse(node)}")
+            return f"({left} {'&' if op is ast.BitAnd else '|'} {right})", "bool"
+        if op not in _ARITH:
+            self.fail(f"{_node_name(node.op)} is not allowed")
+        left, lk = self.compile(node.left)
+        right, rk = self.compile(node.right)
+        symbol = _ARITH[op]
+        self._number(node, left, lk, f"'{symbol}'")
+        self._number(node, right, rk, f"'{symbol}'")
+        if op in (ast.FloorDiv, ast.Mod):
+            if lk != "int" or rk != "int":
+                self.fail(f"'{symbol}' needs integers, got {ast.unparse(node)}")
+            return f"({left} {symbol} {right})", "int"
+        if op is ast.Div:
+            # True division is float division, as in Python.
+            if lk == "int":
+                left = self._to_float(node.left, left)
+            if rk == "int":
+                right = self._to_float(node.right, right)
+            return f"({left} / {right})", "float"
+        return f"({left} {symbol} {right})", "float" if "float" in (lk, rk) else "int"
+
+    def _to_float(self, node, text):
+        if isinstance(node, ast.Constant):
+            return repr(float(node.value))
+        return f"ct.astype({text}, ct.float32)"
+
+    def _UnaryOp(self, node):
+        operand, kind = self.compile(node.operand)
+        if isinstance(node.op, (ast.Not, ast.Invert)):
+            if kind != "bool":
+                self.fail(f"'not' and '~' negate conditions, got {ast.unparse(node)}")
+            return f"(~{operand})", "bool"
+        self._number(node, operand, kind, "'-'")
+        return (f"(-{operand})" if isinstance(node.op, ast.USub) else operand), kind
+
+    def _BoolOp(self, node):
+        parts = []
+        for value in node.values:
+            text, kind = self.compile(value)
+            if kind != "bool":
+                self.fail(f"'and' and 'or' combine conditions, got {ast.unparse(value)}")
+            parts.append(text)
+        symbol = " & " if isinstance(node.op, ast.And) else " | "
+        return "(" + symbol.join(parts) + ")", "bool"
+
+    def _Compare(self, node):
+        terms = []
+        left_node = node.left
+        left, lk = self.compile(left_node)
+        for op, right_node in zip(node.ops, node.comparators):
+            if type(op) not in _COMPARE:
+                self.fail(f"{_node_name(op)} is not allowed")
+            right, rk = self.compile(right_node)
+            if (lk == "bool") != (rk == "bool") or (lk == "bool" and type(op) not in (ast.Eq, ast.NotEq)):
+                self.fail(f"cannot compare {ast.unparse(left_node)} with {ast.unparse(right_node)}")
+            terms.append(f"({left} {_COMPARE[type(op)]} {right})")
+            left_node, left, lk = right_node, right, rk
+        return (terms[0] if len(terms) == 1 else "(" + " & ".join(terms) + ")"), "bool"
+
+    def _IfExp(self, node):
+        return self._where([node.test, node.body, node.orelse], ast.unparse(node))
+
+    def _where(self, args, text):
+        cond, ck = self.compile(args[0])
+        if ck != "bool":
+            self.fail(f"the condition of {text} must be a comparison or condition")
+        a, ak = self.compile(args[1])
+        b, bk = self.compile(args[2])
+        if (ak == "bool") != (bk == "bool"):
+            self.fail(f"both branches of {text} must be numbers or both conditions")
+        kind = "bool" if ak == "bool" else ("float" if "float" in (ak, bk) else "int")
+        return f"ct.where({cond}, {a}, {b})", kind
+
+    def _Call(self, node):
+        if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS:
+            what = ast.unparse(node.func)
+            self.fail(f"calling {what} is not allowed; functions: {', '.join(FUNCTIONS)}")
+        name = node.func.id
+        count, ct_fn, _, result = FUNCTIONS[name]
+        if node.keywords or len(node.args) != count:
+            self.fail(f"{name}() takes {count} positional argument{'s' if count > 1 else ''}")
+        if name == "where":
+            return self._where(node.args, ast.unparse(node))
+        args = [self.compile(a) for a in node.args]
+        for (text, kind), arg in zip(args, node.args):
+            self._number(arg, text, kind, f"{name}()")
+        kinds = {k for _, k in args}
+        texts = [t for t, _ in args]
+        if result == "float":
+            texts = [self._to_float(a, t) if k == "int" else t
+                     for (t, k), a in zip(args, node.args)]
+            kind = "float"
+        else:
+            kind = "float" if "float" in kinds else "int"
+        return f"{ct_fn}({', '.join(texts)})", kind
+
+    def _Subscript(self, node):
+        if not isinstance(node.value, ast.Name) or node.value.id not in self.tensors:
+            known = ", ".join(self.tensors) or "none declared under tensors"
+            self.fail(f"only declared tensors can be indexed ({known}), got {ast.unparse(node.value)}")
+        name = node.value.id
+        dtype, ndim = self.tensors[name]
+        index_nodes = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if len(index_nodes) != ndim:
+            self.fail(f"{name} has {ndim} dimension{'s' if ndim > 1 else ''}, "
+                      f"indexed with {len(index_nodes)}: {ast.unparse(node)}")
+        before = set(self.uses)
+        self.uses.clear()
+        indices = []
+        for index in index_nodes:
+            text, kind = self.compile(index)
+            if kind != "int":
+                self.fail(f"indices must be integers, got {ast.unparse(index)} in {ast.unparse(node)}")
+            indices.append(text)
+        inner = set(self.uses)
+        self.uses |= before
+        where = "keys" if "kv_idx" in inner else "rows" if "q_idx" in inner else "head"
+        number = self.counter.get(name, 0)
+        self.counter[name] = number + 1
+        gather = Gather(f"{name}_{number}", name, tuple(indices), where, ast.unparse(node))
+        self.gathers.append(gather)
+        return gather.local, TENSOR_KINDS[dtype]
+
+
+def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = None) -> Hook:
+    """Check ``text`` (a score_mod or mask_mod) and print it for the kernel.
+
+    ``tensors`` maps each declared tensor to (dtype, ndim). Raises ExprError."""
+    if not isinstance(text, str) or not text.strip():
+        raise ExprError("must be a non-empty expression")
+    if len(text) > MAX_LENGTH:
+        raise ExprError(f"is longer than {MAX_LENGTH} characters")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ExprError(f"is not a Python expression ({exc.msg})") from None
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        raise ExprError(f"has more than {MAX_NODES} syntax nodes")
+    compiler = _Compiler(which, tensors, {} if counter is None else counter)
+    kernel, kind = compiler.compile(tree.body)
+    if which == "mask_mod" and kind != "bool":
+        raise ExprError("must be a condition (a comparison, or conditions combined "
+                        "with & | ~ and/or/not)")
+    if which == "score_mod" and kind == "bool":
+        raise ExprError("must be a number (the new score), got a condition")
+    if kind == "int":
+        kernel = f"ct.astype({kernel}, ct.float32)"
+    return Hook(ast.unparse(tree.body), kernel, kind, frozenset(compiler.uses),
+                tuple(compiler.gathers))
+
+
+# --- evaluation with torch (reference and FlexAttention) -----------------------
+
+
+def evaluate(text: str, env: dict, tensors: dict):
+    """Evaluate a checked hook with torch ops. ``env`` holds score, b, h, q_idx,
+    kv_idx as (broadcastable) tensors; ``tensors`` the extra tensors. An index
+    outside a tensor reads 0, as in the kernel."""
+    import torch
+
+    tree = ast.parse(text.strip(), mode="eval")
+
+    def ev(node):
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return env[node.id]
+        if isinstance(node, ast.BinOp):
+            a, b = ev(node.left), ev(node.right)
+            op = type(node.op)
+            if op is ast.BitAnd:
+                return a & b
+            if op is ast.BitOr:
+                return a | b
+            if op is ast.Div:
+                return torch.as_tensor(a, dtype=torch.float64) / b if not torch.is_tensor(a) else (
+                    a.to(torch.float64) / b if not a.is_floating_point() else a / b)
+            return {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
+                    ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b}[op]()
+        if isinstance(node, ast.UnaryOp):
+            a = ev(node.operand)
+            if isinstance(node.op, (ast.Not, ast.Invert)):
+                return ~a if torch.is_tensor(a) else not a
+            return -a if isinstance(node.op, ast.USub) else a
+        if isinstance(node, ast.BoolOp):
+            values = [ev(v) for v in node.values]
+            out = values[0]
+            for v in values[1:]:
+                out = (out & v) if isinstance(node.op, ast.And) else (out | v)
+            return out
+        if isinstance(node, ast.Compare):
+            result, left = None, ev(node.left)
+            for op, comp in zip(node.ops, node.comparators):
+                right = ev(comp)
+                term = {ast.Eq: lambda: left == right, ast.NotEq: lambda: left != right,
+                        ast.Lt: lambda: left < right, ast.LtE: lambda: left <= right,
+                        ast.Gt: lambda: left > right, ast.GtE: lambda: left >= right}[type(op)]()
+                result = term if result is None else result & term
+                left = right
+            return result
+        if isinstance(node, ast.IfExp):
+            return _where(ev(node.test), ev(node.body), ev(node.orelse))
+        if isinstance(node, ast.Call):
+            name = node.func.id
+            args = [ev(a) for a in node.args]
+            if name == "where":
+                return _where(*args)
+            args = [torch.as_tensor(a) if not torch.is_tensor(a) else a for a in args]
+            if FUNCTIONS[name][3] == "float":
+                args = [a.to(torch.float64) if not a.is_floating_point() else a for a in args]
+            return getattr(torch, FUNCTIONS[name][2])(*args)
+        if isinstance(node, ast.Subscript):
+            table = tensors[node.value.id]
+            index_nodes = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            indices = [torch.as_tensor(ev(i), device=table.device) for i in index_nodes]
+            indices = torch.broadcast_tensors(*indices)
+            inside = torch.ones_like(indices[0], dtype=torch.bool)
+            clamped = []
+            for index, size in zip(indices, table.shape):
+                inside = inside & (index >= 0) & (index < size)
+                clamped.append(index.clamp(0, size - 1))
+            values = table[tuple(clamped)]
+            return torch.where(inside, values, torch.zeros_like(values))
+        raise ExprError(f"{type(node).__name__} is not allowed")  # unreachable once checked
+
+    def _where(c, a, b):
+        a = torch.as_tensor(a) if not torch.is_tensor(a) else a
+        b = torch.as_tensor(b, device=a.device) if not torch.is_tensor(b) else b
+        return torch.where(c, a, b)
+
+    return ev(tree.body)

@@ -89,7 +89,7 @@ def hook_tensors(spec: dict, dims: dict, generator=None, device="cuda") -> dict:
             u = torch.rand(shape, device=device, generator=generator)
             made[name] = torch.exp2(-8.0 * u)
         else:
-            starts = torch.rand(shape, device=device, generator=generator) < 0.01
+            starts = torch.rand(shape, device=device, generator=generator) < 1 / 256
             made[name] = torch.cumsum(starts.to(torch.int32), dim=-1, dtype=torch.int32)
     return made
 

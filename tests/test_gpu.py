@@ -157,6 +157,20 @@ FEATURE_VARIANTS = {
     "everything_tiles_128x64": {"sinks": True, "return_lse": True, "window": {"left": 200}, "softcap": 20.0,
                                 "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1,
                                                         "num_worker_warps": 8}}},
+    # Expression hooks: hoisted and per-step gathers, int and float tensors, hooks
+    # with soft-cap, window, LSE, no exp2, no pre-scaling, rows left empty.
+    "alibi": {"tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+              "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+    "doc_mask_non_causal": {"causal": False, "block_remap": None,
+                            "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                            "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+    "hooks_softcap_window_lse_no_exp2": {
+        "softcap": 20.0, "window": {"left": 150}, "return_lse": True, "prescale_q": False,
+        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
+        "tensors": {"bias": {"dtype": "float32", "shape": ["heads", "seq_k"]}},
+        "score_mod": "score + bias[h, kv_idx] if (q_idx - kv_idx) % 3 != 1 else score * 0.5",
+        "mask_mod": "kv_idx % 7 != 3"},
+    "mask_mod_empty_rows_lse": {"mask_mod": "kv_idx >= 64", "return_lse": True, "prescale_q": False},
 }
 
 
@@ -196,3 +210,16 @@ def test_v_head_dim_out_buffer_is_checked():
     v = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"out must be a torch.bfloat16 tensor of shape \(1, 2, 8, 128\)"):
         mod.attention(q, q, v, out=torch.empty_like(q))
+
+
+def test_hook_tensors_are_checked_before_launch():
+    mod = generated_module("fmha_document_mask")  # doc: int32 [batch, seq_k], GQA 4
+    q = torch.randn(2, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"doc must be a torch.int32 tensor of shape \(2, 16\) on cuda:0, "
+                                         r"got torch.int64 \(2, 16\)"):
+        mod.attention(q, k, k, doc=torch.zeros(2, 16, device="cuda", dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"got torch.int32 \(1, 16\)"):
+        mod.attention(q, k, k, doc=torch.zeros(1, 16, device="cuda", dtype=torch.int32))
+    with pytest.raises(ValueError, match="got NoneType"):
+        mod.attention(q, k, k, doc=None)

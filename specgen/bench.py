@@ -250,26 +250,31 @@ def load_result(path: Path) -> BenchResult:
 
 
 def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict] = None):
-    """Callables (q, k, v) -> out for each baseline, or the reason it is missing.
+    """Callables (q, k_full, v_full, k, v, extra) -> out for each baseline, or the
+    reason it is missing.
 
-    SDPA's cuDNN and FA2 backends take neither a window, a soft-cap nor sinks;
-    FlexAttention gets the window as a mask_mod and the soft-cap as a score_mod
-    (it has no sinks)."""
+    SDPA's cuDNN and FA2 backends take neither a window, a soft-cap, sinks nor
+    hooks, but do take dropout (their own RNG). FlexAttention gets the window and
+    mask_mod as a block mask, the soft-cap and score_mod as its score_mod (both
+    evaluated from the spec's checked expressions); it has no sinks or dropout."""
     spec = spec or {}
     window, softcap = spec.get("window"), spec.get("softcap")
     score_mod, mask_mod = spec.get("score_mod"), spec.get("mask_mod")
     unsupported = [n for n, on in (("window", window), ("softcap", softcap), ("sinks", spec.get("sinks")),
                                    ("score_mod", score_mod), ("mask_mod", mask_mod))
                    if on]
+    # SDPA has its own dropout (another RNG: the outputs differ, the work is the same).
+    dropout = spec.get("dropout", False)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     made: dict[str, object] = {}
 
     def sdpa_with(backend):
-        def run(q, k_full, v_full, _k, _v, _extra):
+        def run(q, k_full, v_full, _k, _v, extra):
             with sdpa_kernel([backend]):
-                return sdpa(q, k_full, v_full, is_causal=causal)
+                return sdpa(q, k_full, v_full, is_causal=causal,
+                            dropout_p=extra.get("dropout_p", 0.0) if dropout else 0.0)
 
         return run
 
@@ -279,6 +284,8 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
                           else sdpa_with(backend))
     if "flex" in names and spec.get("sinks"):
         made["flex"] = "FlexAttention has no attention sinks"
+    elif "flex" in names and dropout:
+        made["flex"] = "FlexAttention has no dropout"
     elif "flex" in names:
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -289,8 +296,10 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
             left = window.get("left") if window else None
             right = window.get("right") if window else None
 
-            from .expr import evaluate
+            from .expr import torch_fn
 
+            score_fn = torch_fn(score_mod) if score_mod else None
+            mask_fn = torch_fn(mask_mod) if mask_mod else None
             hook_tensors: dict = {}  # the current call's extra tensors, read by the hooks
 
             def visible(b, h, qi, ki):
@@ -299,17 +308,16 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
                     allowed = allowed & (ki >= qi - left)
                 if right is not None and not causal:
                     allowed = allowed & (ki <= qi + right)
-                if mask_mod:
-                    env = {"b": b, "h": h, "q_idx": qi, "kv_idx": ki}
-                    allowed = allowed & evaluate(mask_mod, env, hook_tensors)
+                if mask_fn:
+                    allowed = allowed & mask_fn({"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, hook_tensors)
                 return allowed
 
             def modify(score, b, h, qi, ki):
                 if softcap:
                     score = softcap * torch.tanh(score / softcap)
-                if score_mod:
+                if score_fn:
                     env = {"score": score, "b": b, "h": h, "q_idx": qi, "kv_idx": ki}
-                    score = evaluate(score_mod, env, hook_tensors).to(score.dtype)
+                    score = score_fn(env, hook_tensors).to(score.dtype)
                 return score
 
             def run_flex(q, _kf, _vf, k, v, extra):

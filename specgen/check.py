@@ -66,6 +66,9 @@ def poisoned_out(spec: dict, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                       device=q.device)
 
 
+DROPOUT_P = 0.15  # what tests and benchmarks of a dropout spec use
+
+
 def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
     """The extra keyword tensors a spec's ``attention`` takes (``sinks`` [Hq], hook
     tensors), drawn at random: sinks around the scale of real logits, so they
@@ -74,6 +77,9 @@ def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
     if spec.get("sinks"):
         extra["sinks"] = torch.randn(num_heads, device="cuda", generator=generator) * 2.0
     extra.update(hook_tensors(spec, dims, generator))
+    if spec.get("dropout"):
+        extra["dropout_p"] = DROPOUT_P
+        extra["seed"] = int(torch.randint(0, 2**31 - 1, (1,), device="cuda", generator=generator))
     return extra
 
 
@@ -113,6 +119,7 @@ def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=
         window=(window["left"], window["right"]) if window else None,
         softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
         score_mod=spec.get("score_mod"), mask_mod=spec.get("mask_mod"), tensors=tensors,
+        dropout_p=extra.get("dropout_p", 0.0), seed=extra.get("seed", 0),
     )
 
 

@@ -177,6 +177,8 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     cfg = config or plan.target(target).configs[-1]
     params = [array(*layouts.get(name, layouts["Q"])) for name in plan.array_params]
     params += [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
+    if plan.dropout:  # threshold, scale, seed
+        params += [ScalarConstraint(ct.int32), ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
     params += [cfg.tile_m, cfg.tile_n]
     even_values = (True, False) if plan.even_n_param else (None,)
     result = []

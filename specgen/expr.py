@@ -305,80 +305,127 @@ def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = No
 # --- evaluation with torch (reference and FlexAttention) -----------------------
 
 
-def evaluate(text: str, env: dict, tensors: dict):
-    """Evaluate a checked hook with torch ops. ``env`` holds score, b, h, q_idx,
-    kv_idx as (broadcastable) tensors; ``tensors`` the extra tensors. An index
-    outside a tensor reads 0, as in the kernel."""
+def torch_fn(text: str):
+    """A checked hook as a Python function ``f(env, tensors)`` of torch ops.
+
+    The tree is turned into nested closures once, here; calling the result runs
+    only torch operations, so torch.compile (FlexAttention) traces it into its
+    fused kernel. ``env`` holds score, b, h, q_idx, kv_idx as (broadcastable)
+    tensors, ``tensors`` the extra tensors. An index outside a tensor reads 0,
+    as in the kernel."""
     import torch
 
-    tree = ast.parse(text.strip(), mode="eval")
-
-    def ev(node):
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Name):
-            return env[node.id]
-        if isinstance(node, ast.BinOp):
-            a, b = ev(node.left), ev(node.right)
-            op = type(node.op)
-            if op is ast.BitAnd:
-                return a & b
-            if op is ast.BitOr:
-                return a | b
-            if op is ast.Div:
-                return torch.as_tensor(a, dtype=torch.float64) / b if not torch.is_tensor(a) else (
-                    a.to(torch.float64) / b if not a.is_floating_point() else a / b)
-            return {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
-                    ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b}[op]()
-        if isinstance(node, ast.UnaryOp):
-            a = ev(node.operand)
-            if isinstance(node.op, (ast.Not, ast.Invert)):
-                return ~a if torch.is_tensor(a) else not a
-            return -a if isinstance(node.op, ast.USub) else a
-        if isinstance(node, ast.BoolOp):
-            values = [ev(v) for v in node.values]
-            out = values[0]
-            for v in values[1:]:
-                out = (out & v) if isinstance(node.op, ast.And) else (out | v)
-            return out
-        if isinstance(node, ast.Compare):
-            result, left = None, ev(node.left)
-            for op, comp in zip(node.ops, node.comparators):
-                right = ev(comp)
-                term = {ast.Eq: lambda: left == right, ast.NotEq: lambda: left != right,
-                        ast.Lt: lambda: left < right, ast.LtE: lambda: left <= right,
-                        ast.Gt: lambda: left > right, ast.GtE: lambda: left >= right}[type(op)]()
-                result = term if result is None else result & term
-                left = right
-            return result
-        if isinstance(node, ast.IfExp):
-            return _where(ev(node.test), ev(node.body), ev(node.orelse))
-        if isinstance(node, ast.Call):
-            name = node.func.id
-            args = [ev(a) for a in node.args]
-            if name == "where":
-                return _where(*args)
-            args = [torch.as_tensor(a) if not torch.is_tensor(a) else a for a in args]
-            if FUNCTIONS[name][3] == "float":
-                args = [a.to(torch.float64) if not a.is_floating_point() else a for a in args]
-            return getattr(torch, FUNCTIONS[name][2])(*args)
-        if isinstance(node, ast.Subscript):
-            table = tensors[node.value.id]
-            index_nodes = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            indices = [torch.as_tensor(ev(i), device=table.device) for i in index_nodes]
-            indices = torch.broadcast_tensors(*indices)
-            inside = torch.ones_like(indices[0], dtype=torch.bool)
-            clamped = []
-            for index, size in zip(indices, table.shape):
-                inside = inside & (index >= 0) & (index < size)
-                clamped.append(index.clamp(0, size - 1))
-            values = table[tuple(clamped)]
-            return torch.where(inside, values, torch.zeros_like(values))
-        raise ExprError(f"{type(node).__name__} is not allowed")  # unreachable once checked
-
-    def _where(c, a, b):
-        a = torch.as_tensor(a) if not torch.is_tensor(a) else a
-        b = torch.as_tensor(b, device=a.device) if not torch.is_tensor(b) else b
+    def where(c, a, b):
         return torch.where(c, a, b)
 
-    return ev(tree.body)
+    def float_of(x):
+        # Integers (positions, ids) become float32, exact below 2**24.
+        if torch.is_tensor(x):
+            return x if x.is_floating_point() else x.to(torch.float32)
+        return float(x)
+
+    def gather(table, indices):
+        indices = torch.broadcast_tensors(*indices)
+        inside = (indices[0] >= 0) & (indices[0] < table.shape[0])
+        clamped = [indices[0].clamp(0, table.shape[0] - 1)]
+        for index, size in zip(indices[1:], table.shape[1:]):
+            inside = inside & (index >= 0) & (index < size)
+            clamped.append(index.clamp(0, size - 1))
+        values = table[tuple(clamped)]
+        return torch.where(inside, values, torch.zeros_like(values))
+
+    arith = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+             ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b,
+             ast.Mod: lambda a, b: a % b, ast.BitAnd: lambda a, b: a & b,
+             ast.BitOr: lambda a, b: a | b}
+    compare = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
+               ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
+               ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
+
+    def build(node):
+        if isinstance(node, ast.Constant):
+            value = node.value
+            return lambda env, t: value
+        if isinstance(node, ast.Name):
+            name = node.id
+            return lambda env, t: env[name]
+        if isinstance(node, ast.BinOp):
+            left, right = build(node.left), build(node.right)
+            if isinstance(node.op, ast.Div):
+                return lambda env, t: float_of(left(env, t)) / right(env, t)
+            fn = arith[type(node.op)]
+            return lambda env, t: fn(left(env, t), right(env, t))
+        if isinstance(node, ast.UnaryOp):
+            operand = build(node.operand)
+            if isinstance(node.op, (ast.Not, ast.Invert)):
+                return lambda env, t: ~operand(env, t)
+            if isinstance(node.op, ast.USub):
+                return lambda env, t: -operand(env, t)
+            return operand
+        if isinstance(node, ast.BoolOp):
+            parts = [build(v) for v in node.values]
+            fn = arith[ast.BitAnd if isinstance(node.op, ast.And) else ast.BitOr]
+
+            def combine(env, t):
+                out = parts[0](env, t)
+                for part in parts[1:]:
+                    out = fn(out, part(env, t))
+                return out
+            return combine
+        if isinstance(node, ast.Compare):
+            operands = [build(node.left)] + [build(c) for c in node.comparators]
+            fns = [compare[type(op)] for op in node.ops]
+
+            def chain(env, t):
+                values = [o(env, t) for o in operands]
+                out = fns[0](values[0], values[1])
+                for i, fn in enumerate(fns[1:], 1):
+                    out = out & fn(values[i], values[i + 1])
+                return out
+            return chain
+        if isinstance(node, ast.IfExp):
+            test, body, orelse = build(node.test), build(node.body), build(node.orelse)
+            return lambda env, t: _where3(where, test(env, t), body(env, t), orelse(env, t))
+        if isinstance(node, ast.Call):
+            name = node.func.id
+            args = [build(a) for a in node.args]
+            if name == "where":
+                return lambda env, t: _where3(where, *(a(env, t) for a in args))
+            fn = getattr(torch, FUNCTIONS[name][2])
+            cast = FUNCTIONS[name][3] == "float"
+
+            def call(env, t):
+                values = [a(env, t) for a in args]
+                values = [v if torch.is_tensor(v) else torch.tensor(v) for v in values]
+                if cast:
+                    values = [float_of(v) for v in values]
+                return fn(*values)
+            return call
+        if isinstance(node, ast.Subscript):
+            tensor = node.value.id
+            index_nodes = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            indices = [build(i) for i in index_nodes]
+
+            def subscript(env, t):
+                table = t[tensor]
+                values = [i(env, t) for i in indices]
+                values = [v if torch.is_tensor(v) else torch.tensor(v, device=table.device)
+                          for v in values]
+                return gather(table, values)
+            return subscript
+        raise ExprError(f"{type(node).__name__} is not allowed")  # unreachable once checked
+
+    return build(ast.parse(text.strip(), mode="eval").body)
+
+
+def _where3(where, c, a, b):
+    import torch
+
+    if not torch.is_tensor(a):
+        a = torch.tensor(a, device=b.device if torch.is_tensor(b) else c.device)
+    return where(c, a, b)
+
+
+def evaluate(text: str, env: dict, tensors: dict):
+    """Evaluate a checked hook once with torch ops (see torch_fn)."""
+    return torch_fn(text)(env, tensors)

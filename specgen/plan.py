@@ -109,6 +109,7 @@ class Plan:
     softcap: float | None
     sinks: bool
     return_lse: bool
+    dropout: bool
     # Expression hooks (None: absent) and the extra tensors they index:
     # (name, kernel parameter, dtype, launcher size expressions).
     score_mod: Hook | None
@@ -160,12 +161,13 @@ class Plan:
     @property
     def needs_rows(self) -> bool:
         """The kernel computes each row's absolute position (masks and hooks)."""
-        return bool(self.row_mask) or any("q_idx" in h.uses for h in self.hooks)
+        return (bool(self.row_mask) or self.dropout
+                or any("q_idx" in h.uses for h in self.hooks))
 
     @property
     def keys_every_step(self) -> bool:
         """A hook reads kv_idx: the key positions are needed in unmasked steps too."""
-        return any("kv_idx" in h.uses for h in self.hooks)
+        return self.dropout or any("kv_idx" in h.uses for h in self.hooks)
 
     def visible_expr(self, half: str = "") -> str:
         """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""
@@ -374,6 +376,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         softcap=spec.softcap,
         sinks=spec.sinks,
         return_lse=spec.return_lse,
+        dropout=spec.dropout,
         **_hooks(spec),
         scores_scaled=spec.prescale_q or spec.softcap is not None or spec.score_mod is not None,
         # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.

@@ -33,6 +33,33 @@ def visible_mask(seq_q: int, seq_k: int, *, causal: bool, q_offset: int = 0,
     return visible
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for int64 a in [0, 2**32), without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (a * lo + (((a * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def dropout_keep(batch: int, heads: int, seq_q: int, seq_k: int, *, q_offset: int, seed: int,
+                 dropout_p: float, device=None) -> torch.Tensor:
+    """[B, H, Sq, Skv] bool: True where the generated kernels keep a probability.
+
+    The kernels hash (seed, b * H + h, q_offset + i, j) with murmur3's 32-bit
+    finaliser and keep where the top 24 bits are >= round(dropout_p * 2**24)."""
+    threshold = min(round(dropout_p * 2**24), 2**24)
+    bh = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads, 1, 1)
+    rows = torch.arange(seq_q, device=device, dtype=torch.int64).view(1, 1, -1, 1) + q_offset
+    keys = torch.arange(seq_k, device=device, dtype=torch.int64).view(1, 1, 1, -1)
+    stream = seed ^ _mul32(bh, 0xC2B2AE3D)
+    x = _mul32(rows, 0x9E3779B1) ^ _mul32(keys, 0x85EBCA77) ^ stream
+    x = _mul32(x ^ (x >> 16), 0x85EBCA6B)
+    x = _mul32(x ^ (x >> 13), 0xC2B2AE35)
+    x = x ^ (x >> 16)
+    return (x >> 8) >= threshold
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -48,6 +75,8 @@ def attention_reference(
     score_mod: str | None = None,
     mask_mod: str | None = None,
     tensors: dict | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
 ):
     """softmax(scale * q k^T + mask) v in float64, for q [B, Hq, Sq, D] and k/v
     [B, Hkv, Skv, D] with Hq a multiple of Hkv (query head h reads KV head h // ratio).
@@ -56,7 +85,9 @@ def attention_reference(
     score to c * tanh(score / c); ``sinks`` [Hq] adds exp(sink[h]) to each row's
     normaliser. ``score_mod`` / ``mask_mod`` are checked hook expressions
     (specgen.expr) over score, b, h, q_idx, kv_idx and ``tensors``; the score_mod
-    sees the scaled, soft-capped score. A row with no visible key gives zeros and an LSE of -inf (or the
+    sees the scaled, soft-capped score. ``dropout_p`` zeroes the weights the
+    kernels' hash drops for ``seed`` (dropout_keep) and scales the rest by
+    1 / (1 - dropout_p); the LSE is the softmax's before dropout. A row with no visible key gives zeros and an LSE of -inf (or the
     sink alone). With ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
@@ -101,6 +132,10 @@ def attention_reference(
     norm = weights.sum(dim=-1, keepdim=True)
     if sinks is not None:
         weights = weights[..., :-1]
+    if dropout_p:
+        keep = dropout_keep(*weights.shape, q_offset=q_offset, seed=seed, dropout_p=dropout_p,
+                            device=q.device)
+        weights = weights * keep / (1.0 - dropout_p)
     out = torch.matmul(weights, v64) / torch.where(norm == 0, torch.ones_like(norm), norm)
     if not return_lse:
         return out

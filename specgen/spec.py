@@ -377,6 +377,12 @@ class Spec(_Strict):
         description="Condition: key kv_idx is visible to query q_idx (documents: "
         "'doc[b, q_idx] == doc[b, kv_idx]'); ANDed with causal and window. null: none.",
     )
+    dropout: bool = Field(
+        False,
+        description="Dropout on the attention probabilities: attention(..., dropout_p, "
+        "seed); the mask comes from a counter-based hash of (seed, batch, head, query, "
+        "key), so a seed reproduces it exactly.",
+    )
     sinks: bool = Field(
         False,
         description="A learned sink logit per query head joins the softmax "
@@ -552,8 +558,8 @@ class Spec(_Strict):
     @classmethod
     def _subtiles_fit(cls, value: int, info) -> int:
         if value > 1:
-            used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "sinks",
-                                      "return_lse")
+            used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "dropout",
+                                      "sinks", "return_lse")
                     if info.data.get(name)]
             if used:
                 raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")

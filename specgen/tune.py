@@ -276,7 +276,11 @@ def run_tune(
         if plan.return_lse:
             arrays.append(torch.empty(q.shape[:3], device="cuda", dtype=torch.float32))
         arrays += [extra[name].contiguous() for name, _, _, _ in plan.extra_tensors]
-        args = (*arrays, scale, q_offset, config["tile_m"], config["tile_n"])
+        args = (*arrays, scale, q_offset)
+        if plan.dropout:
+            p = extra["dropout_p"]
+            args += (min(round(p * 2**24), 2**24), 1.0 / (1.0 - p), extra["seed"])
+        args += (config["tile_m"], config["tile_n"])
         if plan.even_n_param:
             args += (k.shape[2] % config["tile_n"] == 0,)
         if plan.tile_order_param:

@@ -152,3 +152,29 @@ def test_reference_hooks_equal_explicit_bias_and_mask():
     same = doc[:, None, :, None] == doc[:, None, None, :]
     scores = (q.double() @ k.double().transpose(-1, -2) / 4).masked_fill(~same, -math.inf)
     assert torch.allclose(out, torch.softmax(scores, -1) @ v.double())
+
+
+def test_hooks_trace_into_compiled_flex_attention():
+    """The Flex baseline runs the hooks inside torch.compile(fullgraph=True): no
+    graph break (a break would fall back to unfused Flex and misstate the baseline)."""
+    from specgen.expr import torch_fn
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    score_fn = torch_fn("score - slope[h] * (q_idx - kv_idx)")
+    mask_fn = torch_fn("doc[b, q_idx] == doc[b, kv_idx]")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"slope": torch.rand(2, generator=gen),
+               "doc": torch.cumsum((torch.rand(1, 128, generator=gen) < 0.03).int(), -1, dtype=torch.int32)}
+
+    def score_mod(score, b, h, qi, ki):
+        return score_fn({"score": score, "b": b, "h": h, "q_idx": qi, "kv_idx": ki}, tensors)
+
+    def mask_mod(b, h, qi, ki):
+        return (qi >= ki) & mask_fn({"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, tensors)
+
+    q = torch.randn(1, 2, 128, 16, generator=gen)
+    block_mask = create_block_mask(mask_mod, 1, None, 128, 128, device="cpu")
+    out = torch.compile(flex_attention, fullgraph=True)(q, q, q, score_mod=score_mod, block_mask=block_mask)
+    ref = attention_reference(q, q, q, causal=True, score_mod="score - slope[h] * (q_idx - kv_idx)",
+                              mask_mod="doc[b, q_idx] == doc[b, kv_idx]", tensors=tensors)
+    assert (out.double() - ref).abs().max() < 1e-4

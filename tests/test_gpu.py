@@ -171,6 +171,15 @@ FEATURE_VARIANTS = {
         "score_mod": "score + bias[h, kv_idx] if (q_idx - kv_idx) % 3 != 1 else score * 0.5",
         "mask_mod": "kv_idx % 7 != 3"},
     "mask_mod_empty_rows_lse": {"mask_mod": "kv_idx >= 64", "return_lse": True, "prescale_q": False},
+    # Dropout: the reference regenerates the kernel's mask from the seed.
+    "dropout": {"dropout": True},
+    "dropout_window_lse_no_split": {"dropout": True, "window": {"left": 90}, "return_lse": True,
+                                    "loop_split": False},
+    "dropout_alibi_non_causal_no_exp2": {
+        "dropout": True, "causal": False, "block_remap": None,
+        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
+        "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+        "score_mod": "score - slope[h] * abs(q_idx - kv_idx)"},
 }
 
 
@@ -223,3 +232,20 @@ def test_hook_tensors_are_checked_before_launch():
         mod.attention(q, k, k, doc=torch.zeros(1, 16, device="cuda", dtype=torch.int32))
     with pytest.raises(ValueError, match="got NoneType"):
         mod.attention(q, k, k, doc=None)
+
+
+def test_dropout_is_reproducible_and_matches_reference_mask():
+    mod = _variant_module("dropout_repro", {"dropout": True})
+    q = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 1, 300, 128, device="cuda", dtype=torch.float16)
+    a = mod.attention(q, k, k, dropout_p=0.3, seed=11)
+    b = mod.attention(q, k, k, dropout_p=0.3, seed=11)
+    c = mod.attention(q, k, k, dropout_p=0.3, seed=12)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(mod.attention(q, k, k, dropout_p=0.0, seed=5), mod.attention(q, k, k, seed=9))
+    ref = reference_for(mod.SPEC, q, k, k, {"dropout_p": 0.3, "seed": 11})[0]
+    assert compare(a, ref, "float16").ok
+    with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\), got 1.0"):
+        mod.attention(q, k, k, dropout_p=1.0)
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*31\), got -1"):
+        mod.attention(q, k, k, seed=-1)

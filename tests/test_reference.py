@@ -122,3 +122,25 @@ def test_window_softcap_sinks_match_a_naive_loop(causal, window, softcap, with_s
         assert empty.any()
     if empty.any() and sinks is None:
         assert (out[:, :, empty] == 0).all() and torch.isneginf(lse[:, :, empty]).all()
+
+
+def test_dropout_reference_mask_rate_seed_and_scaling():
+    from specgen.reference import dropout_keep
+
+    keep = dropout_keep(2, 4, 128, 256, q_offset=3, seed=1, dropout_p=0.25)
+    assert abs(keep.float().mean().item() - 0.75) < 0.01
+    assert torch.equal(keep, dropout_keep(2, 4, 128, 256, q_offset=3, seed=1, dropout_p=0.25))
+    assert not torch.equal(keep, dropout_keep(2, 4, 128, 256, q_offset=3, seed=2, dropout_p=0.25))
+    # q_offset shifts rows: row i at offset 3 is row i + 3 at offset 0.
+    assert torch.equal(keep[:, :, :100], dropout_keep(2, 4, 103, 256, q_offset=0, seed=1,
+                                                      dropout_p=0.25)[:, :, 3:])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 32, generator=gen) for _ in range(3))
+    plain = attention_reference(q, k, v, causal=True)
+    assert torch.equal(attention_reference(q, k, v, causal=True, dropout_p=0.0, seed=5), plain)
+    dropped, lse = attention_reference(q, k, v, causal=True, dropout_p=0.25, seed=1, return_lse=True)
+    weights = torch.softmax((q.double() @ k.double().transpose(-1, -2) / math.sqrt(32)).masked_fill(
+        torch.ones(128, 128, dtype=torch.bool).triu(1), -math.inf), -1)
+    keep = dropout_keep(2, 4, 128, 128, q_offset=0, seed=1, dropout_p=0.25)
+    assert torch.allclose(dropped, (weights * keep / 0.75) @ v.double())
+    assert torch.allclose(lse, attention_reference(q, k, v, causal=True, return_lse=True)[1])

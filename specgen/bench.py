@@ -125,6 +125,8 @@ class BenchResult(_Model):
     matmul_tflops: float  # fp16 8192^3 torch.matmul in the same run
     baselines: list[str]
     rows: list[Row]
+    # How the inputs were laid out when not a dense [B, H, S, D] batch with Sq = Skv.
+    layout: str = "Sq=Skv"
 
 
 def result_schema() -> dict:
@@ -155,7 +157,7 @@ def format_markdown(result: BenchResult) -> str:
     lines = [
         f"### {result.spec} (`{result.kernel}`) on {dev.get('name', '?')}",
         "",
-        f"Suite `{result.suite}`: {shape}, Sq=Skv. "
+        f"Suite `{result.suite}`: {shape}, {result.layout}. "
         f"Median of triton `do_bench`; dense fp16 matmul {result.matmul_tflops:.0f} TFLOPS "
         f"in the same run. {result.created}, driver {dev.get('driver', '?')}, "
         f"torch {dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}.",
@@ -336,6 +338,93 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
     return made
 
 
+def varlen_lengths(batch: int, seq: int) -> list[int]:
+    """The sequence lengths of a varlen bench row: S/2, S, 3S/2, S, ... (mean S)."""
+    return [(seq // 2, seq, 3 * seq // 2, seq)[i % 4] for i in range(batch)]
+
+
+def _make_varlen_baselines(torch, names, spec: dict):
+    """Callables (packed, extra) -> out [total_q, Hq, Dv] for a varlen spec.
+
+    SDPA's cuDNN and FA2 backends get the batch as jagged nested tensors (K/V
+    expanded to the query heads outside the timing); FlexAttention gets the packed
+    batch as one sequence with a block mask that keeps each query in its own
+    sequence (and causal, windowed by position)."""
+    causal, ratio = spec["causal"], spec["gqa_ratio"]
+    window = spec.get("window") or {}
+    left, right = window.get("left"), window.get("right")
+    unsupported = [n for n, on in (("window", window), ("softcap", spec.get("softcap")),
+                                   ("sinks", spec.get("sinks"))) if on]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    made: dict[str, object] = {}
+    nested: dict[int, tuple] = {}
+
+    def as_nested(packed):
+        key = id(packed)
+        if key not in nested:  # made once per batch, outside the timing
+            nested.clear()
+            offsets = packed.cu_seqlens_q.long()
+
+            def jag(t):
+                t = t.repeat_interleave(ratio, 1) if ratio > 1 and t.shape[1] != packed.q.shape[1] else t
+                return torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+
+            nested[key] = (jag(packed.q), jag(packed.k), jag(packed.v))
+        return nested[key]
+
+    def sdpa_with(backend):
+        def run(packed, _extra):
+            q, k, v = as_nested(packed)
+            with sdpa_kernel([backend]):
+                return sdpa(q, k, v, is_causal=causal).transpose(1, 2).values()
+
+        return run
+
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        if name in names:
+            made[name] = (f"SDPA has no {', '.join(unsupported)}" if unsupported else sdpa_with(backend))
+    if "flex" in names and spec.get("sinks"):
+        made["flex"] = "FlexAttention has no attention sinks"
+    elif "flex" in names:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention)
+        masks: dict[int, object] = {}
+        softcap = spec.get("softcap")
+
+        def run_flex(packed, _extra):
+            total = packed.q.shape[0]
+            if id(packed) not in masks:
+                masks.clear()
+                cu = packed.cu_seqlens_q.long()
+                doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device="cuda"), cu[1:] - cu[:-1])
+
+                def visible(b, h, qi, ki):  # equal q/k lengths: packed offsets are positions
+                    allowed = doc[qi] == doc[ki]
+                    if causal:
+                        allowed = allowed & (qi >= ki)
+                    if left is not None:
+                        allowed = allowed & (ki >= qi - left)
+                    if right is not None and not causal:
+                        allowed = allowed & (ki <= qi + right)
+                    return allowed
+
+                masks[id(packed)] = create_block_mask(visible, None, None, total, total, device="cuda")
+
+            def cap(score, b, h, qi, ki):
+                return softcap * torch.tanh(score / softcap)
+
+            q, k, v = (t.transpose(0, 1)[None] for t in (packed.q, packed.k, packed.v))
+            out = compiled(q, k, v, block_mask=masks[id(packed)], enable_gqa=ratio > 1,
+                           score_mod=cap if softcap else None)
+            return out[0].transpose(0, 1)
+
+        made["flex"] = run_flex
+    return made
+
+
 def run_bench(
     paths: list[str],
     out_dir: Path,
@@ -344,7 +433,7 @@ def run_bench(
     baselines: tuple[str, ...],
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Path]:
-    from .check import call_kernel, feature_inputs, poisoned_out, random_qkv, shape_dims
+    from .check import call_kernel, feature_inputs, poisoned_out, random_packed, random_qkv, shape_dims
     from .gpu import device_info, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
@@ -369,24 +458,38 @@ def run_bench(
             log(f"{job.plan.module_name}: skipped, {heads} query heads not divisible by gqa_ratio {ratio}")
             continue
         kv_heads, d = heads // ratio, spec["head_dim"]
-        fns = _make_baselines(torch, baselines, causal, ratio, spec)
+        varlen = bool(spec.get("varlen"))
+        fns = (_make_varlen_baselines(torch, baselines, spec) if varlen
+               else _make_baselines(torch, baselines, causal, ratio, spec))
         rows = []
         for seq in seqs:
             log(f"[{job.plan.module_name}] S={seq}")
-            q, k, v = random_qkv(spec, batch, kv_heads, seq, seq)
-            # Expanded K/V for baselines needing equal head counts, outside timing.
-            k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
-            v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
-            out = poisoned_out(spec, q, v)
-            extra = feature_inputs(spec, shape_dims(q, k))
-            flops = spec_flops(spec, batch, heads, seq, seq)
+            if varlen:
+                # A ragged packed batch averaging S per sequence: S/2, S, 3S/2, S, ...
+                lengths = varlen_lengths(batch, seq)
+                packed = random_packed(spec, [(n, n) for n in lengths], kv_heads)
+                q, k, v, kwargs = packed.q, packed.k, packed.v, packed.kwargs()
+                out = torch.full((*q.shape[:2], v.shape[2]), float("nan"), dtype=q.dtype, device="cuda")
+                extra = feature_inputs(spec, {"heads": heads})
+                flops = sum(spec_flops(spec, 1, heads, n, n) for n in lengths)
+                baseline_args = (packed, extra)
+            else:
+                q, k, v = random_qkv(spec, batch, kv_heads, seq, seq)
+                kwargs = {}
+                # Expanded K/V for baselines needing equal head counts, outside timing.
+                k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
+                v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
+                out = poisoned_out(spec, q, v)
+                extra = feature_inputs(spec, shape_dims(q, k))
+                flops = spec_flops(spec, batch, heads, seq, seq)
+                baseline_args = (q, k_full, v_full, k, v, extra)
             timings: dict[str, Timing] = {}
 
-            call_kernel(module, q, k, v, extra, out=out)  # JIT compile + correctness below
+            call_kernel(module, q, k, v, extra, out=out, **kwargs)  # JIT compile + correctness below
             torch.cuda.synchronize()
             ours = out.clone()
-            ms = do_bench(lambda: call_kernel(module, q, k, v, extra, out=out), warmup=25, rep=200,
-                          return_mode="median")
+            ms = do_bench(lambda: call_kernel(module, q, k, v, extra, out=out, **kwargs), warmup=25,
+                          rep=200, return_mode="median")
             timings["specgen"] = timed(ms, flops, matmul)
             if not torch.isfinite(ours).all():
                 timings["specgen"].error = "non-finite output"
@@ -396,10 +499,10 @@ def run_bench(
                     timings[name] = Timing(error=str(fn or "not available"))
                     continue
                 try:
-                    ref = fn(q, k_full, v_full, k, v, extra)
+                    ref = fn(*baseline_args)
                     torch.cuda.synchronize()
                     diff = (ref.float() - ours.float()).abs().max().item()
-                    ms = do_bench(lambda: fn(q, k_full, v_full, k, v, extra), warmup=25, rep=200,
+                    ms = do_bench(lambda: fn(*baseline_args), warmup=25, rep=200,
                                   return_mode="median")
                     timings[name] = timed(ms, flops, matmul, max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
@@ -413,11 +516,13 @@ def run_bench(
                 f"{n} {t.tflops:.0f}" if t.tflops else f"{n} n/a" for n, t in timings.items()
             )
             log(f"[{job.plan.module_name}] S={seq}: TFLOPS {summary}")
-            del q, k, v, k_full, v_full, out, ours
+            del q, k, v, out, ours, baseline_args
         result = BenchResult(
             spec=job.plan.module_name, kernel=job.plan.kernel_name, suite=suite,
             created=datetime.date.today().isoformat(), device=device,
             matmul_tflops=matmul, baselines=list(baselines), rows=rows,
+            layout=("packed varlen batch of B sequences of S/2, S, 3S/2, S, ... (mean S) tokens, "
+                    "Sq=Skv per sequence" if varlen else "Sq=Skv"),
         )
         stem = write_result(result, out_dir, log)
         print(format_markdown(result))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,60 @@ def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
     return rand(heads, seq_q, d), rand(kv_heads, seq_k, d), rand(kv_heads, seq_k, dv)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A varlen batch: packed q [total_q, Hq, D], k/v [total_k, Hkv, D*] and the
+    cumulative lengths (int32, starting at 0)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+
+    @property
+    def lengths(self) -> list[tuple[int, int]]:
+        cq, ck = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
+        return [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
+
+    def kwargs(self) -> dict:
+        lengths = self.lengths
+        return {"cu_seqlens_q": self.cu_seqlens_q, "cu_seqlens_k": self.cu_seqlens_k,
+                "max_seqlen_q": max(q for q, _ in lengths), "max_seqlen_k": max(k for _, k in lengths)}
+
+
+def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, generator=None) -> Packed:
+    """A packed varlen batch of (seq_q, seq_k) per sequence, N(0, 1) in the spec's dtype."""
+    dtype = getattr(torch, spec["dtype"])
+    d, dv = spec["head_dim"], spec.get("v_head_dim") or spec["head_dim"]
+    total_q, total_k = sum(q for q, _ in lengths), sum(k for _, k in lengths)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=generator, device="cuda").to(dtype)
+
+    def cumulative(values):
+        return torch.tensor([0] + list(itertools.accumulate(values)), dtype=torch.int32, device="cuda")
+
+    heads = kv_heads * spec["gqa_ratio"]
+    return Packed(rand(total_q, heads, d), rand(total_k, kv_heads, d), rand(total_k, kv_heads, dv),
+                  cumulative(q for q, _ in lengths), cumulative(k for _, k in lengths))
+
+
+def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None):
+    """The fp64 reference of a varlen batch, one sequence at a time (its queries
+    are its last seq_q positions): out [total_q, Hq, Dv] and lse [Hq, total_q]."""
+    outs, lses = [], []
+    cq, ck = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
+    for i, (len_q, len_k) in enumerate(batch.lengths):
+        q = batch.q[cq[i]:cq[i + 1]].transpose(0, 1)[None]
+        k = batch.k[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+        v = batch.v[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+        out, lse = reference_for(spec, q, k, v, extra, q_offset=len_k - len_q, scale=scale)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
 def shape_dims(q: torch.Tensor, k: torch.Tensor) -> dict:
     """The named sizes of a call, for hook tensor shapes: batch, heads, ..."""
     return {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1],
@@ -75,7 +130,7 @@ def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
     matter. ``dims``: batch, heads, kv_heads, seq_q, seq_k (see shape_dims)."""
     extra = {}
     if spec.get("sinks"):
-        extra["sinks"] = torch.randn(num_heads, device="cuda", generator=generator) * 2.0
+        extra["sinks"] = torch.randn(dims["heads"], device="cuda", generator=generator) * 2.0
     extra.update(hook_tensors(spec, dims, generator))
     if spec.get("dropout"):
         extra["dropout_p"] = DROPOUT_P

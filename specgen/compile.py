@@ -168,15 +168,21 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
 
     layouts = {
         # q, k, v, out: 4-D with a contiguous last axis and 16-byte aligned rows.
-        "Q": (getattr(ct, plan.dtype), 4, 2, True),
+        # (varlen: packed [total, H, D])
+        "Q": (getattr(ct, plan.dtype), 3 if plan.varlen else 4, 2, True),
         "Sinks": (ct.float32, 1, 4, False),  # [Hq] float32, made contiguous
-        "Lse": (ct.float32, 3, 4, False),  # [B, Hq, Sq] float32, Sq arbitrary
+        # [B, Hq, Sq] float32, Sq arbitrary (varlen: [Hq, total_q])
+        "Lse": (ct.float32, 2 if plan.varlen else 3, 4, False),
+        "CuSeqlensQ": (ct.int32, 1, 4, False),
+        "CuSeqlensK": (ct.int32, 1, 4, False),
     }
     for _, param, dtype, dims in plan.extra_tensors:  # hook tensors, made contiguous
         layouts[param] = (getattr(ct, dtype), len(dims), 4, False)
     cfg = config or plan.target(target).configs[-1]
     params = [array(*layouts.get(name, layouts["Q"])) for name in plan.array_params]
-    params += [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
+    params += [ScalarConstraint(ct.float32)]  # qk_scale
+    if not plan.varlen:  # varlen kernels derive q_offset per sequence
+        params += [ScalarConstraint(ct.int32)]
     if plan.dropout:  # threshold, scale, seed
         params += [ScalarConstraint(ct.int32), ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
     params += [cfg.tile_m, cfg.tile_n]

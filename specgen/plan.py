@@ -110,6 +110,8 @@ class Plan:
     sinks: bool
     return_lse: bool
     dropout: bool
+    # Packed [total, H, D] inputs with cu_seqlens: per-sequence array views.
+    varlen: bool
     # Expression hooks (None: absent) and the extra tensors they index:
     # (name, kernel parameter, dtype, launcher size expressions).
     score_mod: Hook | None
@@ -142,7 +144,7 @@ class Plan:
         """A left window or a mask_mod can leave a row with no visible key in a tile,
         or at all: the softmax takes its exponents against 0 there and the division
         guards l = 0."""
-        return self.window_left is not None or self.mask_mod is not None
+        return self.window_left is not None or self.mask_mod is not None or self.varlen
 
     @property
     def hooks(self) -> tuple[Hook, ...]:
@@ -173,6 +175,36 @@ class Plan:
         """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""
         terms = [t.replace("rows", "rows" + half) for t in self.row_mask]
         return terms[0] if len(terms) == 1 else " & ".join(f"({t})" for t in terms)
+
+    # Tile loads and stores: [B, H, S, D] arrays, or per-sequence views of packed
+    # [total, H, D] arrays (varlen). Each returns the text of the call's arguments.
+    def load_q(self, tile: str) -> str:
+        if self.varlen:
+            return f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
+        return f"Q, index=(batch, head, {tile}, 0), shape=(1, 1, {self.sub_m}, {self.d_tile})"
+
+    def load_k_t(self) -> str:
+        if self.varlen:
+            return (f"Ks,\n            index=(0, kv_head, j),\n            shape=({self.d_tile}, 1, TILE_N),"
+                    f"\n            order=(2, 1, 0)")
+        return (f"K,\n            index=(batch, kv_head, 0, j),\n            shape=(1, 1, {self.d_tile}, "
+                f"TILE_N),\n            order=(0, 1, 3, 2)")
+
+    def load_kv(self, array: str, dim: str) -> str:
+        if self.varlen:
+            return f"{array}s, index=(j, kv_head, 0), shape=(TILE_N, 1, {dim})"
+        return f"{array}, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, {dim})"
+
+    def store_out(self, tile: str) -> str:
+        if self.varlen:
+            return f"Outs, index=({tile}, head, 0)"
+        return f"Out, index=(batch, head, {tile}, 0)"
+
+    @property
+    def out_tile_shape(self) -> str:
+        if self.varlen:
+            return f"({self.sub_m}, 1, {self.dv_tile})"
+        return f"(1, 1, {self.sub_m}, {self.dv_tile})"
 
     @property
     def kernel_constants(self) -> tuple[str, ...]:
@@ -351,7 +383,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         causal=spec.causal,
         loop_split=spec.loop_split,
         block_remap=block_remap,
-        even_n_param=bool(row_mask) and spec.loop_split,
+        # (varlen: seq_k differs per sequence, so the masked tiles always bound-check)
+        even_n_param=bool(row_mask) and spec.loop_split and not spec.varlen,
         tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
                           if tile_order_param is None else tile_order_param),
         k_transposed=spec.loads.k_transposed,
@@ -377,6 +410,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         sinks=spec.sinks,
         return_lse=spec.return_lse,
         dropout=spec.dropout,
+        varlen=spec.varlen,
         **_hooks(spec),
         scores_scaled=spec.prescale_q or spec.softcap is not None or spec.score_mod is not None,
         # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.
@@ -384,7 +418,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         row_mask=row_mask,
         array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
         + (("Lse",) if spec.return_lse else ())
-        + tuple(tensor_param(name) for name in spec.tensors),
+        + tuple(tensor_param(name) for name in spec.tensors)
+        + (("CuSeqlensQ", "CuSeqlensK") if spec.varlen else ()),
         q_subtiles=spec.q_subtiles,
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",

@@ -383,6 +383,12 @@ class Spec(_Strict):
         "seed); the mask comes from a counter-based hash of (seed, batch, head, query, "
         "key), so a seed reproduces it exactly.",
     )
+    varlen: bool = Field(
+        False,
+        description="Packed variable-length batch (FlashAttention's varlen): q [total_q, "
+        "Hq, D], k/v [total_k, Hkv, D] and attention(..., cu_seqlens_q, cu_seqlens_k, "
+        "max_seqlen_q); each sequence's queries are the last of its keys.",
+    )
     sinks: bool = Field(
         False,
         description="A learned sink logit per query head joins the softmax "
@@ -500,6 +506,18 @@ class Spec(_Strict):
                 raise ValueError(f"tensors.{name}: declared but used by neither score_mod nor mask_mod")
         return self
 
+    @field_validator("varlen")
+    @classmethod
+    def _varlen_combinations(cls, value: bool, info) -> bool:
+        used = [n for n in ("score_mod", "mask_mod", "dropout") if info.data.get(n)]
+        if value and used:
+            raise ValueError(
+                f"true does not support {', '.join(used)} yet (the reference's b and "
+                "positions would be per sequence); use a padded batch, or a document "
+                "mask_mod instead of varlen"
+            )
+        return value
+
     @field_validator("window")
     @classmethod
     def _causal_window(cls, value: Optional[Window], info) -> Optional[Window]:
@@ -558,8 +576,8 @@ class Spec(_Strict):
     @classmethod
     def _subtiles_fit(cls, value: int, info) -> int:
         if value > 1:
-            used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "dropout",
-                                      "sinks", "return_lse")
+            used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "varlen",
+                                      "dropout", "sinks", "return_lse")
                     if info.data.get(name)]
             if used:
                 raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")

@@ -16,7 +16,9 @@ from .check import (
     compare,
     compare_lse,
     feature_inputs,
+    packed_reference,
     poisoned_out,
+    random_packed,
     random_qkv,
     reference_for,
     shape_dims,
@@ -32,8 +34,13 @@ class Case:
     seq_k: int
     q_offset: int = 0
     layout: str = "contiguous"  # or "transposed": a [B, S, H, D] tensor seen as [B, H, S, D]
+    # varlen: (seq_q, seq_k) per sequence of a packed batch (batch, seq_q, seq_k unused)
+    lengths: tuple = ()
 
     def label(self, ratio: int) -> str:
+        if self.lengths:
+            lens = ",".join(f"{q}/{k}" if q != k else str(q) for q, k in self.lengths)
+            return f"packed Hq{self.kv_heads * ratio} Hkv{self.kv_heads} lens {lens}"
         text = f"B{self.batch} Hq{self.kv_heads * ratio} Hkv{self.kv_heads} Sq{self.seq_q} Skv{self.seq_k}"
         if self.q_offset:
             text += f" off{self.q_offset}"
@@ -46,11 +53,25 @@ FULL_SEQS = (1, 17, 64, 1000, 4096)
 QUICK_SEQS = (1, 17, 1000)
 
 
+# Packed varlen batches: ragged lengths, lengths of 1, chunked prefill (seq_q <
+# seq_k), a sequence with more queries than keys (its first rows see no key when
+# causal) and one long sequence.
+VARLEN_LENGTHS = (
+    ((1, 1),),
+    ((17, 17), (64, 64), (1, 1), (1000, 1000)),
+    ((5, 300), (128, 1000), (1, 1), (333, 333), (77, 64)),
+    ((4096, 4096), (100, 200)),
+)
+
+
 def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     """B in {1, 3} x Hkv in {1, 2} x Sq=Skv in FULL_SEQS; chunked prefill with
     Sq < Skv and q_offset = Skv - Sq; and a transposed (non-contiguous) layout.
     A spec with a left window adds queries placed past its keys: some rows see
     part of the window, some see no key at all (zeros, LSE -inf)."""
+    if (spec or {}).get("varlen"):
+        lengths = VARLEN_LENGTHS[:3] if quick else VARLEN_LENGTHS
+        return [Case(len(lens), h, 0, 0, lengths=lens) for h in (1, 2) for lens in lengths]
     batches, kv_heads = ((1,), (1, 2)) if quick else ((1, 3), (1, 2))
     seqs = QUICK_SEQS if quick else FULL_SEQS
     cases = [Case(b, h, s, s) for b in batches for h in kv_heads for s in seqs]
@@ -65,7 +86,35 @@ def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     return cases
 
 
+def run_packed_case(torch, module, case: Case, generator) -> dict:
+    """A varlen case: one packed batch against the per-sequence fp64 reference."""
+    spec = module.SPEC
+    batch = random_packed(spec, list(case.lengths), case.kv_heads, generator)
+    extra = feature_inputs(spec, {"batch": len(case.lengths), "heads": batch.q.shape[1],
+                                  "kv_heads": case.kv_heads}, generator)
+    out = torch.full((*batch.q.shape[:2], batch.v.shape[2]), float("nan"), dtype=batch.q.dtype,
+                     device="cuda")
+    _, lse = call_kernel(module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs())
+    torch.cuda.synchronize()
+    ref, ref_lse = packed_reference(spec, batch, extra)
+    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse)
+
+
+def _row(label: str, spec: dict, out, ref, lse, ref_lse) -> dict:
+    result = compare(out, ref, spec["dtype"])
+    row = {"shape": label, "max_abs_err": result.max_abs_err, "rel_err": result.rel_err,
+           "nonfinite": result.nonfinite, "ok": result.ok}
+    if lse is not None:
+        lse_result = compare_lse(lse, ref_lse)
+        row["lse_err"] = lse_result.max_abs_err
+        row["lse_mismatch"] = lse_result.nonfinite
+        row["ok"] = row["ok"] and lse_result.ok
+    return row
+
+
 def run_case(torch, module, case: Case, generator) -> dict:
+    if case.lengths:
+        return run_packed_case(torch, module, case, generator)
     spec = module.SPEC
     q, k, v = random_qkv(spec, case.batch, case.kv_heads, case.seq_q, case.seq_k,
                          generator=generator, layout=case.layout)
@@ -74,21 +123,7 @@ def run_case(torch, module, case: Case, generator) -> dict:
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     torch.cuda.synchronize()
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
-    result = compare(out, ref, spec["dtype"])
-    row = {
-        "shape": case.label(spec["gqa_ratio"]),
-        "max_abs_err": result.max_abs_err,
-        "rel_err": result.rel_err,
-        "nonfinite": result.nonfinite,
-        "ok": result.ok,
-    }
-    if lse is not None:
-        lse_result = compare_lse(lse, ref_lse)
-        row["lse_err"] = lse_result.max_abs_err
-        row["lse_mismatch"] = lse_result.nonfinite
-        row["ok"] = row["ok"] and lse_result.ok
-    del ref, ref_lse
-    return row
+    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse)
 
 
 def format_table(name: str, dtype: str, rows: list[dict]) -> str:

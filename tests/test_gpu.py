@@ -14,7 +14,7 @@ from specgen.check import (
 )
 from specgen.testing import Case, run_case
 
-from .helpers import SPEC_NAMES, generated_module
+from .helpers import DENSE_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
 
 pytestmark = pytest.mark.gpu
 
@@ -39,20 +39,20 @@ def _check(mod, batch, kv_heads, seq_q, seq_k, q_offset=0, layout="contiguous", 
     assert row["ok"], row
 
 
-@pytest.mark.parametrize("name", SPEC_NAMES)
+@pytest.mark.parametrize("name", DENSE_SPEC_NAMES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_matches_fp64_reference(name, shape):
     _check(generated_module(name), *shape, seed=hash(shape) & 0xFFFF)
 
 
-@pytest.mark.parametrize("name", SPEC_NAMES)
+@pytest.mark.parametrize("name", DENSE_SPEC_NAMES)
 def test_transposed_views(name):
     """A [B, S, H, D] tensor seen as [B, H, S, D] (a transposed view) works as is."""
     _check(generated_module(name), 2, 2, 300, 300, layout="transposed")
     _check(generated_module(name), 1, 2, 100, 700, q_offset=600, layout="transposed")
 
 
-@pytest.mark.parametrize("name", SPEC_NAMES)
+@pytest.mark.parametrize("name", DENSE_SPEC_NAMES)
 def test_custom_scale(name):
     mod = generated_module(name)
     spec = mod.SPEC
@@ -64,7 +64,7 @@ def test_custom_scale(name):
     assert lse is None or compare_lse(lse, ref_lse).ok
 
 
-@pytest.mark.parametrize("name", SPEC_NAMES)
+@pytest.mark.parametrize("name", DENSE_SPEC_NAMES)
 def test_empty_query_returns_empty(name):
     mod = generated_module(name)
     spec = mod.SPEC
@@ -249,3 +249,58 @@ def test_dropout_is_reproducible_and_matches_reference_mask():
         mod.attention(q, k, k, dropout_p=1.0)
     with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*31\), got -1"):
         mod.attention(q, k, k, seed=-1)
+
+
+@pytest.mark.parametrize("name", VARLEN_SPEC_NAMES)
+@pytest.mark.parametrize("index", range(8))
+def test_varlen_specs_match_reference(name, index):
+    from specgen.testing import case_matrix
+
+    mod = generated_module(name)
+    cases = case_matrix(False, mod.SPEC)
+    if index >= len(cases):
+        pytest.skip(f"{name} has {len(cases)} packed cases")
+    generator = torch.Generator(device="cuda").manual_seed(index)
+    row = run_case(torch, mod, cases[index], generator)
+    assert row["ok"], row
+
+
+def test_varlen_arguments_are_checked_before_launch():
+    mod = generated_module("fmha_varlen_llama")
+    q = torch.randn(10, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(12, 2, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 6, 12], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor"):
+        mod.attention(q, k, k, cu_seqlens_q=cu.long(), cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="must have the same length"):
+        mod.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k[:2])
+    with pytest.raises(ValueError, match=r"q must be 3-D \[total, heads, head_dim\]"):
+        mod.attention(q[None], k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k)
+    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int or None"):
+        mod.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=-1)
+    out, lse = mod.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k)  # lengths read from cu
+    assert out.shape == (10, 8, 128) and lse.shape == (8, 10) and torch.isfinite(out).all()
+
+
+VARLEN_VARIANTS = {
+    "varlen_plain": {"varlen": True},
+    "varlen_window_sinks_lse": {"varlen": True, "window": {"left": 50}, "sinks": True, "return_lse": True},
+    "varlen_non_causal_d80_dv64_softcap": {"varlen": True, "causal": False, "block_remap": None,
+                                           "head_dim": 80, "v_head_dim": 64, "softcap": 10.0,
+                                           "return_lse": True},
+    "varlen_k_permuted_global_order": {
+        "varlen": True, "loads": {"k_transposed": False},
+        "targets": {"default": {"tile_m": 64, "tile_n": 64, "tile_order": "global"}}},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARLEN_VARIANTS))
+@pytest.mark.parametrize("index", [1, 2])
+def test_varlen_variants_match_reference(variant, index):
+    from specgen.testing import case_matrix
+
+    mod = _variant_module(variant, VARLEN_VARIANTS[variant])
+    case = case_matrix(False, mod.SPEC)[index]
+    row = run_case(torch, mod, case, torch.Generator(device="cuda").manual_seed(index))
+    assert row["ok"], row

@@ -433,7 +433,15 @@ def run_bench(
     baselines: tuple[str, ...],
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Path]:
-    from .check import call_kernel, feature_inputs, poisoned_out, random_packed, random_qkv, shape_dims
+    from .check import (
+        call_kernel,
+        feature_inputs,
+        output_dtype,
+        poisoned_out,
+        random_packed,
+        random_qkv,
+        shape_dims,
+    )
     from .gpu import device_info, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
@@ -476,13 +484,18 @@ def run_bench(
             else:
                 q, k, v = random_qkv(spec, batch, kv_heads, seq, seq)
                 kwargs = {}
+                # torch has no float8 attention: baselines run on 16-bit copies.
+                bq, bk, bv = ((t.to(getattr(torch, output_dtype(spec))) for t in (q, k, v))
+                              if spec["dtype"] == "float8_e4m3fn" else (q, k, v))
                 # Expanded K/V for baselines needing equal head counts, outside timing.
-                k_full = k.repeat_interleave(ratio, 1) if ratio > 1 else k
-                v_full = v.repeat_interleave(ratio, 1) if ratio > 1 else v
+                k_full = bk.repeat_interleave(ratio, 1) if ratio > 1 else bk
+                v_full = bv.repeat_interleave(ratio, 1) if ratio > 1 else bv
                 out = poisoned_out(spec, q, v)
                 extra = feature_inputs(spec, shape_dims(q, k))
+                if spec["dtype"] == "float8_e4m3fn":  # unit descales: outputs comparable
+                    extra.update(q_descale=1.0, k_descale=1.0, v_descale=1.0)
                 flops = spec_flops(spec, batch, heads, seq, seq)
-                baseline_args = (q, k_full, v_full, k, v, extra)
+                baseline_args = (bq, k_full, v_full, bk, bv, extra)
             timings: dict[str, Timing] = {}
 
             call_kernel(module, q, k, v, extra, out=out, **kwargs)  # JIT compile + correctness below
@@ -522,7 +535,9 @@ def run_bench(
             created=datetime.date.today().isoformat(), device=device,
             matmul_tflops=matmul, baselines=list(baselines), rows=rows,
             layout=("packed varlen batch of B sequences of S/2, S, 3S/2, S, ... (mean S) tokens, "
-                    "Sq=Skv per sequence" if varlen else "Sq=Skv"),
+                    "Sq=Skv per sequence" if varlen else "Sq=Skv")
+            + ("; baselines run on bfloat16 copies of the float8 inputs (torch exposes no float8 "
+               "attention)" if spec["dtype"] == "float8_e4m3fn" else ""),
         )
         stem = write_result(result, out_dir, log)
         print(format_markdown(result))

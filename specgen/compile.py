@@ -169,10 +169,12 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     layouts = {
         # q, k, v, out: 4-D with a contiguous last axis and 16-byte aligned rows.
         # (varlen: packed [total, H, D])
-        "Q": (getattr(ct, plan.dtype), 3 if plan.varlen else 4, 2, True),
+        "Q": (getattr(ct, plan.dtype), 3 if plan.varlen else 4, 1 if plan.fp8 else 2, True),
         "Sinks": (ct.float32, 1, 4, False),  # [Hq] float32, made contiguous
         # [B, Hq, Sq] float32, Sq arbitrary (varlen: [Hq, total_q])
         "Lse": (ct.float32, 2 if plan.varlen else 3, 4, False),
+        "Out": (getattr(ct, plan.out_dtype), 3 if plan.varlen else 4, 2, True),
+        "Descales": (ct.float32, 1, 4, False),  # [3] q, k, v descales of a float8 kernel
         "CuSeqlensQ": (ct.int32, 1, 4, False),
         "CuSeqlensK": (ct.int32, 1, 4, False),
     }

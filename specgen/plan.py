@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .expr import Gather, Hook, compile_hook
 from .spec import HINT_DEFAULTS, HINT_FIELDS, LaunchConfig, Spec, TargetConfig, spec_to_dict
 
-DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
+DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,9 @@ class Plan:
     dtype: str  # "float16"
     ct_dtype: str  # "ct.float16"
     torch_dtype: str  # "torch.float16"
+    fp8: bool  # float8_e4m3fn q/k/v with per-tensor descales
+    out_dtype: str  # "bfloat16": the output's element type
+    out_dtype_name: str  # the launcher constant holding it: "DTYPE" or "OUT_DTYPE"
     head_dim: int
     v_head_dim: int  # of v and the output (head_dim unless the spec sets it)
     head_dim_tile: int  # head_dim rounded up to a power of two (tiles are padded)
@@ -378,6 +381,9 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         dtype=spec.dtype,
         ct_dtype=f"ct.{spec.dtype}",
         torch_dtype=f"torch.{spec.dtype}",
+        fp8=spec.dtype == "float8_e4m3fn",
+        out_dtype=spec.output_dtype,
+        out_dtype_name="DTYPE" if spec.output_dtype == spec.dtype else "OUT_DTYPE",
         **_dims(spec),
         group_size=spec.gqa_ratio,
         causal=spec.causal,
@@ -419,7 +425,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
         + (("Lse",) if spec.return_lse else ())
         + tuple(tensor_param(name) for name in spec.tensors)
-        + (("CuSeqlensQ", "CuSeqlensK") if spec.varlen else ()),
+        + (("CuSeqlensQ", "CuSeqlensK") if spec.varlen else ())
+        + (("Descales",) if spec.dtype == "float8_e4m3fn" else ()),
         q_subtiles=spec.q_subtiles,
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",

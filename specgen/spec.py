@@ -331,8 +331,14 @@ class Spec(_Strict):
         description="Python identifier (not a keyword); the module is generated/<name>.py.",
     )
     family: Literal["prefill"] = Field("prefill", description="Kernel family.")
-    dtype: Literal["float16", "bfloat16"] = Field(
-        "float16", description="Element type of q, k, v and the output."
+    dtype: Literal["float16", "bfloat16", "float8_e4m3fn"] = Field(
+        "float16",
+        description="Element type of q, k and v (and of the output unless out_dtype "
+        "says otherwise). float8_e4m3fn takes per-tensor q/k/v descales.",
+    )
+    out_dtype: Optional[Literal["float16", "bfloat16"]] = Field(
+        None,
+        description="Element type of the output; null: dtype (float8_e4m3fn: bfloat16).",
     )
     head_dim: HeadDim = Field(
         128,
@@ -555,6 +561,38 @@ class Spec(_Strict):
             )
         return value
 
+    @field_validator("out_dtype")
+    @classmethod
+    def _out_dtype(cls, value: Optional[str], info) -> Optional[str]:
+        if value is not None and value == info.data.get("dtype"):
+            return None  # the same as leaving it out
+        return value
+
+    @field_validator("head_dim", "v_head_dim")
+    @classmethod
+    def _fp8_alignment(cls, value: Optional[int], info) -> Optional[int]:
+        if value is not None and info.data.get("dtype") == "float8_e4m3fn" and value % 16:
+            raise ValueError(
+                "must be a multiple of 16 with dtype float8_e4m3fn (16-byte aligned rows of "
+                "1-byte elements)"
+            )
+        return value
+
+    @field_validator("prescale_q")
+    @classmethod
+    def _prescale_16_bit(cls, value: bool, info) -> bool:
+        if value and info.data.get("dtype") == "float8_e4m3fn":
+            raise ValueError("true needs a 16-bit dtype (a pre-scaled Q would be rounded back "
+                             "to float8); use false")
+        return value
+
+    @property
+    def output_dtype(self) -> str:
+        """The element type of the output."""
+        if self.out_dtype:
+            return self.out_dtype
+        return "bfloat16" if self.dtype == "float8_e4m3fn" else self.dtype
+
     @field_validator("v_head_dim")
     @classmethod
     def _v_head_dim(cls, value: Optional[int], info) -> Optional[int]:
@@ -579,6 +617,8 @@ class Spec(_Strict):
             used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "varlen",
                                       "dropout", "sinks", "return_lse")
                     if info.data.get(name)]
+            if info.data.get("dtype") == "float8_e4m3fn":
+                used.append("dtype float8_e4m3fn")
             if used:
                 raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")
         for name, cfg in (info.data.get("targets") or {}).items():

@@ -16,6 +16,7 @@ from .check import (
     compare,
     compare_lse,
     feature_inputs,
+    output_dtype,
     packed_reference,
     poisoned_out,
     random_packed,
@@ -92,8 +93,8 @@ def run_packed_case(torch, module, case: Case, generator) -> dict:
     batch = random_packed(spec, list(case.lengths), case.kv_heads, generator)
     extra = feature_inputs(spec, {"batch": len(case.lengths), "heads": batch.q.shape[1],
                                   "kv_heads": case.kv_heads}, generator)
-    out = torch.full((*batch.q.shape[:2], batch.v.shape[2]), float("nan"), dtype=batch.q.dtype,
-                     device="cuda")
+    out = torch.full((*batch.q.shape[:2], batch.v.shape[2]), float("nan"),
+                     dtype=getattr(torch, output_dtype(spec)), device="cuda")
     _, lse = call_kernel(module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs())
     torch.cuda.synchronize()
     ref, ref_lse = packed_reference(spec, batch, extra)

@@ -238,6 +238,9 @@ def run_tune(
             f"{path}: autotune.{target}: no search space for {target} (declared: {declared}); "
             f"add e.g. autotune: {{{target}: {{tile_m: [64, 128], tile_n: [64, 128]}}}}"
         )
+    if spec.varlen:
+        raise UsageError(f"{path}: tune times [B, H, S, D] batches; a varlen spec is not supported "
+                         "yet (tune a copy with varlen: false and paste its targets)")
     configs = search_space(space, spec.q_subtiles)
     if not configs:
         raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
@@ -276,6 +279,9 @@ def run_tune(
         if plan.return_lse:
             arrays.append(torch.empty(q.shape[:3], device="cuda", dtype=torch.float32))
         arrays += [extra[name].contiguous() for name, _, _, _ in plan.extra_tensors]
+        if plan.fp8:
+            arrays.append(torch.tensor([extra["q_descale"], extra["k_descale"], extra["v_descale"]],
+                                       dtype=torch.float32, device="cuda"))
         args = (*arrays, scale, q_offset)
         if plan.dropout:
             p = extra["dropout_p"]

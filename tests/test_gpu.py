@@ -171,6 +171,12 @@ FEATURE_VARIANTS = {
         "score_mod": "score + bias[h, kv_idx] if (q_idx - kv_idx) % 3 != 1 else score * 0.5",
         "mask_mod": "kv_idx % 7 != 3"},
     "mask_mod_empty_rows_lse": {"mask_mod": "kv_idx >= 64", "return_lse": True, "prescale_q": False},
+    # float8 q/k/v with descales, 16-bit output.
+    "fp8_f16_out": {"dtype": "float8_e4m3fn", "out_dtype": "float16", "prescale_q": False},
+    "fp8_window_softcap_lse_non_causal": {
+        "dtype": "float8_e4m3fn", "prescale_q": False, "causal": False, "block_remap": None,
+        "window": {"left": 100, "right": 20}, "softcap": 15.0, "return_lse": True,
+        "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1}}},
     # Dropout: the reference regenerates the kernel's mask from the seed.
     "dropout": {"dropout": True},
     "dropout_window_lse_no_split": {"dropout": True, "window": {"left": 90}, "return_lse": True,
@@ -304,3 +310,18 @@ def test_varlen_variants_match_reference(variant, index):
     case = case_matrix(False, mod.SPEC)[index]
     row = run_case(torch, mod, case, torch.Generator(device="cuda").manual_seed(index))
     assert row["ok"], row
+
+
+def test_fp8_descales_are_checked_and_applied():
+    mod = generated_module("fmha_fp8_llama")  # GQA 8, D128, bfloat16 output
+    q = torch.randn(1, 8, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    k = torch.randn(1, 1, 64, 128, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="k_descale must be a positive float"):
+        mod.attention(q, k, k, k_descale=-1.0)
+    with pytest.raises(ValueError, match="v_descale must be a positive float or a one-element float tensor on"):
+        mod.attention(q, k, k, v_descale=torch.ones(2, device="cuda"))
+    base = mod.attention(q, k, k)
+    assert base.dtype == torch.bfloat16
+    # v's descale scales the output; a tensor descale (no host sync) equals the float.
+    doubled = mod.attention(q, k, k, v_descale=torch.tensor([2.0], device="cuda"))
+    assert torch.allclose(doubled.float(), 2 * base.float(), rtol=1e-2, atol=1e-2)

@@ -72,6 +72,35 @@ def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: Optional[dict] =
     return total
 
 
+def mask_mod_pairs(torch, spec: dict, extra: dict, batch: int, heads: int, seq_q: int,
+                   seq_k: int) -> int:
+    """Query-key pairs a mask_mod spec leaves visible (with its causal mask and
+    window), summed over batch and heads: evaluated with torch, 1024 rows at a time."""
+    import re
+
+    from .expr import torch_fn
+    from .reference import visible_mask
+
+    allowed_fn = torch_fn(spec["mask_mod"])
+    tensors = {n: extra[n] for n in spec.get("tensors") or {}}
+    window = spec.get("window")
+    per_head = re.search(r"\bh\b", spec["mask_mod"]) is not None
+    keys = torch.arange(seq_k, device="cuda")[None, :]
+    total = 0
+    for b in range(batch):
+        for h in range(heads) if per_head else (0,):
+            for start in range(0, seq_q, 1024):
+                rows = torch.arange(start, min(start + 1024, seq_q), device="cuda")[:, None]
+                env = {"b": torch.tensor(b, device="cuda"), "h": torch.tensor(h, device="cuda"),
+                       "q_idx": rows, "kv_idx": keys}
+                allowed = torch.broadcast_to(allowed_fn(env, tensors), (rows.shape[0], seq_k))
+                allowed = allowed & visible_mask(
+                    rows.shape[0], seq_k, causal=spec["causal"], q_offset=start,
+                    window=(window["left"], window["right"]) if window else None, device="cuda")
+                total += int(allowed.sum())
+    return total if per_head else total * heads
+
+
 def spec_flops(spec: dict, batch: int, heads: int, seq_q: int, seq_k: int) -> int:
     """4 * B * Hq * D * visible pairs; the classic formula (causal: half) where no
     window applies, so dense and causal figures compare with published ones."""
@@ -346,8 +375,9 @@ def varlen_lengths(batch: int, seq: int) -> list[int]:
 def _make_varlen_baselines(torch, names, spec: dict):
     """Callables (packed, extra) -> out [total_q, Hq, Dv] for a varlen spec.
 
-    SDPA's cuDNN and FA2 backends get the batch as jagged nested tensors (K/V
-    expanded to the query heads outside the timing); FlexAttention gets the packed
+    FA2 and cuDNN through torch's own varlen ops (aten._flash_attention_forward,
+    aten._cudnn_attention_forward with cum_seq; cuDNN's K/V expanded to the query
+    heads once, outside the timing); FlexAttention gets the packed
     batch as one sequence with a block mask that keeps each query in its own
     sequence (and causal, windowed by position)."""
     causal, ratio = spec["causal"], spec["gqa_ratio"]
@@ -355,36 +385,31 @@ def _make_varlen_baselines(torch, names, spec: dict):
     left, right = window.get("left"), window.get("right")
     unsupported = [n for n, on in (("window", window), ("softcap", spec.get("softcap")),
                                    ("sinks", spec.get("sinks"))) if on]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
-
     made: dict[str, object] = {}
-    nested: dict[int, tuple] = {}
 
-    def as_nested(packed):
-        key = id(packed)
-        if key not in nested:  # made once per batch, outside the timing
-            nested.clear()
-            offsets = packed.cu_seqlens_q.long()
+    def fa2(packed, _extra):
+        # FlashAttention-2's own varlen entry point (GQA in the kernel).
+        max_q, max_k = packed.kwargs()["max_seqlen_q"], packed.kwargs()["max_seqlen_k"]
+        return torch.ops.aten._flash_attention_forward(
+            packed.q, packed.k, packed.v, packed.cu_seqlens_q, packed.cu_seqlens_k, max_q, max_k,
+            0.0, causal, False)[0]
 
-            def jag(t):
-                t = t.repeat_interleave(ratio, 1) if ratio > 1 and t.shape[1] != packed.q.shape[1] else t
-                return torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2)
+    expanded: dict[int, tuple] = {}
 
-            nested[key] = (jag(packed.q), jag(packed.k), jag(packed.v))
-        return nested[key]
+    def cudnn(packed, _extra):
+        max_q, max_k = packed.kwargs()["max_seqlen_q"], packed.kwargs()["max_seqlen_k"]
+        if id(packed) not in expanded:  # cuDNN's op wants Hq K/V heads: expanded once, untimed
+            expanded.clear()
+            expanded[id(packed)] = tuple(t.repeat_interleave(ratio, 1) if ratio > 1 else t
+                                         for t in (packed.k, packed.v))
+        k, v = expanded[id(packed)]
+        return torch.ops.aten._cudnn_attention_forward(
+            packed.q, k, v, None, packed.cu_seqlens_q, packed.cu_seqlens_k, max_q, max_k, False, 0.0,
+            causal)[0]
 
-    def sdpa_with(backend):
-        def run(packed, _extra):
-            q, k, v = as_nested(packed)
-            with sdpa_kernel([backend]):
-                return sdpa(q, k, v, is_causal=causal).transpose(1, 2).values()
-
-        return run
-
-    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+    for name, fn in (("cudnn", cudnn), ("flash", fa2)):
         if name in names:
-            made[name] = (f"SDPA has no {', '.join(unsupported)}" if unsupported else sdpa_with(backend))
+            made[name] = f"no {', '.join(unsupported)} in the varlen op" if unsupported else fn
     if "flex" in names and spec.get("sinks"):
         made["flex"] = "FlexAttention has no attention sinks"
     elif "flex" in names:
@@ -494,7 +519,11 @@ def run_bench(
                 extra = feature_inputs(spec, shape_dims(q, k))
                 if spec["dtype"] == "float8_e4m3fn":  # unit descales: outputs comparable
                     extra.update(q_descale=1.0, k_descale=1.0, v_descale=1.0)
-                flops = spec_flops(spec, batch, heads, seq, seq)
+                if spec.get("mask_mod"):  # only the pairs the mask leaves: no phantom FLOPs
+                    dims = spec["head_dim"] + (spec.get("v_head_dim") or spec["head_dim"])
+                    flops = 2 * dims * mask_mod_pairs(torch, spec, extra, batch, heads, seq, seq)
+                else:
+                    flops = spec_flops(spec, batch, heads, seq, seq)
                 baseline_args = (bq, k_full, v_full, bk, bv, extra)
             timings: dict[str, Timing] = {}
 

@@ -120,6 +120,8 @@ class Plan:
     score_mod: Hook | None
     mask_mod: Hook | None
     extra_tensors: tuple[tuple[str, str, str, tuple[str, ...]], ...]
+    # A mask_mod is evaluated before each key tile's loads; a tile it hides wholly is skipped.
+    skip_masked_tiles: bool
     # S comes out of the MMA (+ soft-cap, score_mod) already in the softmax's units.
     scores_scaled: bool
     scale_expr: str  # the softmax scale the kernel multiplies by: "qk_scale * INV_LN2"
@@ -418,6 +420,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         dropout=spec.dropout,
         varlen=spec.varlen,
         **_hooks(spec),
+        skip_masked_tiles=spec.skip_masked_tiles and spec.mask_mod is not None,
         scores_scaled=spec.prescale_q or spec.softcap is not None or spec.score_mod is not None,
         # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.
         scale_expr="qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale",

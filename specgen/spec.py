@@ -383,6 +383,12 @@ class Spec(_Strict):
         description="Condition: key kv_idx is visible to query q_idx (documents: "
         "'doc[b, q_idx] == doc[b, kv_idx]'); ANDed with causal and window. null: none.",
     )
+    skip_masked_tiles: bool = Field(
+        True,
+        description="With a mask_mod: test each key tile's mask first and skip the "
+        "tiles it hides from every row (block sparsity: document masks); false "
+        "computes every tile.",
+    )
     dropout: bool = Field(
         False,
         description="Dropout on the attention probabilities: attention(..., dropout_p, "

@@ -170,6 +170,9 @@ FEATURE_VARIANTS = {
         "tensors": {"bias": {"dtype": "float32", "shape": ["heads", "seq_k"]}},
         "score_mod": "score + bias[h, kv_idx] if (q_idx - kv_idx) % 3 != 1 else score * 0.5",
         "mask_mod": "kv_idx % 7 != 3"},
+    "doc_mask_no_tile_skip": {"skip_masked_tiles": False,
+                              "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                              "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
     "mask_mod_empty_rows_lse": {"mask_mod": "kv_idx >= 64", "return_lse": True, "prescale_q": False},
     # float8 q/k/v with descales, 16-bit output.
     "fp8_f16_out": {"dtype": "float8_e4m3fn", "out_dtype": "float16", "prescale_q": False},

@@ -57,8 +57,19 @@ BAD = [
      "such as sm_90, sm_100, sm_120, got \"sm_9\""),
     ({"targets": {"default": {"tile_m": 64}}},
      "specs/bad.yaml: targets.default.tile_n: required field is missing"),
+    ({"dtype": "float8_e4m3fn", "head_dim": 72},
+     "specs/bad.yaml: head_dim: must be a multiple of 16 with dtype float8_e4m3fn (16-byte aligned "
+     "rows of 1-byte elements), got 72"),
+    ({"dtype": "float8_e4m3fn", "prescale_q": True},
+     "specs/bad.yaml: prescale_q: true needs a 16-bit dtype (a pre-scaled Q would be rounded back "
+     "to float8); use false, got true"),
+    ({"out_dtype": "float32"},
+     "specs/bad.yaml: out_dtype: must be one of 'float16' or 'bfloat16', got \"float32\""),
+    ({"varlen": True, "dropout": True},
+     "specs/bad.yaml: varlen: true does not support dropout yet (the reference's b and positions "
+     "would be per sequence); use a padded batch, or a document mask_mod instead of varlen, got true"),
     ({"dtype": "float32"},
-     "specs/bad.yaml: dtype: must be one of 'float16' or 'bfloat16', got \"float32\""),
+     "specs/bad.yaml: dtype: must be one of 'float16', 'bfloat16' or 'float8_e4m3fn', got \"float32\""),
     ({"head_dim": 100}, "specs/bad.yaml: head_dim: must be a multiple of 8 in [16, 256], got 100"),
     ({"head_dim": 264}, "specs/bad.yaml: head_dim: must be a multiple of 8 in [16, 256], got 264"),
     ({"v_head_dim": 12}, "specs/bad.yaml: v_head_dim: must be a multiple of 8 in [16, 256], got 12"),
@@ -79,8 +90,8 @@ BAD = [
     ({"fast_math": {"exp3": True}},
      "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
-     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, head_dim, v_head_dim, "
-     "gqa_ratio, causal, window, softcap, tensors, score_mod, mask_mod, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
+     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, head_dim, v_head_dim, "
+     "gqa_ratio, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
      "q_subtiles, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "

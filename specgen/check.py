@@ -227,3 +227,85 @@ def smoke_case(spec: dict, generator=None) -> SmokeCase:
     extra = feature_inputs(spec, shape_dims(q, k), generator)
     ref, _ = reference_for(spec, q, k, v, extra, q_offset=q_offset)
     return SmokeCase(q, k, v, q_offset, extra, ref)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A decode call: q [B, q_len, Hq, D], the caches (contiguous [B, max_len, Hkv, D]
+    or pages [num_pages, page_size, Hkv, D] with a page table) and seq_lens [B]."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor | None
+
+    def args(self) -> tuple:
+        return ((self.q, self.k_cache, self.v_cache, self.seq_lens)
+                + ((self.page_table,) if self.page_table is not None else ()))
+
+    def keys(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's cached K and V, [Hkv, seq_len, D] each."""
+        n = int(self.seq_lens[b])
+        if self.page_table is None:
+            return self.k_cache[b, :n].transpose(0, 1), self.v_cache[b, :n].transpose(0, 1)
+        size = self.k_cache.shape[1]
+        pos = torch.arange(n, device=self.q.device)
+        pages = self.page_table[b, pos // size].long()
+        return (self.k_cache[pages, pos % size].transpose(0, 1),
+                self.v_cache[pages, pos % size].transpose(0, 1))
+
+
+def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
+                  generator=None) -> DecodeBatch:
+    """Random q and caches for ``seq_lens``; every cache slot past a sequence's
+    length holds NaN, so a kernel that reads one into its result fails the check.
+    A paged cache gets its pages in a shuffled order (and one spare page)."""
+    dtype = getattr(torch, spec["dtype"])
+    d, batch = spec["head_dim"], len(seq_lens)
+    heads = kv_heads * spec["gqa_ratio"]
+
+    def rand(*shape):
+        return torch.randn(shape, generator=generator, device="cuda").to(dtype)
+
+    q = rand(batch, q_len, heads, d)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    paged = spec.get("paged")
+    if not paged:
+        max_len = max(seq_lens)
+        k, v = rand(batch, max_len, kv_heads, d), rand(batch, max_len, kv_heads, d)
+        for b, n in enumerate(seq_lens):
+            k[b, n:] = float("nan")
+            v[b, n:] = float("nan")
+        return DecodeBatch(q, k, v, lens, None)
+    size = paged["page_size"]
+    per_seq = [-(-n // size) for n in seq_lens]
+    num_pages = sum(per_seq) + 1
+    order = torch.randperm(num_pages, generator=generator, device="cuda").to(torch.int32)
+    table = torch.zeros(batch, max(per_seq), dtype=torch.int32, device="cuda")
+    k = torch.full((num_pages, size, kv_heads, d), float("nan"), dtype=dtype, device="cuda")
+    v = torch.full_like(k, float("nan"))
+    used = 0
+    for b, (n, count) in enumerate(zip(seq_lens, per_seq)):
+        table[b, :count] = order[used:used + count]
+        used += count
+        pos = torch.arange(n, device="cuda")
+        pages = table[b, pos // size].long()
+        k[pages, pos % size] = rand(n, kv_heads, d)
+        v[pages, pos % size] = rand(n, kv_heads, d)
+    return DecodeBatch(q, k, v, lens, table)
+
+
+def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) -> torch.Tensor:
+    """The fp64 reference of a decode call: each sequence's q_len new tokens are its
+    last positions, against its cached keys (window, sinks)."""
+    outs = []
+    q_len = batch.q.shape[1]
+    for b in range(batch.q.shape[0]):
+        k, v = batch.keys(b)
+        q = batch.q[b].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        n = int(batch.seq_lens[b])
+        out, _ = reference_for({**spec, "causal": True}, q, k[None], v[None], extra,
+                               q_offset=n - q_len, scale=scale)
+        outs.append(out[0].transpose(0, 1))
+    return torch.stack(outs)

@@ -138,6 +138,46 @@ def load_module_from_source(name: str, source: str, origin: str):
     return module
 
 
+def decode_signatures(plan: Plan, config: ConfigPlan) -> dict:
+    """The decode family's two kernels: {kernel name: its signatures}."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+
+    def array(dtype, ndim: int, elem_bytes: int = 4, inner_aligned: bool = False):
+        return _array_constraint(dtype, ndim, elem_bytes, inner_aligned)
+
+    io = getattr(ct, plan.dtype)
+    split = [array(io, 4, 2, True), array(io, 4, 2, True), array(io, 4, 2, True), array(ct.int32, 1)]
+    split += [array(ct.int32, 2)] if plan.page_size else []
+    sinks = [array(ct.float32, 1)] if plan.sinks else []
+    parts = [array(io, 4, 2, True), array(ct.float32, 5, 4, True), array(ct.float32, 4, 4, True)]
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
+    convention = CallingConvention.cutile_python_v1()
+    return {
+        plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single],
+                                           convention) for single in (True, False)],
+        plan.combine_name: [KernelSignature(sinks + parts + scalars[1:], convention)],
+    }
+
+
+def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool):
+    from cuda.tile.compilation import ArrayConstraint
+    import cuda.tile as ct
+
+    align = 16 // elem_bytes if inner_aligned else 1
+    return ArrayConstraint(
+        dtype,
+        ndim,
+        index_dtype=ct.int32,
+        stride_lower_bound_incl=0,
+        alias_groups=(),
+        may_alias_internally=False,
+        stride_constant=(None,) * (ndim - 1) + (1,),
+        stride_divisible_by=(align,) * (ndim - 1) + (1,),
+        base_addr_divisible_by=16 if inner_aligned else elem_bytes,
+    )
+
+
 def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     """One KernelSignature per value of the kernel's runtime-specialised constants.
 
@@ -217,7 +257,13 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
                 kernel = getattr(module, plan.kernel_name)
                 if config.extra_hints:
                     kernel = kernel.replace_hints(**config.extra_hints)
-                atomic_write(path, _export(plan, kernel, target, config))
+                if plan.spec.family == "decode":  # both kernels, one after the other
+                    data = b"".join(
+                        _export(plan, getattr(module, name), target, config, sigs)
+                        for name, sigs in decode_signatures(plan, config).items())
+                else:
+                    data = _export(plan, kernel, target, config)
+                atomic_write(path, data)
         paths.append(path)
         size += path.stat().st_size
     return CompileResult(
@@ -226,14 +272,14 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
     )
 
 
-def _export(plan: Plan, kernel, target: str, config: ConfigPlan) -> bytes:
+def _export(plan: Plan, kernel, target: str, config: ConfigPlan, sigs=None) -> bytes:
     from cuda.tile.compilation import export_kernel
 
     buffer = io.BytesIO()
     try:
         export_kernel(
             kernel,
-            signatures(plan, target, config),
+            sigs or signatures(plan, target, config),
             buffer,
             gpu_code=target,
             output_format="cubin",

@@ -136,6 +136,13 @@ class Plan:
     compile_for: tuple[str, ...]
     spec_dict: dict
     optimizations: tuple[str, ...]  # one line each, for the module docstring
+    # Decode family (defaults for prefill plans).
+    max_q_len: int = 1
+    page_size: int | None = None  # paged KV cache: tokens per page
+    splits: str | int = "auto"
+    max_splits: int = 64
+    decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
+    combine_name: str = ""  # the decode family's split-combine kernel
 
     def target(self, name: str) -> TargetPlan:
         """The launch config the generated launcher picks on device ``name``."""
@@ -228,8 +235,12 @@ def _arch_key(name: str) -> tuple:
 
 def procedural_name(spec: Spec) -> str:
     """The one name of a kernel variant, used for the kernel, cache and bench rows."""
-    mask = "causal" if spec.causal else "full"
     heads = "mha" if spec.gqa_ratio == 1 else f"gqa{spec.gqa_ratio}"
+    if spec.family == "decode":
+        name = f"fmha_decode_{heads}_{DTYPE_SHORT[spec.dtype]}_d{spec.head_dim}"
+        name += f"_q{spec.max_q_len}" if spec.max_q_len > 1 else ""
+        return name + (f"_paged{spec.paged.page_size}" if spec.paged else "")
+    mask = "causal" if spec.causal else "full"
     dims = f"d{spec.head_dim}" + (f"_dv{spec.v_head_dim}" if spec.v_head_dim else "")
     return f"fmha_{spec.family}_{mask}_{heads}_{DTYPE_SHORT[spec.dtype]}_{dims}"
 
@@ -438,4 +449,14 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         compile_for=tuple(spec.compile_for),
         spec_dict=spec_to_dict(spec),
         optimizations=_optimizations(spec, block_remap),
+        **_decode(spec),
     )
+
+
+def _decode(spec: Spec) -> dict:
+    if spec.family != "decode":
+        return {}
+    rows = max(16, 1 << (spec.gqa_ratio * spec.max_q_len - 1).bit_length())
+    return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
+                splits=spec.splits, decode_tile_m=rows,
+                combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

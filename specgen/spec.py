@@ -11,7 +11,7 @@ import keyword
 import re
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (
@@ -187,6 +187,22 @@ class ExtraTensor(_Strict):
     )
 
 
+class Paged(_Strict):
+    """A paged KV cache: pages [num_pages, page_size, Hkv, D] and a page table."""
+
+    page_size: int = Field(
+        description="Tokens per page: a power of two in [16, 1024], at least the tile_n "
+        "of every target (a key tile never spans two pages).",
+    )
+
+    @field_validator("page_size")
+    @classmethod
+    def _pow2(cls, value: int) -> int:
+        if value < 16 or value > 1024 or value & (value - 1):
+            raise ValueError("must be a power of two in [16, 1024]")
+        return value
+
+
 TileOrder = Literal["per_head", "global"]
 
 HINT_FIELDS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
@@ -330,7 +346,11 @@ class Spec(_Strict):
     name: str = Field(
         description="Python identifier (not a keyword); the module is generated/<name>.py.",
     )
-    family: Literal["prefill"] = Field("prefill", description="Kernel family.")
+    family: Literal["prefill", "decode"] = Field(
+        "prefill",
+        description="Kernel family: prefill (queries against keys, [B, H, S, D]) or "
+        "decode (a few new tokens against a KV cache, split-KV flash decoding).",
+    )
     dtype: Literal["float16", "bfloat16", "float8_e4m3fn"] = Field(
         "float16",
         description="Element type of q, k and v (and of the output unless out_dtype "
@@ -384,10 +404,10 @@ class Spec(_Strict):
         "'doc[b, q_idx] == doc[b, kv_idx]'); ANDed with causal and window. null: none.",
     )
     skip_masked_tiles: bool = Field(
-        True,
-        description="With a mask_mod: test each key tile's mask first and skip the "
-        "tiles it hides from every row (block sparsity: document masks); false "
-        "computes every tile.",
+        False,
+        description="With a mask_mod: test each key tile's mask first and branch around "
+        "the tiles it hides from every row. Measured no faster on H200 for document "
+        "masks (bench/NOTES.md, 15): the loads are pipelined ahead of the branch.",
     )
     dropout: bool = Field(
         False,
@@ -438,6 +458,19 @@ class Spec(_Strict):
         description="2 splits each CTA's tile_m query rows into two halves with their "
         "own softmax state that share every K and V tile, so one half's softmax can "
         "overlap the other's MMA (FA3's ping-pong, in tiles).",
+    )
+    max_q_len: int = Field(
+        1, ge=1, le=8,
+        description="decode: new tokens per sequence and call (speculative decoding: "
+        "more than 1); the query tile packs gqa_ratio heads x max_q_len tokens.",
+    )
+    paged: Optional[Paged] = Field(
+        None, description="decode: a paged KV cache; null: contiguous [B, max_len, Hkv, D].",
+    )
+    splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
+        "auto",
+        description="decode: KV splits per (batch, KV head); auto picks them from the SM "
+        "count, batch, KV heads and length.",
     )
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],
@@ -509,6 +542,38 @@ class Spec(_Strict):
         except ExprError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+    @model_validator(mode="after")
+    def _family_fields(self):
+        """Each family takes only its own fields (a field another family owns is an error)."""
+        decode_only = ("max_q_len", "paged", "splits")
+        prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
+                        "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
+                        "loop_split", "prescale_q", "q_subtiles")
+        if self.family == "prefill":
+            wrong = [n for n in decode_only if n in self.model_fields_set]
+        else:
+            wrong = [n for n in prefill_only if n in self.model_fields_set]
+            if self.dtype == "float8_e4m3fn":
+                wrong.append("dtype float8_e4m3fn")
+            if self.window is not None and self.window.right not in (None, 0):
+                wrong.append("window.right")
+        if wrong:
+            raise ValueError(f"family {self.family}: {', '.join(wrong)} not supported by this family")
+        if self.family == "decode":
+            rows = max(16, 1 << (self.gqa_ratio * self.max_q_len - 1).bit_length())
+            for name, cfg in self.targets.items():
+                if cfg.tile_m != rows:
+                    raise ValueError(
+                        f"targets.{name}.tile_m: a decode tile packs gqa_ratio x max_q_len = "
+                        f"{self.gqa_ratio * self.max_q_len} query rows, padded to {rows}; set tile_m: {rows}"
+                    )
+                if self.paged and cfg.tile_n > self.paged.page_size:
+                    raise ValueError(f"targets.{name}.tile_n {cfg.tile_n} is larger than paged.page_size "
+                                     f"{self.paged.page_size}; a key tile must lie in one page")
+                if cfg.by_seq_k:
+                    raise ValueError(f"targets.{name}.by_seq_k: decode specs take one config per target")
+        return self
 
     @model_validator(mode="after")
     def _tensors_used(self):

@@ -15,10 +15,12 @@ from .check import (
     call_kernel,
     compare,
     compare_lse,
+    decode_reference,
     feature_inputs,
     output_dtype,
     packed_reference,
     poisoned_out,
+    random_decode,
     random_packed,
     random_qkv,
     reference_for,
@@ -37,8 +39,13 @@ class Case:
     layout: str = "contiguous"  # or "transposed": a [B, S, H, D] tensor seen as [B, H, S, D]
     # varlen: (seq_q, seq_k) per sequence of a packed batch (batch, seq_q, seq_k unused)
     lengths: tuple = ()
+    # decode: each sequence's cached length (new tokens included); seq_q is q_len
+    decode_lens: tuple = ()
 
     def label(self, ratio: int) -> str:
+        if self.decode_lens:
+            return (f"decode q_len {self.seq_q} Hq{self.kv_heads * ratio} Hkv{self.kv_heads} "
+                    f"lens {','.join(map(str, self.decode_lens))}")
         if self.lengths:
             lens = ",".join(f"{q}/{k}" if q != k else str(q) for q, k in self.lengths)
             return f"packed Hq{self.kv_heads * ratio} Hkv{self.kv_heads} lens {lens}"
@@ -65,11 +72,27 @@ VARLEN_LENGTHS = (
 )
 
 
+# Decode batches: ragged lengths, a length of 1, lengths off the page and tile
+# sizes, one long sequence (many splits) and a large batch (one split).
+DECODE_LENS = (
+    (1,),
+    (17, 1, 300, 64),
+    (1000, 4097, 5, 129),
+    (32768,),
+    tuple(range(1, 2 * 64 * 33, 64 * 33 // 16))[:32],
+)
+
+
 def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     """B in {1, 3} x Hkv in {1, 2} x Sq=Skv in FULL_SEQS; chunked prefill with
     Sq < Skv and q_offset = Skv - Sq; and a transposed (non-contiguous) layout.
     A spec with a left window adds queries placed past its keys: some rows see
     part of the window, some see no key at all (zeros, LSE -inf)."""
+    if (spec or {}).get("family") == "decode":
+        lens_sets = DECODE_LENS[:3] if quick else DECODE_LENS
+        q_lens = sorted({1, spec.get("max_q_len", 1)})
+        return [Case(len(lens), h, q_len, 0, decode_lens=tuple(max(n, q_len) for n in lens))
+                for q_len in q_lens for h in (1, 2) for lens in lens_sets]
     if (spec or {}).get("varlen"):
         lengths = VARLEN_LENGTHS[:3] if quick else VARLEN_LENGTHS
         return [Case(len(lens), h, 0, 0, lengths=lens) for h in (1, 2) for lens in lengths]
@@ -113,7 +136,22 @@ def _row(label: str, spec: dict, out, ref, lse, ref_lse) -> dict:
     return row
 
 
+def run_decode_case(torch, module, case: Case, generator) -> dict:
+    """A decode case: NaN-poisoned cache slots past every length, fp64 reference."""
+    spec = module.SPEC
+    batch = random_decode(spec, list(case.decode_lens), case.kv_heads, case.seq_q, generator)
+    extra = feature_inputs(spec, {"batch": len(case.decode_lens), "heads": batch.q.shape[2],
+                                  "kv_heads": case.kv_heads}, generator)
+    out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device="cuda")
+    module.attention(*batch.args(), out=out, **extra)
+    torch.cuda.synchronize()
+    ref = decode_reference(spec, batch, extra)
+    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, None, None)
+
+
 def run_case(torch, module, case: Case, generator) -> dict:
+    if case.decode_lens:
+        return run_decode_case(torch, module, case, generator)
     if case.lengths:
         return run_packed_case(torch, module, case, generator)
     spec = module.SPEC

@@ -43,9 +43,13 @@ def parse_baselines(text: str) -> tuple[str, ...]:
     return names
 
 
-def parse_suite(name: str) -> str:
-    if name not in SUITES:
-        raise UsageError(f"--suite: unknown {name!r}; allowed: {', '.join(SUITES)}")
+DECODE_SUITE = "decode"  # specgen.decode_bench: decode specs at the memory speed of light
+
+
+def parse_suite(name: str, allow_decode: bool = True) -> str:
+    allowed = list(SUITES) + ([DECODE_SUITE] if allow_decode else [])
+    if name not in allowed:
+        raise UsageError(f"--suite: unknown {name!r}; allowed: {', '.join(allowed)}")
     return name
 
 

@@ -92,7 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", metavar="FILE",
                        help="time the variants of one spec listed in FILE (YAML) against "
                        "cuDNN instead; see specgen/explore.py for the format")
-    bench.add_argument("--suite", default="prefill", help="benchmark suite (default: prefill)")
+    bench.add_argument("--suite", default="prefill",
+                       help="benchmark suite: prefill (B4 Hq32, S 1024..16384) or decode (one "
+                            "token against a KV cache; CUDA-graph timing) (default: prefill)")
     bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
                        help="comma-separated subset of cudnn,flash,flex (default: all)")
     bench.add_argument("--out", default="bench/results", metavar="DIR",
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
             if not args.confirm.isdigit() or int(args.confirm) > 64:
                 raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
-            return run_tune(Path(args.path), target[0], parse_suite(args.suite), Path(args.out),
+            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allow_decode=False), Path(args.out),
                             Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
                             confirm=int(args.confirm))
         if args.command == "bench":
@@ -180,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             if not args.paths:
                 raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
             suite, baselines = parse_suite(args.suite), parse_baselines(args.baselines)
-            run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
+            if suite == "decode":
+                from .decode_bench import run_decode_bench
+
+                run_decode_bench(args.paths, Path(args.out), Path(args.gen), baselines)
+            else:
+                run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
             return 0
         if args.command == "diff":
             from .diff import run_diff

@@ -11,7 +11,15 @@ import re
 from dataclasses import dataclass
 
 from .expr import Gather, Hook, compile_hook
-from .spec import HINT_DEFAULTS, HINT_FIELDS, LaunchConfig, Spec, TargetConfig, spec_to_dict
+from .spec import (
+    HINT_DEFAULTS,
+    HINT_FIELDS,
+    LaunchConfig,
+    Spec,
+    TargetConfig,
+    decode_rows,
+    spec_to_dict,
+)
 
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
 
@@ -456,7 +464,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
 def _decode(spec: Spec) -> dict:
     if spec.family != "decode":
         return {}
-    rows = max(16, 1 << (spec.gqa_ratio * spec.max_q_len - 1).bit_length())
+    rows = decode_rows(spec.gqa_ratio, spec.max_q_len)
     return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
                 splits=spec.splits, decode_tile_m=rows,
                 combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

@@ -329,6 +329,12 @@ class AutotuneSpace(_Strict):
 DEFAULT_TARGET = TargetConfig(tile_m=64, tile_n=64, occupancy=2)
 
 
+def decode_rows(gqa_ratio: int, max_q_len: int) -> int:
+    """Rows of a decode kernel's packed query tile: gqa_ratio heads x max_q_len
+    tokens, rounded up to a power of two, at least 16 (the MMA's minimum)."""
+    return max(16, 1 << (gqa_ratio * max_q_len - 1).bit_length())
+
+
 def _default_targets() -> dict[str, TargetConfig]:
     return {"default": DEFAULT_TARGET}
 
@@ -373,6 +379,14 @@ class Spec(_Strict):
     )
     gqa_ratio: int = Field(
         1, ge=1, le=128, description="Query heads per KV head; 1 means MHA."
+    )
+    max_q_len: int = Field(
+        1, ge=1, le=8,
+        description="decode: new tokens per sequence and call (speculative decoding: "
+        "more than 1); the query tile packs gqa_ratio heads x max_q_len tokens.",
+    )
+    paged: Optional[Paged] = Field(
+        None, description="decode: a paged KV cache; null: contiguous [B, max_len, Hkv, D].",
     )
     causal: bool = Field(
         False,
@@ -459,14 +473,6 @@ class Spec(_Strict):
         "own softmax state that share every K and V tile, so one half's softmax can "
         "overlap the other's MMA (FA3's ping-pong, in tiles).",
     )
-    max_q_len: int = Field(
-        1, ge=1, le=8,
-        description="decode: new tokens per sequence and call (speculative decoding: "
-        "more than 1); the query tile packs gqa_ratio heads x max_q_len tokens.",
-    )
-    paged: Optional[Paged] = Field(
-        None, description="decode: a paged KV cache; null: contiguous [B, max_len, Hkv, D].",
-    )
     splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
         "auto",
         description="decode: KV splits per (batch, KV head); auto picks them from the SM "
@@ -502,9 +508,15 @@ class Spec(_Strict):
 
     @field_validator("targets", mode="after")
     @classmethod
-    def _fill_default_target(cls, value: dict) -> dict:
+    def _fill_default_target(cls, value: dict, info) -> dict:
         if "default" not in value:
-            value = {"default": DEFAULT_TARGET, **value}
+            default = DEFAULT_TARGET
+            if info.data.get("family") == "decode":  # the packed query tile's rows
+                rows = decode_rows(info.data.get("gqa_ratio", 1), info.data.get("max_q_len", 1))
+                paged = info.data.get("paged")
+                tile_n = min(64, paged.page_size) if paged else 64
+                default = TargetConfig(tile_m=rows, tile_n=tile_n, occupancy=2)
+            value = {"default": default, **value}
         return value
 
     @field_validator("compile_for")
@@ -550,10 +562,14 @@ class Spec(_Strict):
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
                         "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
                         "loop_split", "prescale_q", "q_subtiles")
+        def changed(name: str) -> bool:  # set to something other than its default
+            default = type(self).model_fields[name].get_default(call_default_factory=True)
+            return getattr(self, name) != default
+
         if self.family == "prefill":
-            wrong = [n for n in decode_only if n in self.model_fields_set]
+            wrong = [n for n in decode_only if changed(n)]
         else:
-            wrong = [n for n in prefill_only if n in self.model_fields_set]
+            wrong = [n for n in prefill_only if changed(n)]
             if self.dtype == "float8_e4m3fn":
                 wrong.append("dtype float8_e4m3fn")
             if self.window is not None and self.window.right not in (None, 0):
@@ -561,7 +577,7 @@ class Spec(_Strict):
         if wrong:
             raise ValueError(f"family {self.family}: {', '.join(wrong)} not supported by this family")
         if self.family == "decode":
-            rows = max(16, 1 << (self.gqa_ratio * self.max_q_len - 1).bit_length())
+            rows = decode_rows(self.gqa_ratio, self.max_q_len)
             for name, cfg in self.targets.items():
                 if cfg.tile_m != rows:
                     raise ValueError(

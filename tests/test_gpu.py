@@ -14,7 +14,7 @@ from specgen.check import (
 )
 from specgen.testing import Case, run_case
 
-from .helpers import DENSE_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
+from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
 
 pytestmark = pytest.mark.gpu
 
@@ -328,3 +328,99 @@ def test_fp8_descales_are_checked_and_applied():
     # v's descale scales the output; a tensor descale (no host sync) equals the float.
     doubled = mod.attention(q, k, k, v_descale=torch.tensor([2.0], device="cuda"))
     assert torch.allclose(doubled.float(), 2 * base.float(), rtol=1e-2, atol=1e-2)
+
+
+# --- decode family -------------------------------------------------------------
+
+DECODE_VARIANTS = {
+    "mha_q1": {"gqa_ratio": 1, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "gqa4_q4_contiguous": {"gqa_ratio": 4, "max_q_len": 4,
+                           "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "gqa8_paged16_tile16": {"gqa_ratio": 8, "paged": {"page_size": 16},
+                            "targets": {"default": {"tile_m": 16, "tile_n": 16}}},
+    "window_sinks_no_exp2_splits3": {
+        "gqa_ratio": 4, "window": {"left": 300}, "sinks": True, "splits": 3,
+        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
+        "targets": {"default": {"tile_m": 16, "tile_n": 32}}},
+    "gqa8_q2_d64_paged128": {"gqa_ratio": 8, "max_q_len": 2, "head_dim": 64, "paged": {"page_size": 128},
+                             "targets": {"default": {"tile_m": 16, "tile_n": 128}}},
+}
+
+
+def _decode_module(name, overrides):
+    from specgen.compile import load_module_from_source
+    from specgen.plan import make_plan
+    from specgen.render import render
+    from specgen.spec import validate_spec
+
+    data = {"name": f"decode_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
+            **overrides}
+    plan = make_plan(validate_spec(data))
+    return load_module_from_source(plan.module_name, render(plan, "specs/v.yaml").text, f"decode_{name}.py")
+
+
+def _decode_cases(mod):
+    from specgen.testing import case_matrix
+
+    return case_matrix(False, mod.SPEC)
+
+
+@pytest.mark.parametrize("name", DECODE_SPEC_NAMES)
+@pytest.mark.parametrize("index", range(20))
+def test_decode_specs_match_reference(name, index):
+    mod = generated_module(name)
+    cases = _decode_cases(mod)
+    if index >= len(cases):
+        pytest.skip(f"{name} has {len(cases)} decode cases")
+    row = run_case(torch, mod, cases[index], torch.Generator(device="cuda").manual_seed(index))
+    assert row["ok"], row
+
+
+@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
+def test_decode_variants_match_reference(variant):
+    mod = _decode_module(variant, DECODE_VARIANTS[variant])
+    for i, case in enumerate(_decode_cases(mod)):
+        if sum(case.decode_lens) > 40000:
+            continue  # the long single sequence runs in the spec tests
+        row = run_case(torch, mod, case, torch.Generator(device="cuda").manual_seed(i))
+        assert row["ok"], row
+
+
+def test_decode_replays_in_a_cuda_graph():
+    """Captured once, replayed with new tokens and longer sequences written into
+    the same buffers: no host sync, no allocation inside the launcher."""
+    from specgen.check import decode_reference, random_decode
+
+    mod = generated_module("fmha_decode_paged_mtp")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch = random_decode(mod.SPEC, [700, 1500, 64, 3000], 2, 3, gen)
+    out = torch.empty_like(batch.q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mod.attention(*batch.args(), out=out, max_seq_len=3072)  # warm-up: JIT, workspace
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mod.attention(*batch.args(), out=out, max_seq_len=3072)
+    for step in range(3):
+        batch.q.copy_(torch.randn(batch.q.shape, generator=gen, device="cuda").to(batch.q.dtype))
+        batch.seq_lens.sub_(step)  # the sequences change; the graph stays
+        graph.replay()
+        torch.cuda.synchronize()
+        assert compare(out, decode_reference(mod.SPEC, batch, {}), "bfloat16").ok
+
+
+def test_decode_arguments_are_checked_before_launch():
+    mod = generated_module("fmha_decode_gqa8_bf16")
+    q = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, 100, 2, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([50, 100], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"seq_lens must be an int32 \[2\] tensor"):
+        mod.attention(q, cache, cache, lens.long())
+    with pytest.raises(ValueError, match=r"q_len \(q.shape\[1\]\) must be in \[1, 1\], got 2"):
+        mod.attention(torch.cat([q, q], 1), cache, cache, lens)
+    with pytest.raises(ValueError, match="this kernel needs q heads == 8 \\* kv heads"):
+        mod.attention(q[:, :, :8], cache, cache, lens)
+    with pytest.raises(ValueError, match=r"max_seq_len must be an int in \[1, 100\]"):
+        mod.attention(q, cache, cache, lens, max_seq_len=101)

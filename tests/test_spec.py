@@ -79,7 +79,17 @@ BAD = [
     ({"gqa_ratio": 0}, "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got 0"),
     ({"gqa_ratio": 2.5}, "specs/bad.yaml: gqa_ratio: must be an integer, got 2.5"),
     ({"causal": "yes"}, "specs/bad.yaml: causal: must be true or false, got \"yes\""),
-    ({"family": "decode"}, "specs/bad.yaml: family: must be one of 'prefill', got \"decode\""),
+    ({"family": "encode"}, "specs/bad.yaml: family: must be one of 'prefill' or 'decode', got \"encode\""),
+    ({"family": "decode", "varlen": True},
+     "specs/bad.yaml: family decode: varlen not supported by this family"),
+    ({"family": "decode", "gqa_ratio": 8, "max_q_len": 4, "targets": {"sm_90": {"tile_m": 16, "tile_n": 64}}},
+     "specs/bad.yaml: targets.sm_90.tile_m: a decode tile packs gqa_ratio x max_q_len = 32 query rows, "
+     "padded to 32; set tile_m: 32"),
+    ({"family": "decode", "paged": {"page_size": 32}, "targets": {"sm_90": {"tile_m": 16, "tile_n": 64}}},
+     "specs/bad.yaml: targets.sm_90.tile_n 64 is larger than paged.page_size 32; a key tile must lie in one page"),
+    ({"family": "decode", "paged": {"page_size": 48}},
+     "specs/bad.yaml: paged.page_size: must be a power of two in [16, 1024], got 48"),
+    ({"max_q_len": 2}, "specs/bad.yaml: family prefill: max_q_len not supported by this family"),
     ({"block_remap": True},
      "specs/bad.yaml: block_remap: true needs causal: true (non-causal query tiles all "
      "do the same work); use false or null, got true"),
@@ -91,8 +101,8 @@ BAD = [
      "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, head_dim, v_head_dim, "
-     "gqa_ratio, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, compile_for, autotune"),
+     "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
+     "q_subtiles, splits, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, by_seq_k"),

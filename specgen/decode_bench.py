@@ -1,0 +1,239 @@
+"""`specgen bench --suite decode`: decode kernels at the memory speed of light.
+
+Decode reads the KV cache once: its speed of light is the KV bytes over the HBM
+bandwidth (quack's method). Each row reports the time, the TB/s of KV bytes
+read, that as a share of the device-to-device copy bandwidth measured in the
+same run, and the ratio to SDPA's cuDNN and FA2 backends and FlexAttention (its
+decoding path). Every kernel, ours and the baselines, is captured in a CUDA
+graph and timed by replaying it, so launch overhead is not compared with launch
+overhead.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+from .compile import atomic_write
+
+# (batch, KV heads, cached length); query heads = gqa_ratio * KV heads.
+DECODE_SHAPES = ((1, 8, 8192), (1, 8, 32768), (8, 8, 8192), (64, 8, 4096))
+COPY_BYTES = 1 << 30
+LABELS = {"specgen": "specgen (cuTile)", "cudnn": "SDPA cuDNN", "flash": "SDPA FA2",
+          "flex": "FlexAttention"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DecodeTiming(_Model):
+    us: Optional[float] = None  # median of CUDA-graph replays
+    kv_tbps: Optional[float] = None  # KV bytes read / time
+    pct_of_copy: Optional[float] = None
+    max_abs_diff_vs_specgen: Optional[float] = None
+    note: Optional[str] = None  # e.g. "K/V expanded to Hq heads (no GQA in this backend)"
+    error: Optional[str] = None
+
+
+class DecodeRow(_Model):
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_len: int
+    q_len: int
+    kv_bytes: int
+    splits: int
+    timings: dict[str, DecodeTiming]
+
+
+class DecodeResult(_Model):
+    schema_version: int = 1
+    spec: str
+    kernel: str
+    suite: str = "decode"
+    created: str
+    device: dict
+    copy_tbps: float  # device-to-device copy, (read + write) bytes / time
+    baselines: list[str]
+    layout: str
+    rows: list[DecodeRow]
+
+
+def graph_time_us(torch, fn, do_bench) -> float:
+    """Median µs of replaying ``fn`` captured in a CUDA graph (warmed up first on a
+    side stream, as torch.cuda.graphs requires)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return 1000 * do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth(torch, do_bench) -> float:
+    """TB/s of a 1 GiB device-to-device copy: (read + write) bytes over the time."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = graph_time_us(torch, lambda: dst.copy_(src), do_bench)
+    del src, dst
+    return 2 * COPY_BYTES / (us * 1e-6) / 1e12
+
+
+def _baselines(torch, names, ratio: int, window: Optional[dict], sinks: bool):
+    """Callables (q [B, Hq, 1, D], k, v [B, Hkv, L, D]) -> out for each baseline,
+    or why it is missing. SDPA gets enable_gqa (K/V not expanded); Flex its
+    compiled decoding path."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    made: dict[str, object] = {}
+    missing = [n for n, on in (("window", window), ("sinks", sinks)) if on]
+
+    def with_backend(backend):
+        def run(q, k, v):
+            with sdpa_kernel([backend]):
+                return sdpa(q, k, v, enable_gqa=ratio > 1)
+        return run
+
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        if name in names:
+            made[name] = f"SDPA has no {', '.join(missing)}" if missing else with_backend(backend)
+    if "flex" in names:
+        if missing:
+            made["flex"] = f"not compared: {', '.join(missing)}"
+        else:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            compiled = torch.compile(flex_attention)
+            made["flex"] = lambda q, k, v: compiled(q, k, v, enable_gqa=ratio > 1)
+    return made
+
+
+def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: tuple[str, ...],
+                     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
+    from .check import random_decode
+    from .gpu import device_info, device_slug, fresh_modules, require_cuda
+
+    torch = require_cuda("bench")
+    from triton.testing import do_bench
+
+    device = device_info()
+    log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
+    copy = copy_bandwidth(torch, do_bench)
+    log(f"device-to-device copy: {copy:.2f} TB/s (read + write)")
+    written = []
+    for job, module in fresh_modules(paths, gen_dir, log):
+        spec = module.SPEC
+        if spec.get("family") != "decode":
+            log(f"{job.plan.module_name}: skipped, not a decode spec (use --suite prefill)")
+            continue
+        ratio, d = spec["gqa_ratio"], spec["head_dim"]
+        fns = _baselines(torch, baselines, ratio, spec.get("window"), spec.get("sinks"))
+        rows = []
+        for batch, kv_heads, length in DECODE_SHAPES:
+            label = f"[{job.plan.module_name}] B{batch} Hq{ratio * kv_heads}/Hkv{kv_heads} L{length}"
+            log(label)
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            data = random_decode(spec, [length] * batch, kv_heads, 1, gen)
+            extra = {"sinks": torch.randn(ratio * kv_heads, device="cuda")} if spec.get("sinks") else {}
+            out = torch.empty_like(data.q)
+            elem = data.k_cache.element_size()
+            kv_bytes = 2 * batch * length * kv_heads * d * elem
+
+            def ours():
+                module.attention(*data.args(), out=out, max_seq_len=length, **extra)
+
+            timings: dict[str, DecodeTiming] = {}
+
+            def rate(us: float, **more) -> DecodeTiming:
+                tbps = kv_bytes / (us * 1e-6) / 1e12
+                return DecodeTiming(us=us, kv_tbps=tbps, pct_of_copy=100 * tbps / copy, **more)
+
+            ours()
+            torch.cuda.synchronize()
+            mine = out.float().clone()
+            timings["specgen"] = rate(graph_time_us(torch, ours, do_bench))
+            # Baselines on [B, H, L, D] copies of the cache, made outside the timing.
+            q = data.q.transpose(1, 2).contiguous()
+            k = torch.stack([data.keys(b)[0] for b in range(batch)]).contiguous()
+            v = torch.stack([data.keys(b)[1] for b in range(batch)]).contiguous()
+            for name in baselines:
+                fn = fns.get(name)
+                if not callable(fn):
+                    timings[name] = DecodeTiming(error=str(fn or "not available"))
+                    continue
+                try:
+                    ref = fn(q, k, v)
+                    torch.cuda.synchronize()
+                    diff = (ref.transpose(1, 2).float() - mine).abs().max().item()
+                    timings[name] = rate(graph_time_us(torch, lambda: fn(q, k, v), do_bench),
+                                         max_abs_diff_vs_specgen=diff)
+                except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
+                    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                    timings[name] = DecodeTiming(error=f"{type(exc).__name__}: {message}"[:300])
+            config, sms = module._config(data.q.device)
+            splits = module.num_splits_for(batch, kv_heads, length, config["tile_n"], sms)
+            rows.append(DecodeRow(batch=batch, heads_q=ratio * kv_heads, heads_kv=kv_heads,
+                                  seq_len=length, q_len=1, kv_bytes=kv_bytes, splits=splits,
+                                  timings=timings))
+            log(label + ": " + "  ".join(
+                f"{n} {t.us:.1f} us {t.kv_tbps:.2f} TB/s" if t.us else f"{n} n/a"
+                for n, t in timings.items()))
+            del data, q, k, v, out
+        result = DecodeResult(
+            spec=job.plan.module_name, kernel=job.plan.kernel_name,
+            created=datetime.date.today().isoformat(), device=device, copy_tbps=copy,
+            baselines=list(baselines), rows=rows,
+            layout=("paged KV cache, page_size %d" % spec["paged"]["page_size"]
+                    if spec.get("paged") else "contiguous KV cache [B, L, Hkv, D]"),
+        )
+        folder = out_dir / device_slug(device.get("name", "gpu"))
+        stem = folder / f"{result.spec}-decode"
+        atomic_write(stem.with_suffix(".json"), (result.model_dump_json(indent=2) + "\n").encode())
+        atomic_write(stem.with_suffix(".md"), format_decode_markdown(result).encode())
+        print(format_decode_markdown(result))
+        written.append(stem)
+    return written
+
+
+def format_decode_markdown(result: DecodeResult) -> str:
+    names = ["specgen"] + result.baselines
+    dev = result.device
+    lines = [
+        f"### {result.spec} (`{result.kernel}`) on {dev.get('name', '?')}",
+        "",
+        f"Suite `decode`: one new token per sequence, {result.layout}, every kernel timed "
+        f"as a CUDA-graph replay (median). KV TB/s = K and V bytes read / time; copy "
+        f"bandwidth {result.copy_tbps:.2f} TB/s (1 GiB device copy, read + write) in the "
+        f"same run. {result.created}, driver {dev.get('driver', '?')}, torch "
+        f"{dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}.",
+        "",
+        "| B | Hq/Hkv | L | splits | " + " | ".join(f"{LABELS[n]} µs (TB/s)" for n in names)
+        + " | specgen % of copy | " + " | ".join(f"vs {LABELS[n]}" for n in names[1:]) + " |",
+        "|" + "---:|" * (4 + 2 * len(names)),
+    ]
+    for row in result.rows:
+        ours = row.timings["specgen"]
+        cells = []
+        for n in names:
+            t = row.timings.get(n)
+            cells.append(f"{t.us:.1f} ({t.kv_tbps:.2f})" if t and t.us else
+                         f"n/a ({(t.error or 'missing') if t else 'missing'})")
+        ratios = []
+        for n in names[1:]:
+            t = row.timings.get(n)
+            ratios.append(f"{t.us / ours.us:.2f}×" if t and t.us and ours.us else "n/a")
+        pct = f"{ours.pct_of_copy:.0f}%" if ours.pct_of_copy else "n/a"
+        lines.append(f"| {row.batch} | {row.heads_q}/{row.heads_kv} | {row.seq_len} | {row.splits} | "
+                     + " | ".join(cells) + f" | {pct} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines) + "\n"

@@ -161,8 +161,10 @@ def decode_signatures(plan: Plan, config: ConfigPlan) -> dict:
 
 
 def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool):
-    from cuda.tile.compilation import ArrayConstraint
+    """An array with a contiguous last axis; ``inner_aligned``: 16-byte aligned rows
+    and base (q, k, v, out as torch makes them)."""
     import cuda.tile as ct
+    from cuda.tile.compilation import ArrayConstraint
 
     align = 16 // elem_bytes if inner_aligned else 1
     return ArrayConstraint(
@@ -185,27 +187,9 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     torch gives; the JIT path specialises again for whatever it is called with.
     """
     import cuda.tile as ct
-    from cuda.tile.compilation import (
-        ArrayConstraint,
-        CallingConvention,
-        KernelSignature,
-        ScalarConstraint,
-    )
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
-    def array(dtype, ndim: int, elem_bytes: int, inner_aligned: bool):
-        align = 16 // elem_bytes if inner_aligned else 1
-        return ArrayConstraint(
-            dtype,
-            ndim,
-            index_dtype=ct.int32,
-            stride_lower_bound_incl=0,
-            alias_groups=(),
-            may_alias_internally=False,
-            stride_constant=(None,) * (ndim - 1) + (1,),
-            stride_divisible_by=(align,) * (ndim - 1) + (1,),
-            base_addr_divisible_by=16 if inner_aligned else elem_bytes,
-        )
-
+    array = _array_constraint
     layouts = {
         # q, k, v, out: 4-D with a contiguous last axis and 16-byte aligned rows.
         # (varlen: packed [total, H, D])

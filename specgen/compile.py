@@ -160,6 +160,25 @@ def decode_signatures(plan: Plan, config: ConfigPlan) -> dict:
     }
 
 
+def backward_signatures(plan: Plan) -> dict:
+    """The backward kernels (delta, dK/dV, dQ): {kernel name: its signatures}, at the
+    module's BWD_TILE_M x BWD_TILE_N (64 x 64)."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+
+    io = getattr(ct, plan.dtype)
+    qkv = _array_constraint(io, 4, 2, True)
+    rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), 64, 64]
+    convention = CallingConvention.cutile_python_v1()
+    delta, dkdv, dq = plan.bwd_names
+    return {
+        delta: [KernelSignature([qkv, qkv, rows, 64], convention)],
+        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + scalars, convention)],
+        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + scalars, convention)],
+    }
+
+
 def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool):
     """An array with a contiguous last axis; ``inner_aligned``: 16-byte aligned rows
     and base (q, k, v, out as torch makes them)."""
@@ -241,7 +260,11 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
                 kernel = getattr(module, plan.kernel_name)
                 if config.extra_hints:
                     kernel = kernel.replace_hints(**config.extra_hints)
-                if plan.spec.family == "decode":  # both kernels, one after the other
+                if plan.backward:  # the forward, then the three backward kernels
+                    data = _export(plan, kernel, target, config) + b"".join(
+                        _export(plan, getattr(module, name), target, config, sigs)
+                        for name, sigs in backward_signatures(plan).items())
+                elif plan.spec.family == "decode":  # both kernels, one after the other
                     data = b"".join(
                         _export(plan, getattr(module, name), target, config, sigs)
                         for name, sigs in decode_signatures(plan, config).items())

@@ -151,6 +151,8 @@ class Plan:
     max_splits: int = 64
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
     combine_name: str = ""  # the decode family's split-combine kernel
+    backward: bool = False  # also the backward kernels and an autograd Function
+    bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
 
     def target(self, name: str) -> TargetPlan:
         """The launch config the generated launcher picks on device ``name``."""
@@ -435,7 +437,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         window_right=spec.window.right if spec.window and not spec.causal else None,
         softcap=spec.softcap,
         sinks=spec.sinks,
-        return_lse=spec.return_lse,
+        # (backward: the forward always stores the LSE the backward needs)
+        return_lse=spec.return_lse or spec.backward,
         dropout=spec.dropout,
         varlen=spec.varlen,
         **_hooks(spec),
@@ -445,7 +448,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         scale_expr="qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale",
         row_mask=row_mask,
         array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
-        + (("Lse",) if spec.return_lse else ())
+        + (("Lse",) if spec.return_lse or spec.backward else ())
         + tuple(tensor_param(name) for name in spec.tensors)
         + (("CuSeqlensQ", "CuSeqlensK") if spec.varlen else ())
         + (("Descales",) if spec.dtype == "float8_e4m3fn" else ()),
@@ -458,7 +461,17 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         spec_dict=spec_to_dict(spec),
         optimizations=_optimizations(spec, block_remap),
         **_decode(spec),
+        **_backward(spec),
     )
+
+
+def _backward(spec: Spec) -> dict:
+    if not spec.backward:
+        return {}
+    name = procedural_name(spec).replace("fmha_prefill", "fmha_bwd", 1)
+    return dict(backward=True, bwd_names=(name.replace("fmha_bwd", "fmha_bwd_delta", 1),
+                                          name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
+                                          name.replace("fmha_bwd", "fmha_bwd_dq", 1)))
 
 
 def _decode(spec: Spec) -> dict:

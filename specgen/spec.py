@@ -478,6 +478,12 @@ class Spec(_Strict):
         description="decode: KV splits per (batch, KV head); auto picks them from the SM "
         "count, batch, KV heads and length.",
     )
+    backward: bool = Field(
+        False,
+        description="Also generate the backward kernels (D = rowsum(dO * O), dK/dV with "
+        "GQA reduction, dQ); attention becomes differentiable through a "
+        "torch.autograd.Function. Causal or not, any gqa_ratio, power-of-two head_dim.",
+    )
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],
         min_length=1,
@@ -561,7 +567,7 @@ class Spec(_Strict):
         decode_only = ("max_q_len", "paged", "splits")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
                         "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
-                        "loop_split", "prescale_q", "q_subtiles")
+                        "loop_split", "prescale_q", "q_subtiles", "backward")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default
@@ -598,6 +604,25 @@ class Spec(_Strict):
             if not re.search(rf"\b{name}\s*\[", used):
                 raise ValueError(f"tensors.{name}: declared but used by neither score_mod nor mask_mod")
         return self
+
+    @field_validator("backward")
+    @classmethod
+    def _backward_features(cls, value: bool, info) -> bool:
+        if not value:
+            return value
+        used = [n for n in ("window", "softcap", "tensors", "score_mod", "mask_mod", "dropout",
+                            "varlen", "sinks", "v_head_dim", "out_dtype") if info.data.get(n)]
+        if info.data.get("dtype") == "float8_e4m3fn":
+            used.append("dtype float8_e4m3fn")
+        if info.data.get("q_subtiles", 1) > 1:
+            used.append("q_subtiles 2")
+        d = info.data.get("head_dim")
+        if isinstance(d, int) and d & (d - 1):
+            used.append(f"head_dim {d}")
+        if used:
+            raise ValueError(f"true does not support {', '.join(used)} yet; the backward kernels "
+                             "cover causal/non-causal, GQA and power-of-two head dims")
+        return value
 
     @field_validator("varlen")
     @classmethod

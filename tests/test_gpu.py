@@ -424,3 +424,56 @@ def test_decode_arguments_are_checked_before_launch():
         mod.attention(q[:, :, :8], cache, cache, lens)
     with pytest.raises(ValueError, match=r"max_seq_len must be an int in \[1, 100\]"):
         mod.attention(q, cache, cache, lens, max_seq_len=101)
+
+
+# --- backward (issue 8) ------------------------------------------------------------
+
+BACKWARD_VARIANTS = {
+    "causal_gqa4_bf16_d128": {"backward": True, "dtype": "bfloat16"},
+    "non_causal_mha_f16_d64": {"backward": True, "causal": False, "block_remap": None, "gqa_ratio": 1,
+                               "head_dim": 64},
+    "causal_gqa8_f16_d64_no_exp2": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "prescale_q": False,
+                                    "fast_math": {"exp2": False, "flush_to_zero": False,
+                                                  "approx_div": False}},
+}
+
+
+def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
+    from specgen.reference import attention_reference
+
+    spec = mod.SPEC
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (t.requires_grad_() for t in random_qkv(spec, batch, kv_heads, seq_q, seq_k, generator=gen))
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    out = mod.attention(q, k, v, q_offset=q_offset)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_reference(q64, k64, v64, causal=spec["causal"], q_offset=q_offset)
+    ref.backward(dout.double())
+    tol = 2e-2 if spec["dtype"] == "bfloat16" else 1e-2
+    for name, got, want in (("out", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
+                            ("dv", v.grad, v64.grad)):
+        # (a floor of 1e-2: with one key, dq is 0 up to rounding)
+        err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+        assert torch.isfinite(got).all() and err <= tol, (name, err)
+
+
+@pytest.mark.parametrize("variant", sorted(BACKWARD_VARIANTS))
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 0), (2, 2, 77, 77, 0), (1, 1, 300, 300, 0),
+                                   (1, 2, 100, 333, 233)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
+def test_backward_matches_fp64_autograd(variant, shape):
+    _grad_check(_variant_module(variant, BACKWARD_VARIANTS[variant]), *shape, seed=sum(shape))
+
+
+def test_shipped_training_spec_gradients():
+    _grad_check(generated_module("fmha_train_gqa_causal"), 2, 2, 1000, 1000, 0, seed=1)
+
+
+def test_backward_refuses_out_with_grad():
+    mod = generated_module("fmha_train_gqa_causal")
+    q = torch.randn(1, 4, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out= cannot be used when q, k or v requires grad"):
+        mod.attention(q, k, k, out=torch.empty_like(q))

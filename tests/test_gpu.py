@@ -477,3 +477,40 @@ def test_backward_refuses_out_with_grad():
     k = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out= cannot be used when q, k or v requires grad"):
         mod.attention(q, k, k, out=torch.empty_like(q))
+
+
+def test_custom_op_compiles_fullgraph_with_gradients():
+    mod = generated_module("fmha_train_gqa_causal")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (t.requires_grad_() for t in random_qkv(mod.SPEC, 2, 2, 256, 256, generator=gen))
+
+    def layer(q, k, v):
+        return (mod.attention(q, k, v) * 2.0).sum()
+
+    compiled = torch.compile(layer, fullgraph=True)  # a graph break would raise
+    loss = compiled(q, k, v)
+    loss.backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    layer(q, k, v).backward()
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_custom_op_forward_replays_in_a_cuda_graph():
+    mod = generated_module("fmha_train_gqa_causal")
+    q, k, v = random_qkv(mod.SPEC, 1, 2, 300, 300)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mod.attention(q, k, v)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod.attention(q, k, v)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = reference_for(mod.SPEC, q, k, v, {})
+    assert compare(out, ref, "bfloat16").ok

@@ -71,3 +71,33 @@ def test_v_head_dim_checks(tensors, kwargs, message, monkeypatch):
     with pytest.raises(ValueError) as info:
         mla.attention(*tensors, **kwargs)
     assert message in str(info.value)
+
+
+def test_training_module_registers_a_custom_op_with_a_fake_impl():
+    """specgen::<name> traces under fake tensors (what torch.compile does) on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    train = generated_module("fmha_train_gqa_causal")
+    op = train._op()
+    assert op is train._op() and str(op) == "specgen.fmha_train_gqa_causal"
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 33, 128, dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 40, 128, dtype=torch.bfloat16)
+        out, lse = op(q, k, k, 0.1, 7)
+    assert out.shape == (2, 8, 33, 128) and lse.shape == (2, 8, 33) and lse.dtype == torch.float32
+
+
+def test_training_op_backward_traces_under_fake_tensors():
+    """The backward is its own op (specgen::<name>_backward) with a fake impl, so
+    AOTAutograd can trace the gradient graph without launching a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    train = generated_module("fmha_train_gqa_causal")
+    op = train._op()
+    with FakeTensorMode():
+        q = torch.empty(1, 4, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.empty(1, 1, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.empty(1, 1, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+        out, _ = op(q, k, v, 0.1, 0)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape

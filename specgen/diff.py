@@ -255,6 +255,8 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         for path_a in sorted(device_dir.glob(f"{a.plan.module_name}-*.json")):
             suite = path_a.stem[len(a.plan.module_name) + 1 :]
+            if suite == "decode":  # µs and TB/s rows (decode_bench), not TFLOPS: not compared yet
+                continue
             path_b = device_dir / f"{b.plan.module_name}-{suite}.json"
             if not path_b.is_file():
                 continue

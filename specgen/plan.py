@@ -231,6 +231,8 @@ class Plan:
     @property
     def kernel_constants(self) -> tuple[str, ...]:
         """Names of the kernel's ct.Constant parameters, in signature order."""
+        if self.spec.family == "decode":
+            return ("TILE_N", "SINGLE_SPLIT")
         names = ("TILE_M", "TILE_N")
         names += ("EVEN_N",) if self.even_n_param else ()
         return names + (("TILES_OUTER",) if self.tile_order_param else ())

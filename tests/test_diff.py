@@ -124,3 +124,12 @@ def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
     changed = specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path)
     assert changed.returncode == 1
     assert "-MAX_GRID_Y = 1\n+MAX_GRID_Y = 65535" in changed.stdout
+
+
+def test_decode_specs_diff_without_tracebacks():
+    """Decode bench results (µs rows) sit beside prefill ones: the performance
+    section skips them instead of failing to read them as TFLOPS tables."""
+    result = diff("specs/fmha_decode_gqa8_bf16.yaml", "specs/fmha_decode_gqa4_bf16.yaml", "--no-compile",
+                  "--stat")
+    assert result.returncode == 1, result.stderr
+    assert "group_size: 8 → 4" in result.stdout and "Traceback" not in result.stderr

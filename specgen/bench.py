@@ -80,15 +80,14 @@ def mask_mod_pairs(torch, spec: dict, extra: dict, batch: int, heads: int, seq_q
                    seq_k: int) -> int:
     """Query-key pairs a mask_mod spec leaves visible (with its causal mask and
     window), summed over batch and heads: evaluated with torch, 1024 rows at a time."""
-    import re
-
-    from .expr import torch_fn
+    from .expr import compile_hook, torch_fn
     from .reference import visible_mask
 
     allowed_fn = torch_fn(spec["mask_mod"])
     tensors = {n: extra[n] for n in spec.get("tensors") or {}}
     window = spec.get("window")
-    per_head = re.search(r"\bh\b", spec["mask_mod"]) is not None
+    declared = {n: (t["dtype"], len(t["shape"])) for n, t in (spec.get("tensors") or {}).items()}
+    per_head = "h" in compile_hook(spec["mask_mod"], "mask_mod", declared).uses
     keys = torch.arange(seq_k, device="cuda")[None, :]
     total = 0
     for b in range(batch):
@@ -393,7 +392,8 @@ def _make_varlen_baselines(torch, names, spec: dict):
 
     def fa2(packed, _extra):
         # FlashAttention-2's own varlen entry point (GQA in the kernel).
-        max_q, max_k = packed.kwargs()["max_seqlen_q"], packed.kwargs()["max_seqlen_k"]
+        sizes = packed.kwargs()  # host-side lengths: no device read while timed
+        max_q, max_k = sizes["max_seqlen_q"], sizes["max_seqlen_k"]
         return torch.ops.aten._flash_attention_forward(
             packed.q, packed.k, packed.v, packed.cu_seqlens_q, packed.cu_seqlens_k, max_q, max_k,
             0.0, causal, False)[0]
@@ -401,7 +401,8 @@ def _make_varlen_baselines(torch, names, spec: dict):
     expanded: dict[int, tuple] = {}
 
     def cudnn(packed, _extra):
-        max_q, max_k = packed.kwargs()["max_seqlen_q"], packed.kwargs()["max_seqlen_k"]
+        sizes = packed.kwargs()
+        max_q, max_k = sizes["max_seqlen_q"], sizes["max_seqlen_k"]
         if id(packed) not in expanded:  # cuDNN's op wants Hq K/V heads: expanded once, untimed
             expanded.clear()
             expanded[id(packed)] = tuple(t.repeat_interleave(ratio, 1) if ratio > 1 else t

@@ -69,24 +69,21 @@ def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
 
 @dataclass(frozen=True)
 class Packed:
-    """A varlen batch: packed q [total_q, Hq, D], k/v [total_k, Hkv, D*] and the
-    cumulative lengths (int32, starting at 0)."""
+    """A varlen batch: packed q [total_q, Hq, D], k/v [total_k, Hkv, D*], the
+    cumulative lengths (int32, starting at 0) and the same lengths on the host
+    (so building a call's arguments never reads the device)."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
-
-    @property
-    def lengths(self) -> list[tuple[int, int]]:
-        cq, ck = self.cu_seqlens_q.tolist(), self.cu_seqlens_k.tolist()
-        return [(cq[i + 1] - cq[i], ck[i + 1] - ck[i]) for i in range(len(cq) - 1)]
+    lengths: tuple[tuple[int, int], ...]  # (seq_q, seq_k) per sequence
 
     def kwargs(self) -> dict:
-        lengths = self.lengths
         return {"cu_seqlens_q": self.cu_seqlens_q, "cu_seqlens_k": self.cu_seqlens_k,
-                "max_seqlen_q": max(q for q, _ in lengths), "max_seqlen_k": max(k for _, k in lengths)}
+                "max_seqlen_q": max(q for q, _ in self.lengths),
+                "max_seqlen_k": max(k for _, k in self.lengths)}
 
 
 def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, generator=None) -> Packed:
@@ -103,7 +100,8 @@ def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, gen
 
     heads = kv_heads * spec["gqa_ratio"]
     return Packed(rand(total_q, heads, d), rand(total_k, kv_heads, d), rand(total_k, kv_heads, dv),
-                  cumulative(q for q, _ in lengths), cumulative(k for _, k in lengths))
+                  cumulative(q for q, _ in lengths), cumulative(k for _, k in lengths),
+                  tuple(tuple(pair) for pair in lengths))
 
 
 def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None):

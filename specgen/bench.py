@@ -44,10 +44,12 @@ def parse_baselines(text: str) -> tuple[str, ...]:
 
 
 DECODE_SUITE = "decode"  # specgen.decode_bench: decode specs at the memory speed of light
+BACKWARD_SUITE = "backward"  # specgen.backward_bench: the backward kernels of training specs
 
 
 def parse_suite(name: str, allow_decode: bool = True) -> str:
-    allowed = list(SUITES) + ([DECODE_SUITE] if allow_decode else [])
+    """A suite name; ``allow_decode`` False (tune) allows only the forward prefill suites."""
+    allowed = list(SUITES) + ([DECODE_SUITE, BACKWARD_SUITE] if allow_decode else [])
     if name not in allowed:
         raise UsageError(f"--suite: unknown {name!r}; allowed: {', '.join(allowed)}")
     return name

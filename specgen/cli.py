@@ -93,8 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="time the variants of one spec listed in FILE (YAML) against "
                        "cuDNN instead; see specgen/explore.py for the format")
     bench.add_argument("--suite", default="prefill",
-                       help="benchmark suite: prefill (B4 Hq32, S 1024..16384) or decode (one "
-                            "token against a KV cache; CUDA-graph timing) (default: prefill)")
+                       help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
+                            "token against a KV cache; CUDA-graph timing) or backward (the "
+                            "backward kernels of backward: true specs, B4 Hq32, S 1024..16384) "
+                            "(default: prefill)")
     bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
                        help="comma-separated subset of cudnn,flash,flex (default: all)")
     bench.add_argument("--out", default="bench/results", metavar="DIR",
@@ -186,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
                 from .decode_bench import run_decode_bench
 
                 run_decode_bench(args.paths, Path(args.out), Path(args.gen), baselines)
+            elif suite == "backward":
+                from .backward_bench import run_backward_bench
+
+                run_backward_bench(args.paths, Path(args.out), Path(args.gen), baselines)
             else:
                 run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
             return 0

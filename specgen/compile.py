@@ -153,10 +153,15 @@ def decode_signatures(plan: Plan, config: ConfigPlan) -> dict:
     parts = [array(io, 4, 2, True), array(ct.float32, 5, 4, True), array(ct.float32, 4, 4, True)]
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
     convention = CallingConvention.cutile_python_v1()
+    # The combine kernel is specialised on the split count padded to a power of two.
+    fixed = plan.spec.splits if plan.spec.splits != "auto" else None
+    split_tiles = ([1 << (fixed - 1).bit_length()] if fixed else
+                   [1 << i for i in range(1, plan.max_splits.bit_length())])
     return {
         plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single],
                                            convention) for single in (True, False)],
-        plan.combine_name: [KernelSignature(sinks + parts + scalars[1:], convention)],
+        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile], convention)
+                            for tile in split_tiles if tile > 1],
     }
 
 

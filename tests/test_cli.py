@@ -164,3 +164,33 @@ def test_python_m_and_console_script_agree(project):
         pytest.skip("specgen is not installed as a console script (pip install -e .)")
     installed = subprocess.run([script, "--version"], capture_output=True, text=True)
     assert installed.returncode == 0 and installed.stdout == result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "backward", "specs/fmha_gqa_causal.yaml"],
+     "--suite backward: fmha_gqa_causal has backward: false; the suite times backward kernels"),
+    (["--suite", "nope", "specs/fmha_gqa_causal.yaml"],
+     "--suite: unknown 'nope'; allowed: prefill, decode, backward"),
+    (["--baselines", "cudnn,xformers", "specs/fmha_gqa_causal.yaml"],
+     "--baselines: unknown xformers; allowed: cudnn, flash, flex"),
+    ([], "bench: give at least one SPEC path"),
+])
+def test_bench_errors_exit_2_with_one_line(project, args, message):
+    result = specgen("bench", *args, "--gen", "generated", cwd=project)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_backward_suite_without_cuda_exits_2(project):
+    result = specgen("bench", "--suite", "backward", "specs/fmha_train_gqa_causal.yaml",
+                     "--out", "results", cwd=project)
+    assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr, result.stderr
+    assert not (project / "results").exists()
+
+
+def test_backward_flops_are_two_and_a_half_forward():
+    from specgen.backward_bench import backward_flops
+    from specgen.bench import spec_flops
+
+    spec = {"causal": True, "head_dim": 128, "v_head_dim": None, "window": None}
+    assert backward_flops(spec, 4, 32, 4096, 4096) == 2.5 * spec_flops(spec, 4, 32, 4096, 4096)

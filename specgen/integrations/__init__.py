@@ -1,0 +1,1 @@
+"""Adapters that plug generated kernels into other libraries' attention hooks."""

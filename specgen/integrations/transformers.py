@@ -1,0 +1,250 @@
+"""A generated prefill kernel as a Hugging Face transformers attention backend.
+
+One line, no monkey-patching::
+
+    from specgen.integrations.transformers import register
+
+    register("generated.fmha_gqa_causal")  # or a module object, or specs/x.yaml
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="specgen")
+
+``register`` adds the kernel to transformers' ``AttentionInterface`` under ``name``
+and gives the same name sdpa's mask builder in ``AttentionMaskInterface``. That
+builder returns no mask when plain causal (or full) attention over the whole KV is
+what the layer needs (no padding; prefill of an empty cache, or one new token);
+those calls run the specgen kernel. Calls that come with a mask (padded batches,
+chunked prefill against a filled cache, a sliding window that binds) run
+transformers' own sdpa function instead: the kernel takes no arbitrary mask, and
+getting the numbers right comes first. ``stats`` on the returned function counts
+both kinds of call, and the first fallback warns once.
+
+What the layer asks for is checked against the spec before any launch, with a
+ValueError that names both sides: causal or not, the GQA ratio, a sliding window
+(window.left == sliding_window - 1), a soft-cap, sinks (``s_aux``), dropout, and
+gradients (only a ``backward: true`` spec is differentiable). Head dim, dtype and
+device are checked by the generated ``attention`` itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import random
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Union
+
+# Names transformers ships; registering over them would change every model that
+# asks for them.
+BUILTIN_NAMES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3",
+                 "flash_attention_4", "flex_attention")
+
+
+def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleType:
+    """A generated module from a module object, a dotted module name
+    (``generated.fmha_gqa_causal``), a generated ``.py`` file or a spec file
+    (``.yaml``/``.yml``, validated and rendered in memory)."""
+    if isinstance(module_or_spec, ModuleType):
+        module = module_or_spec
+    elif isinstance(module_or_spec, (str, Path)):
+        text = str(module_or_spec)
+        path = Path(text)
+        if path.suffix in (".yaml", ".yml"):
+            module = _module_from_spec(path)
+        elif path.suffix == ".py":
+            if not path.is_file():
+                raise ValueError(f"register: no generated module at {text}")
+            from ..gpu import import_module_file
+
+            module = import_module_file(path)
+        else:
+            try:
+                module = importlib.import_module(text)
+            except ImportError as exc:
+                raise ValueError(
+                    f"register: cannot import {text!r} ({exc}); give a module, a dotted "
+                    "module name, a generated .py file or a spec .yaml"
+                ) from exc
+    else:
+        raise ValueError(
+            "register: expected a generated module, a module name or a spec path, got "
+            f"{type(module_or_spec).__name__}"
+        )
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, dict) or not callable(getattr(module, "attention", None)):
+        raise ValueError(
+            f"register: {getattr(module, '__name__', module)!r} is not a specgen module "
+            "(it needs SPEC and attention)"
+        )
+    family = spec.get("family", "prefill")
+    unsupported = [
+        why for why, bad in (
+            (f"family {family!r} (decode kernels read a serving KV cache layout)", family != "prefill"),
+            ("varlen (packed sequences take cu_seqlens)", spec.get("varlen")),
+            ("float8_e4m3fn (needs descales)", spec.get("dtype") == "float8_e4m3fn"),
+            ("tensors: (hook tensors have no source in a transformers layer)", spec.get("tensors")),
+            ("return_lse", spec.get("return_lse")),
+        ) if bad
+    ]
+    if unsupported:
+        raise ValueError(
+            f"register: spec {spec.get('name')!r} cannot serve as a transformers "
+            f"attention backend: {'; '.join(unsupported)}"
+        )
+    return module
+
+
+def _module_from_spec(path: Path) -> ModuleType:
+    from ..compile import load_module_from_source
+    from ..errors import SpecError
+    from ..plan import make_plan
+    from ..render import render
+    from ..spec import load_spec
+
+    try:
+        plan = make_plan(load_spec(path))
+    except SpecError as exc:
+        raise ValueError(f"register: {'; '.join(exc.lines())}") from exc
+    rendered = render(plan, str(path))
+    return load_module_from_source(plan.module_name, rendered.text, f"<specgen {path}>")
+
+
+def make_attention_function(module: ModuleType) -> Callable:
+    """The function transformers calls in each attention layer:
+    ``(layer, query [B, Hq, Sq, D], key, value [B, Hkv, Skv, D], attention_mask,
+    **kwargs) -> (out [B, Sq, Hq, Dv], None)``."""
+    spec = module.SPEC
+    kernel = module.attention
+    causal_spec = bool(spec.get("causal"))
+    ratio = spec.get("gqa_ratio", 1)
+    window = spec.get("window")
+    name = spec.get("name")
+    stats = {"kernel": 0, "fallback": 0}
+
+    def check(layer, query, key, dropout: float, kwargs) -> dict:
+        """Kernel keyword arguments for this call, or a ValueError naming the mismatch."""
+        extra: dict[str, Any] = {}
+        is_causal = kwargs.get("is_causal")
+        if is_causal is None:
+            is_causal = getattr(layer, "is_causal", True)
+        if bool(is_causal) != causal_spec:
+            raise ValueError(
+                f"specgen {name}: the layer is {'causal' if is_causal else 'non-causal'} "
+                f"and the spec has causal: {str(causal_spec).lower()}"
+            )
+        if query.dim() == 4 and key.dim() == 4 and key.shape[1] * ratio != query.shape[1]:
+            raise ValueError(
+                f"specgen {name}: the layer has {query.shape[1]} query heads and "
+                f"{key.shape[1]} KV heads; the spec has gqa_ratio {ratio}"
+            )
+        sliding = kwargs.get("sliding_window")
+        if window is not None and (sliding is None or window.get("left") != sliding - 1
+                                   or window.get("right") not in (None, 0)):
+            raise ValueError(
+                f"specgen {name}: the spec's window {window} needs a layer with "
+                f"sliding_window == left + 1, and the layer has sliding_window {sliding}"
+            )
+        softcap = kwargs.get("softcap")
+        if (softcap or None) != spec.get("softcap"):
+            raise ValueError(
+                f"specgen {name}: the layer's soft-cap is {softcap} and the spec's "
+                f"softcap is {spec.get('softcap')}"
+            )
+        sinks = kwargs.get("s_aux")
+        if spec.get("sinks"):
+            if sinks is None:
+                raise ValueError(f"specgen {name}: the spec has sinks and the layer passes no s_aux")
+            extra["sinks"] = sinks
+        elif sinks is not None:
+            raise ValueError(f"specgen {name}: the layer passes sinks (s_aux) and the spec has none")
+        if dropout > 0.0:
+            if not spec.get("dropout"):
+                raise ValueError(
+                    f"specgen {name}: the layer asks for attention dropout {dropout} and "
+                    "the spec has dropout: false"
+                )
+            # A fresh seed per call from Python's RNG: no device sync.
+            extra.update(dropout_p=dropout, seed=random.randrange(2**31 - 1))
+        if (torch_grad_enabled() and any(t.requires_grad for t in (query, key))
+                and not spec.get("backward")):
+            raise ValueError(
+                f"specgen {name}: gradients are required and the spec has no backward "
+                "kernels; set backward: true in the spec (or use torch.no_grad())"
+            )
+        return extra
+
+    def attention_function(layer, query, key, value, attention_mask, scaling=None,
+                           dropout=0.0, **kwargs):
+        extra = check(layer, query, key, float(dropout or 0.0), kwargs)
+        if attention_mask is not None:
+            stats["fallback"] += 1
+            if stats["fallback"] == 1:
+                warnings.warn(
+                    f"specgen {name}: a call with an attention mask (padding, or a "
+                    "filled cache under chunked prefill) runs transformers' sdpa instead; "
+                    "see specgen.integrations.transformers",
+                    stacklevel=2,
+                )
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(layer, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling, **kwargs)
+        q_len, kv_len = query.shape[2], key.shape[2]
+        q_offset = 0
+        if causal_spec:
+            if q_len == 1:  # one new token sees the whole cache
+                q_offset = kv_len - 1
+            elif kv_len > q_len:
+                # No mask and more keys than queries: a static cache's empty tail
+                # after a prefill from position 0 (transformers' sdpa path slices
+                # it off the same way).
+                key, value = key[:, :, :q_len], value[:, :, :q_len]
+        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)
+        stats["kernel"] += 1
+        return out.transpose(1, 2).contiguous(), None
+
+    attention_function.stats = stats
+    attention_function.module = module
+    attention_function.__name__ = f"specgen_{name}"
+    return attention_function
+
+
+def torch_grad_enabled() -> bool:
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def register(module_or_spec: Union[ModuleType, str, Path], name: str = "specgen") -> Callable:
+    """Register a generated kernel as transformers attention backend ``name``;
+    ``from_pretrained``/``from_config(..., attn_implementation=name)`` then uses it.
+
+    Returns the registered function; its ``stats`` dict counts the calls that ran
+    the kernel and those that fell back to sdpa (calls with a mask).
+
+    Raises:
+        ValueError: the module or spec cannot serve (decode, varlen, fp8, hook
+            tensors), or ``name`` is not a new identifier.
+        ImportError: transformers is not installed.
+    """
+    if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"register: name must be letters, digits, '_' or '-', got {name!r}")
+    if name in BUILTIN_NAMES:
+        raise ValueError(
+            f"register: {name!r} is one of transformers' own backends "
+            f"({', '.join(BUILTIN_NAMES)}); choose another name"
+        )
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ImportError(
+            "specgen.integrations.transformers needs transformers>=4.56 "
+            "(pip install 'specgen[transformers]')"
+        ) from exc
+    module = load_kernel_module(module_or_spec)
+    function = make_attention_function(module)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return function

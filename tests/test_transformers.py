@@ -1,0 +1,137 @@
+"""specgen.integrations.transformers on the CPU: the adapter's glue (layouts, GQA,
+q_offset for decode steps, the mask fallback, the checks) around a stand-in for a
+generated module whose ``attention`` is the fp64 reference. The real kernels run
+in tests/test_gpu.py (test_transformers_*)."""
+
+import re
+import types
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from specgen.integrations import transformers as tf_integration  # noqa: E402
+from specgen.reference import attention_reference  # noqa: E402
+
+
+def stand_in(**spec_fields):
+    """A module shaped like a generated prefill module, computing with the reference."""
+    spec = {"name": "stand_in", "family": "prefill", "dtype": "float32", "head_dim": 32,
+            "gqa_ratio": 2, "causal": True, "window": None, "softcap": None, "sinks": False,
+            "dropout": False, "varlen": False, "tensors": {}, "return_lse": False,
+            "backward": False}
+    spec.update(spec_fields)
+    module = types.ModuleType("stand_in")
+    module.SPEC = spec
+    module.calls = []
+
+    def attention(q, k, v, *, scale=None, q_offset=0, out=None, **extra):
+        module.calls.append((tuple(q.shape), tuple(k.shape), q_offset, extra))
+        assert q.shape[1] == spec["gqa_ratio"] * k.shape[1]
+        window = (spec["window"]["left"], None) if spec["window"] else None
+        return attention_reference(q, k, v, causal=spec["causal"], scale=scale,
+                                   q_offset=q_offset, window=window).to(q.dtype)
+
+    module.attention = attention
+    return module
+
+
+def tiny_qwen2(implementation: str, seed: int = 0):
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def test_logits_and_greedy_generation_match_sdpa():
+    module = stand_in()
+    function = tf_integration.register(module, name="specgen-cpu-test")
+    ours, sdpa = tiny_qwen2("specgen-cpu-test"), tiny_qwen2("sdpa")
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = ours(ids).logits, sdpa(ids).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert function.stats["kernel"] == 2 and function.stats["fallback"] == 0
+    # Prefill then 12 decode steps: every step is a kernel call with q_offset = Skv - 1.
+    with torch.no_grad():
+        gen_a = ours.generate(ids, max_new_tokens=12, do_sample=False)
+        gen_b = sdpa.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(gen_a, gen_b)
+    decode_calls = [c for c in module.calls if c[0][2] == 1]
+    assert decode_calls and all(off == kv[2] - 1 for _, kv, off, _ in decode_calls)
+    assert function.stats["fallback"] == 0
+
+
+def test_padded_batch_falls_back_to_sdpa_with_one_warning():
+    function = tf_integration.register(stand_in(), name="specgen-cpu-pad")
+    ours, sdpa = tiny_qwen2("specgen-cpu-pad"), tiny_qwen2("sdpa")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        a = ours(ids, attention_mask=mask).logits
+        b = sdpa(ids, attention_mask=mask).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert function.stats == {"kernel": 0, "fallback": 2}
+    assert sum("runs transformers' sdpa instead" in str(w.message) for w in caught) == 1
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"gqa_ratio": 4}, "4 query heads and 2 KV heads; the spec has gqa_ratio 4"),
+    ({"causal": False}, "the layer is causal and the spec has causal: false"),
+    ({"window": {"left": 63, "right": None}}, "needs a layer with sliding_window == left + 1"),
+    ({"softcap": 30.0}, "the layer's soft-cap is None and the spec's softcap is 30.0"),
+])
+def test_mismatched_spec_is_refused_before_any_launch(fields, message):
+    module = stand_in(**fields)
+    tf_integration.register(module, name="specgen-cpu-bad")
+    model = tiny_qwen2("specgen-cpu-bad")
+    with pytest.raises(ValueError, match=re.escape(message)), torch.no_grad():
+        model(torch.zeros((1, 8), dtype=torch.long))
+    assert module.calls == []
+
+
+def test_gradients_need_a_backward_spec():
+    module = stand_in()
+    tf_integration.register(module, name="specgen-cpu-grad")
+    model = tiny_qwen2("specgen-cpu-grad").train()
+    with pytest.raises(ValueError, match="set backward: true"):
+        model(torch.zeros((1, 8), dtype=torch.long))
+    assert module.calls == []
+
+
+@pytest.mark.parametrize("target, message", [
+    ("specs/fmha_decode_gqa8_bf16.yaml", "family 'decode'"),
+    ("specs/fmha_varlen_llama.yaml", "varlen"),
+    ("specs/fmha_fp8_llama.yaml", "float8_e4m3fn"),
+    ("specs/fmha_alibi.yaml", "tensors:"),
+    ("no.such.module", "cannot import 'no.such.module'"),
+    ("generated/nope.py", "no generated module at generated/nope.py"),
+    (42, "expected a generated module, a module name or a spec path, got int"),
+])
+def test_register_refuses_what_cannot_serve(target, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        tf_integration.register(target, name="specgen-cpu-refused")
+
+
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flash_attention_2", "", "a b", None])
+def test_register_refuses_builtin_or_bad_names(name):
+    with pytest.raises(ValueError, match="register: "):
+        tf_integration.register("generated.fmha_gqa_causal", name=name)
+
+
+def test_register_from_spec_and_module_name_gives_the_generated_kernel():
+    by_spec = tf_integration.register("specs/fmha_train_gqa_causal.yaml", name="specgen-cpu-spec")
+    by_name = tf_integration.register("generated.fmha_train_gqa_causal", name="specgen-cpu-name")
+    assert by_spec.module.SPEC == by_name.module.SPEC
+    assert by_name.module.SPEC["backward"] is True
+    from transformers import AttentionInterface
+
+    assert AttentionInterface()["specgen-cpu-spec"] is by_spec

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import keyword
 import re
+import sys
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
@@ -185,6 +186,18 @@ class ExtraTensor(_Strict):
         description="Sizes: batch, heads, kv_heads, seq_q, seq_k or a number each; the "
         "launcher checks them before the launch.",
     )
+
+    @field_validator("shape", mode="wrap")
+    @classmethod
+    def _one_message(cls, value, handler):
+        # Each entry is a union (name or number): one line instead of one per member.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "must be a list of 1 to 4 sizes, each one of "
+                f"{', '.join(DIM_NAMES)} or an integer in [1, 2**31 - 1]"
+            ) from None
 
 
 class Paged(_Strict):
@@ -495,6 +508,15 @@ class Spec(_Strict):
         "written back into targets.",
     )
 
+    @field_validator("splits", mode="wrap")
+    @classmethod
+    def _splits_message(cls, value, handler):
+        # A union ('auto' or a number): one line instead of one per member.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be 'auto' or an integer in [1, 64]") from None
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
@@ -751,7 +773,19 @@ class Spec(_Strict):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+    """SafeLoader that refuses duplicate keys instead of keeping the last one, and
+    aliases: a spec is short, and nested aliases expand exponentially (a few
+    hundred bytes of "billion laughs" would hold the validator for minutes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None,
+                f"alias *{event.anchor}: YAML aliases are not allowed in a spec; write the value out",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=False):
@@ -842,6 +876,8 @@ def _problem(error: dict) -> tuple[str, str]:
         message = "must be a list"
     elif kind == "string_type":
         message = "must be a string"
+    elif kind in ("float_type", "float_parsing", "finite_number"):
+        message = "must be a finite number"
     elif kind in ("greater_than_equal", "less_than_equal", "greater_than"):
         owner = _model_at(loc[:-1])
         ctx = owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
@@ -886,6 +922,11 @@ def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
         context = getattr(exc, "context", None)
         detail = f"{context}; {problem}" if context else problem
         raise SpecError(path, [("", f"invalid YAML: {where}{detail}")]) from None
+    except RecursionError:
+        raise SpecError(path, [("", "invalid YAML: nested too deeply")]) from None
+    except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise SpecError(path, [("", "invalid YAML: a number too long to read (more than "
+                                    f"{sys.get_int_max_str_digits()} digits)")]) from None
 
 
 def load_spec(path: str | Path) -> Spec:

@@ -53,12 +53,17 @@ def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
                generator=None, layout: str = "contiguous"):
     """Random q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] for
     ``spec`` (its SPEC dict), N(0, 1) in the spec's dtype. ``layout`` "transposed"
-    makes each a [B, S, H, D] tensor seen as [B, H, S, D] (non-contiguous)."""
+    makes each a [B, S, H, D] tensor seen as [B, H, S, D] (non-contiguous);
+    "sliced" the first S rows of a longer [B, H, S + 37, D] buffer."""
     dtype = getattr(torch, spec["dtype"])
     d = spec["head_dim"]
     dv = spec.get("v_head_dim") or d
 
     def rand(heads: int, seq: int, dim: int) -> torch.Tensor:
+        if layout == "sliced":  # a view of the first seq rows of a longer buffer
+            t = torch.randn((batch, heads, seq + 37, dim), generator=generator, device="cuda",
+                            dtype=torch.float32).to(dtype)
+            return t[:, :, :seq]
         shape = (batch, seq, heads, dim) if layout == "transposed" else (batch, heads, seq, dim)
         t = torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32).to(dtype)
         return t.transpose(1, 2) if layout == "transposed" else t

@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
     test.add_argument("--quick", action="store_true", help="a smaller shape matrix")
     test.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    test.add_argument("--fuzz", type=int, default=0, metavar="N",
+                      help="N random valid shapes per spec instead of the matrix (batch, "
+                      "heads, lengths, q_offset, strided views; decode: ragged lengths and "
+                      "shuffled page tables); a failure prints the --fuzz-case that replays it")
+    test.add_argument("--fuzz-case", metavar="SEED:I",
+                      help="replay one fuzz case (as a failure prints it)")
     test.add_argument("--out", default="generated", metavar="DIR",
                       help="folder of generated modules (default: generated)")
 
@@ -157,7 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "test":
             from .testing import run_test
 
-            return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed)
+            from .testing import parse_fuzz_case
+
+            if args.fuzz < 0 or args.fuzz > 100000:
+                raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
+            case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
+            return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed,
+                            fuzz=args.fuzz, fuzz_case_seed=case)
         if args.command == "tune":
             from .bench import parse_suite
             from .build import parse_targets

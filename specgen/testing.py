@@ -6,6 +6,8 @@ element the kernel never wrote fails. Tolerances come from specgen.check.TOLERAN
 
 from __future__ import annotations
 
+import math
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from .check import (
     reference_for,
     shape_dims,
 )
+from .errors import UsageError
 from .gpu import fresh_modules, require_cuda
 
 
@@ -184,20 +187,89 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int) -> int:
+# Shape fuzzing: the largest fp64 score matrix a case may need (B * Hq * Sq * Skv).
+FUZZ_MAX_SCORES = 1 << 27
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    """An integer in [low, high], uniform in log scale (short and long both drawn)."""
+    return min(high, max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))))
+
+
+def fuzz_case(spec: dict, case_seed: str) -> Case:
+    """A random valid case for ``spec``, a pure function of ``case_seed`` ("SEED:I"):
+    batch, heads, lengths, q_offset and layout (strided views); for decode ragged
+    lengths (the page table is shuffled by the case's generator); for varlen a
+    ragged packed batch."""
+    rng = random.Random(case_seed)
+    ratio = spec["gqa_ratio"]
+    kv_heads = rng.randint(1, max(1, min(4, 32 // ratio)))
+    if spec.get("family") == "decode":
+        q_len = rng.randint(1, spec.get("max_q_len", 1))
+        lens = tuple(_log_uniform(rng, q_len, 16384) for _ in range(rng.randint(1, 8)))
+        return Case(len(lens), kv_heads, q_len, 0, decode_lens=lens)
+    if spec.get("varlen"):
+        lengths = []
+        for _ in range(rng.randint(1, 6)):
+            seq_q = _log_uniform(rng, 1, 1024)
+            lengths.append((seq_q, seq_q + rng.choice([0, 0, rng.randint(0, 512)])))
+        return Case(len(lengths), kv_heads, 0, 0, lengths=tuple(lengths))
+    while True:
+        batch = rng.randint(1, 4)
+        seq_q = _log_uniform(rng, 1, 2048)
+        seq_k = seq_q if rng.random() < 0.4 else _log_uniform(rng, 1, 4096)
+        if batch * kv_heads * ratio * seq_q * seq_k <= FUZZ_MAX_SCORES:
+            break
+    # Bottom-right (chunked prefill), top-left, or anywhere up to past the keys.
+    q_offset = rng.choice([max(seq_k - seq_q, 0), 0, rng.randint(0, seq_k + 64)])
+    layout = rng.choice(["contiguous", "contiguous", "transposed", "sliced"])
+    return Case(batch, kv_heads, seq_q, seq_k, q_offset, layout)
+
+
+def parse_fuzz_case(text: str) -> str:
+    """--fuzz-case SEED:I, as a failing fuzz case prints it."""
+    seed, sep, index = text.partition(":")
+    if not (sep and seed.lstrip("-").isdigit() and index.isdigit()):
+        raise UsageError(f"--fuzz-case: expected SEED:I as a fuzz failure prints it, got {text!r}")
+    return f"{int(seed)}:{int(index)}"
+
+
+def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int = 0,
+             fuzz_case_seed: str | None = None) -> int:
+    """The shape matrix (or ``fuzz`` random cases per spec, or the one fuzz case
+    ``fuzz_case_seed``) for each spec; exit 1 on any failure."""
     torch = require_cuda("test")
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     failed = 0
     for job, module in fresh_modules(paths, out_dir, log):
+        spec = module.SPEC
+        if fuzz_case_seed:
+            seeds = [fuzz_case_seed]
+        elif fuzz:
+            seeds = [f"{seed}:{i}" for i in range(fuzz)]
+        else:
+            seeds = []
+        cases = ([fuzz_case(spec, s) for s in seeds] if seeds else case_matrix(quick, spec))
         generator = torch.Generator(device="cuda").manual_seed(seed)
-        rows = []
-        cases = case_matrix(quick, module.SPEC)
+        rows, failures = [], []
         for i, case in enumerate(cases, 1):
-            log(f"[{job.plan.module_name} {i}/{len(cases)}] {case.label(module.SPEC['gqa_ratio'])}")
-            rows.append(run_case(torch, module, case, generator))
-        print(format_table(job.plan.module_name, module.SPEC["dtype"], rows))
+            log(f"[{job.plan.module_name} {i}/{len(cases)}] {case.label(spec['gqa_ratio'])}")
+            if seeds:  # each fuzz case owns its inputs: replayable alone
+                generator = torch.Generator(device="cuda").manual_seed(
+                    random.Random(seeds[i - 1]).getrandbits(63))
+            row = run_case(torch, module, case, generator)
+            if seeds:
+                row["shape"] = f"[{seeds[i - 1]}] {row['shape']}"
+                if not row["ok"]:
+                    failures.append(seeds[i - 1])
+            rows.append(row)
+        print(format_table(job.plan.module_name, spec["dtype"], rows))
         bad = sum(not r["ok"] for r in rows)
         worst = max(r["rel_err"] for r in rows)
-        print(f"  {len(rows) - bad}/{len(rows)} passed, worst rel err {worst:.3e}, seed {seed}\n")
+        kind = f"fuzz cases ({len(cases)} drawn)" if seeds else "cases"
+        print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}, seed {seed}")
+        for case_seed in failures:
+            print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}")
+        print()
         failed += bad
     return 1 if failed else 0

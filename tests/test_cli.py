@@ -194,3 +194,40 @@ def test_backward_flops_are_two_and_a_half_forward():
 
     spec = {"causal": True, "head_dim": 128, "v_head_dim": None, "window": None}
     assert backward_flops(spec, 4, 32, 4096, 4096) == 2.5 * spec_flops(spec, 4, 32, 4096, 4096)
+
+
+@pytest.mark.slow
+def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, tmp_path):
+    """Three `specgen build` processes at once on the same specs, one output folder
+    and one cubin cache: all succeed, the modules equal a fresh render, each cubin
+    is written once, whole (an ELF image per kernel) and no temporary file is left."""
+    import os
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECGEN_CACHE_DIR": str(cache)}
+    specs = ["specs/fmha_gqa_causal.yaml", "specs/fmha_decode_gqa8_bf16.yaml"]
+    procs = [subprocess.Popen([sys.executable, "-m", "specgen", "build", *specs, "--targets", "sm_90"],
+                              cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    results = [(p.wait(timeout=600), p.stdout.read() + p.stderr.read()) for p in procs]
+    assert all(code == 0 for code, _ in results), results
+    check = subprocess.run([sys.executable, "-m", "specgen", "build", *specs, "--check", "--no-compile"],
+                           cwd=project, env=env, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    cubins = sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+    from specgen.compile import target_configs
+    from specgen.plan import make_plan
+    from specgen.spec import load_spec
+
+    expected = sum(len(target_configs(make_plan(load_spec(project / s)), "sm_90")) for s in specs)
+    assert len(cubins) == expected, cubins  # one per distinct config: none written twice
+    for path in cubins:
+        data = path.read_bytes()
+        assert data.startswith(b"\x7fELF"), path
+    # The decode module's file holds its two kernels' images back to back.
+    assert max(p.read_bytes().count(b"\x7fELF") for p in cubins) >= 2
+    leftovers = [p for p in list(cache.rglob(".*")) + list((project / "generated").glob(".*")) if p.is_file()]
+    assert leftovers == [], leftovers
+    # Every process reported each (spec, target), compiled or (another wrote it) cached.
+    for _, stderr in results:
+        assert stderr.count(" sm_90 ") == 2, stderr

@@ -126,3 +126,44 @@ def test_gpu_commands_exit_2_without_cuda(command):
     result = specgen(command, "specs", cwd=ROOT)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(f"specgen {command}: needs a CUDA GPU")
+
+
+def test_fuzz_cases_are_valid_replayable_and_varied():
+    from specgen.testing import FUZZ_MAX_SCORES, fuzz_case
+
+    from .helpers import generated_module
+
+    for name in ("fmha_gqa_causal", "fmha_mistral_window", "fmha_varlen_llama", "fmha_decode_paged_mtp"):
+        spec = generated_module(name).SPEC
+        cases = [fuzz_case(spec, f"7:{i}") for i in range(200)]
+        assert cases == [fuzz_case(spec, f"7:{i}") for i in range(200)]  # a seed replays its case
+        assert len(set(cases)) > 150
+        for c in cases:
+            assert c.kv_heads * spec["gqa_ratio"] <= 32
+            if spec.get("family") == "decode":
+                assert all(q_len <= n for q_len, n in ((c.seq_q, n) for n in c.decode_lens))
+                assert 1 <= c.seq_q <= spec["max_q_len"] and 1 <= len(c.decode_lens) <= 8
+            elif spec.get("varlen"):
+                assert all(1 <= q and 1 <= k for q, k in c.lengths)
+            else:
+                assert c.batch * c.kv_heads * spec["gqa_ratio"] * c.seq_q * c.seq_k <= FUZZ_MAX_SCORES
+                assert c.q_offset >= 0 and c.layout in ("contiguous", "transposed", "sliced")
+        if not spec.get("family") == "decode" and not spec.get("varlen"):
+            assert {c.layout for c in cases} == {"contiguous", "transposed", "sliced"}
+            assert any(c.seq_q != c.seq_k for c in cases) and any(c.seq_q == 1 for c in cases)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--fuzz", "-1"], "--fuzz: expected a count in [0, 100000], got -1"),
+    (["--fuzz-case", "7"], "--fuzz-case: expected SEED:I as a fuzz failure prints it, got '7'"),
+    (["--fuzz-case", "a:b"], "--fuzz-case: expected SEED:I"),
+])
+def test_fuzz_arguments_are_checked(args, message):
+    import subprocess
+    import sys
+
+    from .helpers import ROOT
+
+    result = subprocess.run([sys.executable, "-m", "specgen", "test", "specs/fmha_gqa_causal.yaml", *args],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -59,8 +59,12 @@ def _baselines(torch, names, causal: bool, ratio: int) -> dict:
             made[name] = run
     if "flex" in names:
         try:
+            import torch._functorch.config as functorch_config
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+            # The timing replays one backward graph (retain_graph=True), which a
+            # compiled backward with donated buffers refuses.
+            functorch_config.donated_buffer = False
             compiled = torch.compile(flex_attention)
             masks: dict = {}
 

@@ -71,18 +71,31 @@ def test_transformers_padded_batch_falls_back_and_matches():
 
 
 def test_transformers_training_step_gradients_match_sdpa():
-    """The backward: true spec trains: the loss and the gradients of every weight
-    match the sdpa model's within bf16 tolerance."""
+    """The backward: true spec trains. The same weights run one step three ways:
+    bf16 with specgen, bf16 with sdpa and float32 with sdpa (the reference). For
+    every weight, specgen's bf16 gradient is as close to the float32 one as
+    sdpa's bf16 gradient is (two bf16 runs differ from each other by more than
+    either differs from float32, so they are not compared with each other)."""
     function = register("generated.fmha_train_gqa_causal", name="specgen-e2e-train")
+    reference = qwen2("sdpa", torch.float32).train()
     ours = qwen2("specgen-e2e-train", torch.bfloat16).train()
     sdpa = qwen2("sdpa", torch.bfloat16).train()
-    ids = torch.randint(0, 2048, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     for model in (ours, sdpa):
-        model(ids, labels=ids).loss.backward()
+        model.load_state_dict(reference.state_dict())  # the same weights, rounded to bf16
+    ids = torch.randint(0, 2048, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    losses = [model(ids, labels=ids).loss for model in (reference, ours, sdpa)]
+    for loss in losses:
+        loss.backward()
     assert function.stats["kernel"] == 2
-    worst = 0.0
-    for (name, p), (_, r) in zip(ours.named_parameters(), sdpa.named_parameters()):
-        rel = ((p.grad.float() - r.grad.float()).norm() / r.grad.float().norm().clamp_min(1e-12)).item()
-        worst = max(worst, rel)
-        assert rel < 3e-2, (name, rel)
-    print(f"worst relative gradient difference over {len(list(ours.parameters()))} weights: {worst:.2e}")
+    print(f"loss: float32 {losses[0].item():.5f}, specgen bf16 {losses[1].item():.5f}, "
+          f"sdpa bf16 {losses[2].item():.5f}")
+    assert abs(losses[1].item() - losses[0].item()) <= max(2 * abs(losses[2].item() - losses[0].item()), 1e-2)
+    worst = (0.0, 0.0, "")
+    for (name, r), (_, p), (_, s) in zip(reference.named_parameters(), ours.named_parameters(),
+                                         sdpa.named_parameters()):
+        norm = r.grad.norm().clamp_min(1e-12)
+        ours_err = ((p.grad.float() - r.grad).norm() / norm).item()
+        sdpa_err = ((s.grad.float() - r.grad).norm() / norm).item()
+        assert ours_err <= max(1.5 * sdpa_err, 1e-2), (name, ours_err, sdpa_err)
+        worst = max(worst, (ours_err, sdpa_err, name))
+    print(f"worst relative gradient error against float32: specgen {worst[0]:.2e}, sdpa {worst[1]:.2e} ({worst[2]})")

@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -177,27 +178,31 @@ RESERVED_NAMES = frozenset({
 })
 
 
+def _dim_size(value, handler):
+    # A union (a name or a number): one message per entry instead of one per member.
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(
+            f"must be one of {', '.join(DIM_NAMES)} or an integer in [1, 2**31 - 1]"
+        ) from None
+
+
+DimSize = Annotated[
+    Union[Annotated[int, Field(ge=1, le=2**31 - 1)], Literal[DIM_NAMES]],
+    WrapValidator(_dim_size),
+]
+
+
 class ExtraTensor(_Strict):
     """An extra input tensor of score_mod / mask_mod: attention(..., <name>=tensor)."""
 
     dtype: Literal["float32", "int32"] = Field(description="Element type.")
-    shape: list[Annotated[int, Field(ge=1, le=2**31 - 1)] | Literal[DIM_NAMES]] = Field(
+    shape: list[DimSize] = Field(
         min_length=1, max_length=4,
         description="Sizes: batch, heads, kv_heads, seq_q, seq_k or a number each; the "
         "launcher checks them before the launch.",
     )
-
-    @field_validator("shape", mode="wrap")
-    @classmethod
-    def _one_message(cls, value, handler):
-        # Each entry is a union (name or number): one line instead of one per member.
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError(
-                "must be a list of 1 to 4 sizes, each one of "
-                f"{', '.join(DIM_NAMES)} or an integer in [1, 2**31 - 1]"
-            ) from None
 
 
 class Paged(_Strict):

@@ -214,7 +214,7 @@ NEW_FIELDS_BAD = [
      "specs/bad.yaml: window: right 4 needs causal: false (a causal kernel never sees keys after the "
      "query); use null or 0"),
     ({"softcap": 0.0}, "specs/bad.yaml: softcap: must be a number in (0, 1000000.0], got 0.0"),
-    ({"softcap": "high"}, "specs/bad.yaml: softcap: Input should be a valid number"),
+    ({"softcap": "high"}, "specs/bad.yaml: softcap: must be a finite number, got \"high\""),
     ({"sinks": "yes"}, "specs/bad.yaml: sinks: must be true or false"),
     ({"return_lse": True, "q_subtiles": 2},
      "specs/bad.yaml: q_subtiles: 2 does not support return_lse yet; use 1"),

@@ -20,21 +20,20 @@ from typing import Callable
 
 from .bench import (
     BACKWARD_SUITE,
-    MATMUL_N,
+    SUITES,
     BenchResult,
     Row,
     Timing,
+    device_and_matmul_rate,
+    failed_timing,
     format_markdown,
     spec_flops,
     speedups,
-    tflops,
     timed,
     write_result,
 )
 from .errors import UsageError
 
-# (batch, query heads, sequence lengths), Sq = Skv: the prefill suite's shapes.
-SHAPES = (4, 32, (1024, 2048, 4096, 8192, 16384))
 # Backward FLOPs over forward FLOPs: 5 matmuls (S, dP, dV, dQ, dK) against 2.
 BACKWARD_FLOP_FACTOR = 2.5
 
@@ -95,7 +94,7 @@ def _grad_timer(torch, do_bench, forward, leaves, dout):
 def run_backward_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: tuple[str, ...],
                        log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
     from .check import random_qkv
-    from .gpu import device_info, fresh_modules, require_cuda
+    from .gpu import fresh_modules, require_cuda
 
     jobs = fresh_modules(paths, gen_dir, log)
     without = [job.plan.module_name for job, module in jobs if not module.SPEC.get("backward")]
@@ -107,15 +106,8 @@ def run_backward_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines
     torch = require_cuda("bench")
     from triton.testing import do_bench
 
-    batch, heads, seqs = SHAPES
-    device = device_info()
-    log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
-    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
-    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
-    matmul = tflops(2 * MATMUL_N**3, do_bench(lambda: torch.matmul(a, b), warmup=100, rep=500,
-                                              return_mode="median"))
-    del a, b
-    log(f"fp16 {MATMUL_N}^3 matmul: {matmul:.0f} TFLOPS")
+    batch, heads, seqs = SUITES["prefill"]  # the forward suite's shapes
+    device, matmul = device_and_matmul_rate(torch, do_bench, log)
 
     written = []
     for job, module in jobs:
@@ -160,8 +152,7 @@ def run_backward_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines
                                for x, y in zip((dq, dk, dv), ours))
                     timings[name] = timed(ms, flops, matmul, max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
-                    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    timings[name] = Timing(error=f"{type(exc).__name__}: {message}"[:300])
+                    timings[name] = failed_timing(exc)
                 del qb, kb, vb
             rows.append(Row(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
                             head_dim=spec["head_dim"], dtype=spec["dtype"], causal=causal, flops=flops,

@@ -278,6 +278,28 @@ def timed(ms: float, flops: int, matmul_tflops: float, **extra) -> Timing:
     return Timing(ms=ms, tflops=rate, pct_of_matmul=100 * rate / matmul_tflops, **extra)
 
 
+def failed_timing(exc: Exception) -> Timing:
+    """A baseline that raised: reported with the first line of its error."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return Timing(error=f"{type(exc).__name__}: {message}"[:300])
+
+
+def device_and_matmul_rate(torch, do_bench, log) -> tuple[dict, float]:
+    """The device description and the fp16 MATMUL_N^3 matmul rate (TFLOPS) of this
+    run, each logged: the yardstick every suite's percentages are read against."""
+    from .gpu import device_info
+
+    device = device_info()
+    log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
+    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
+    matmul = tflops(2 * MATMUL_N**3, do_bench(lambda: torch.matmul(a, b), warmup=100, rep=500,
+                                              return_mode="median"))
+    del a, b
+    log(f"fp16 {MATMUL_N}^3 matmul: {matmul:.0f} TFLOPS")
+    return device, matmul
+
+
 def load_result(path: Path) -> BenchResult:
     return BenchResult.model_validate(json.loads(path.read_text()))
 
@@ -474,21 +496,13 @@ def run_bench(
         random_qkv,
         shape_dims,
     )
-    from .gpu import device_info, fresh_modules, require_cuda
+    from .gpu import fresh_modules, require_cuda
 
     torch = require_cuda("bench")
     from triton.testing import do_bench
 
     batch, heads, seqs = SUITES[suite]
-    device = device_info()
-    log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
-
-    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
-    b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
-    mm_ms = do_bench(lambda: torch.matmul(a, b), warmup=100, rep=500, return_mode="median")
-    matmul = tflops(2 * MATMUL_N**3, mm_ms)
-    del a, b
-    log(f"fp16 {MATMUL_N}^3 matmul: {matmul:.0f} TFLOPS")
+    device, matmul = device_and_matmul_rate(torch, do_bench, log)
 
     written = []
     for job, module in fresh_modules(paths, gen_dir, log):
@@ -555,8 +569,7 @@ def run_bench(
                                   return_mode="median")
                     timings[name] = timed(ms, flops, matmul, max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
-                    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    timings[name] = Timing(error=f"{type(exc).__name__}: {message}"[:300])
+                    timings[name] = failed_timing(exc)
             row = Row(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
                       head_dim=d, dtype=spec["dtype"], causal=causal, flops=flops,
                       timings=timings, speedup=speedups(timings))

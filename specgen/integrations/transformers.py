@@ -113,6 +113,8 @@ def make_attention_function(module: ModuleType) -> Callable:
     """The function transformers calls in each attention layer:
     ``(layer, query [B, Hq, Sq, D], key, value [B, Hkv, Skv, D], attention_mask,
     **kwargs) -> (out [B, Sq, Hq, Dv], None)``."""
+    import torch
+
     spec = module.SPEC
     kernel = module.attention
     causal_spec = bool(spec.get("causal"))
@@ -165,7 +167,7 @@ def make_attention_function(module: ModuleType) -> Callable:
                 )
             # A fresh seed per call from Python's RNG: no device sync.
             extra.update(dropout_p=dropout, seed=random.randrange(2**31 - 1))
-        if (torch_grad_enabled() and any(t.requires_grad for t in (query, key))
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key))
                 and not spec.get("backward")):
             raise ValueError(
                 f"specgen {name}: gradients are required and the spec has no backward "
@@ -208,12 +210,6 @@ def make_attention_function(module: ModuleType) -> Callable:
     attention_function.module = module
     attention_function.__name__ = f"specgen_{name}"
     return attention_function
-
-
-def torch_grad_enabled() -> bool:
-    import torch
-
-    return torch.is_grad_enabled()
 
 
 def register(module_or_spec: Union[ModuleType, str, Path], name: str = "specgen") -> Callable:

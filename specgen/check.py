@@ -12,12 +12,22 @@ import torch
 TOLERANCES = {
     "float16": 1e-2,
     "bfloat16": 1e-2,
-    # float8 kernels round P to e4m3 for the P @ V MMA (as FlashAttention-3 does): a
-    # simulation of that rounding alone on fp8-exact inputs gave 1.0-1.3e-2 (S 17-4096).
-    "float8_e4m3fn": 3e-2,
+    # float8 kernels round P to e4m3 (3 mantissa bits) for the P @ V MMA, as
+    # FlashAttention-3 does. A float64 reference that differs from the exact one only
+    # by that rounding reached 3.4e-2 on the 200 seed-1 fuzz shapes (bench/NOTES.md
+    # section 20); the kernel's own worst there was 3.3e-2.
+    "float8_e4m3fn": 5e-2,
 }
 # The descales a float8 test or benchmark passes (values are stored as value / descale).
 FP8_DESCALES = {"q_descale": 0.5, "k_descale": 1.25, "v_descale": 2.0}
+
+
+def p_rounding(spec: dict):
+    """The type a spec's kernel rounds P to for the P @ V MMA when that rounding is
+    coarser than the output's (float8: e4m3), else None. The check reports the error
+    of a reference that rounds only P next to the kernel's, so a float8 tolerance
+    can be read against what the format alone costs."""
+    return torch.float8_e4m3fn if spec["dtype"] == "float8_e4m3fn" else None
 
 
 def output_dtype(spec: dict) -> str:
@@ -109,7 +119,7 @@ def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, gen
                   tuple(tuple(pair) for pair in lengths))
 
 
-def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None):
+def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None, p_dtype=None):
     """The fp64 reference of a varlen batch, one sequence at a time (its queries
     are its last seq_q positions): out [total_q, Hq, Dv] and lse [Hq, total_q]."""
     outs, lses = [], []
@@ -118,7 +128,8 @@ def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None):
         q = batch.q[cq[i]:cq[i + 1]].transpose(0, 1)[None]
         k = batch.k[ck[i]:ck[i + 1]].transpose(0, 1)[None]
         v = batch.v[ck[i]:ck[i + 1]].transpose(0, 1)[None]
-        out, lse = reference_for(spec, q, k, v, extra, q_offset=len_k - len_q, scale=scale)
+        out, lse = reference_for(spec, q, k, v, extra, q_offset=len_k - len_q, scale=scale,
+                                 p_dtype=p_dtype)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)
@@ -180,8 +191,10 @@ def call_kernel(module, q, k, v, extra: dict, **kwargs):
     return result, None
 
 
-def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None):
-    """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse)."""
+def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None,
+                  p_dtype=None):
+    """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse).
+    ``p_dtype``: the P-rounding model of attention_reference (see p_rounding)."""
     from .reference import attention_reference
 
     window = spec.get("window")
@@ -194,7 +207,7 @@ def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=
         window=(window["left"], window["right"]) if window else None,
         softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
         score_mod=spec.get("score_mod"), mask_mod=spec.get("mask_mod"), tensors=tensors,
-        dropout_p=extra.get("dropout_p", 0.0), seed=extra.get("seed", 0),
+        dropout_p=extra.get("dropout_p", 0.0), seed=extra.get("seed", 0), p_dtype=p_dtype,
     )
 
 

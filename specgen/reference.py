@@ -77,6 +77,7 @@ def attention_reference(
     tensors: dict | None = None,
     dropout_p: float = 0.0,
     seed: int = 0,
+    p_dtype: torch.dtype | None = None,
 ):
     """softmax(scale * q k^T + mask) v in float64, for q [B, Hq, Sq, D] and k/v
     [B, Hkv, Skv, D] with Hq a multiple of Hkv (query head h reads KV head h // ratio).
@@ -87,7 +88,10 @@ def attention_reference(
     (specgen.expr) over score, b, h, q_idx, kv_idx and ``tensors``; the score_mod
     sees the scaled, soft-capped score. ``dropout_p`` zeroes the weights the
     kernels' hash drops for ``seed`` (dropout_keep) and scales the rest by
-    1 / (1 - dropout_p); the LSE is the softmax's before dropout. A row with no visible key gives zeros and an LSE of -inf (or the
+    1 / (1 - dropout_p); the LSE is the softmax's before dropout. ``p_dtype`` rounds
+    the weights exp(score - row max) to that type before the product with v (the
+    normaliser stays unrounded), as float8 kernels round P for the P @ V MMA: a
+    model of the error that rounding alone causes, not the exact result. A row with no visible key gives zeros and an LSE of -inf (or the
     sink alone). With ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
@@ -132,6 +136,8 @@ def attention_reference(
     norm = weights.sum(dim=-1, keepdim=True)
     if sinks is not None:
         weights = weights[..., :-1]
+    if p_dtype is not None:
+        weights = weights.to(torch.float32).to(p_dtype).to(torch.float64)
     if dropout_p:
         keep = dropout_keep(*weights.shape, q_offset=q_offset, seed=seed, dropout_p=dropout_p,
                             device=q.device)

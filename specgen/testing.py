@@ -20,6 +20,7 @@ from .check import (
     decode_reference,
     feature_inputs,
     output_dtype,
+    p_rounding,
     packed_reference,
     poisoned_out,
     random_decode,
@@ -124,13 +125,20 @@ def run_packed_case(torch, module, case: Case, generator) -> dict:
     _, lse = call_kernel(module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs())
     torch.cuda.synchronize()
     ref, ref_lse = packed_reference(spec, batch, extra)
-    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse)
+    model = None
+    if p_rounding(spec) is not None:
+        model, _ = packed_reference(spec, batch, extra, p_dtype=p_rounding(spec))
+    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
 
 
-def _row(label: str, spec: dict, out, ref, lse, ref_lse) -> dict:
+def _row(label: str, spec: dict, out, ref, lse, ref_lse, model=None) -> dict:
+    """One case's report row. ``model``: the reference with only P rounded like the
+    kernel's (check.p_rounding); its error against ``ref`` is reported as p_model_err."""
     result = compare(out, ref, spec["dtype"])
     row = {"shape": label, "max_abs_err": result.max_abs_err, "rel_err": result.rel_err,
            "nonfinite": result.nonfinite, "ok": result.ok}
+    if model is not None:
+        row["p_model_err"] = compare(model, ref, spec["dtype"]).rel_err
     if lse is not None:
         lse_result = compare_lse(lse, ref_lse)
         row["lse_err"] = lse_result.max_abs_err
@@ -165,15 +173,22 @@ def run_case(torch, module, case: Case, generator) -> dict:
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     torch.cuda.synchronize()
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
-    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse)
+    model = None
+    if p_rounding(spec) is not None:
+        model, _ = reference_for(spec, q, k, v, extra, q_offset=case.q_offset,
+                                 p_dtype=p_rounding(spec))
+    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
 
 
 def format_table(name: str, dtype: str, rows: list[dict]) -> str:
     """The report of one spec: a fixed-width table, one row per case."""
     width = max([len("shape")] + [len(r["shape"]) for r in rows])
+    # float8: the relative error of a reference that rounds only P, beside the kernel's.
+    model = any("p_model_err" in r for r in rows)
     lines = [
         f"{name} ({dtype}, tolerance rel <= {TOLERANCES[dtype]:.0e})",
-        f"  {'shape':<{width}}  {'max abs err':>11}  {'rel err':>9}  pass",
+        f"  {'shape':<{width}}  {'max abs err':>11}  {'rel err':>9}  "
+        + (f"{'P-round err':>11}  " if model else "") + "pass",
     ]
     for r in rows:
         note = f"  ({r['nonfinite']} non-finite)" if r.get("nonfinite") else ""
@@ -182,7 +197,8 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
                 f" ({r['lse_mismatch']} -inf/NaN mismatches)" if r["lse_mismatch"] else "")
         lines.append(
             f"  {r['shape']:<{width}}  {r['max_abs_err']:>11.3e}  {r['rel_err']:>9.3e}  "
-            f"{'ok' if r['ok'] else 'FAIL'}{note}"
+            + (f"{r.get('p_model_err', math.nan):>11.3e}  " if model else "")
+            + f"{'ok' if r['ok'] else 'FAIL'}{note}"
         )
     return "\n".join(lines)
 
@@ -267,7 +283,10 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         bad = sum(not r["ok"] for r in rows)
         worst = max(r["rel_err"] for r in rows)
         kind = f"fuzz cases ({len(cases)} drawn)" if seeds else "cases"
-        print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}, seed {seed}")
+        models = [r["p_model_err"] for r in rows if "p_model_err" in r]
+        floor = f" (P rounding alone: worst {max(models):.3e})" if models else ""
+        print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}{floor}, "
+              f"seed {seed}")
         for case_seed in failures:
             print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}")
         print()

@@ -62,6 +62,22 @@ def test_test_table_shows_each_case_and_failures():
     assert text[3].endswith("FAIL  (12 non-finite)")
 
 
+def test_test_table_shows_the_p_rounding_model_beside_a_float8_kernel():
+    rows = [
+        {"shape": "B1 Hq8 Hkv1 Sq3 Skv2945", "max_abs_err": 5.6e-3, "rel_err": 3.2e-2,
+         "p_model_err": 3.1e-2, "nonfinite": 0, "ok": True},
+        {"shape": "B2 Hq8 Hkv1 Sq5 Skv9", "max_abs_err": 0.4, "rel_err": 0.3,
+         "p_model_err": 2.0e-2, "nonfinite": 0, "ok": False},
+    ]
+    text = format_table("fp8", "float8_e4m3fn", rows).splitlines()
+    assert text[0] == "fp8 (float8_e4m3fn, tolerance rel <= 5e-02)"
+    assert text[1].split()[-2:] == ["err", "pass"] and "P-round err" in text[1]
+    assert text[2].split()[-2:] == ["3.100e-02", "ok"]
+    assert text[3].split()[-3:] == ["3.000e-01", "2.000e-02", "FAIL"]
+    without = [{k: v for k, v in rows[0].items() if k != "p_model_err"}]
+    assert "P-round" not in format_table("demo", "float16", without).splitlines()[1]
+
+
 def _result(with_missing=True):
     timings = {
         "specgen": Timing(ms=2.0, tflops=400.0, pct_of_matmul=60.0),

@@ -144,3 +144,28 @@ def test_dropout_reference_mask_rate_seed_and_scaling():
     keep = dropout_keep(2, 4, 128, 128, q_offset=0, seed=1, dropout_p=0.25)
     assert torch.allclose(dropped, (weights * keep / 0.75) @ v.double())
     assert torch.allclose(lse, attention_reference(q, k, v, causal=True, return_lse=True)[1])
+
+
+def test_p_dtype_model_rounds_only_the_weights_of_the_pv_product():
+    # One query, two keys: scores 0 and ln(0.3), so the weights are 1 and 0.3. In
+    # e4m3 (3 mantissa bits) 0.3 lies between 0.28125 and 0.3125 and rounds to the
+    # nearer 0.3125; the normaliser stays 1.3.
+    q = torch.tensor([[[[1.0, 0.0]]]], dtype=torch.float64)
+    k = torch.tensor([[[[0.0, 0.0], [math.log(0.3), 0.0]]]], dtype=torch.float64)
+    v = torch.tensor([[[[2.0, -1.0], [4.0, 8.0]]]], dtype=torch.float64)
+    exact = attention_reference(q, k, v, causal=False, scale=1.0)
+    model, lse = attention_reference(q, k, v, causal=False, scale=1.0,
+                                     p_dtype=torch.float8_e4m3fn, return_lse=True)
+    torch.testing.assert_close(exact[0, 0, 0], (v[0, 0, 0] + 0.3 * v[0, 0, 1]) / 1.3)
+    torch.testing.assert_close(model[0, 0, 0], (v[0, 0, 0] + 0.3125 * v[0, 0, 1]) / 1.3)
+    torch.testing.assert_close(lse[0, 0, 0], torch.tensor(math.log(1.3), dtype=torch.float64))
+
+
+def test_p_dtype_model_error_is_within_the_e4m3_rounding_bound():
+    # Each weight moves by at most 2**-4 of itself (normal range) or 2**-10 (subnormal),
+    # so |model - exact| <= (2**-4 + 2**-10 * Skv) * max|v| per output element.
+    q, k, v = _qkv(2, 4, 2, 37, 300, 16, seed=5)
+    exact = attention_reference(q, k, v, causal=True, q_offset=263)
+    model = attention_reference(q, k, v, causal=True, q_offset=263, p_dtype=torch.float8_e4m3fn)
+    err = (model - exact).abs().max().item()
+    assert 0 < err <= (2**-4 + 2**-10 * 300) * v.abs().max().item()

@@ -220,3 +220,21 @@ def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch)
     assert picked[1][2] is picked[1024][2] is not base_kernel
     assert mod.CONFIGS["sm_90"][0]["hints"] == {"occupancy": 2, "num_worker_warps": None}
     assert "hints" not in mod.CONFIGS["sm_90"][1]  # same options as the target's own
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_docstring_names_the_output_buffer_shape_and_dtype(name):
+    import re
+
+    from specgen.check import output_dtype
+
+    text = (ROOT / "generated" / f"{name}.py").read_text()
+    spec = generated_module(name).SPEC
+    found = re.findall(r"out: optional \[([^\]]*)\] (\w+) output buffer", text)
+    assert len(found) == 1, found
+    dims, dtype = found[0]
+    assert dtype == output_dtype(spec)
+    want_first = "B" if not spec.get("varlen") else "total_q"
+    assert dims.split(",")[0] == want_first
+    returns = text.split("Returns:")[1].split("Raises:")[0]
+    assert f"[{dims}]" in returns and dtype in returns

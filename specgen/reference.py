@@ -91,8 +91,9 @@ def attention_reference(
     1 / (1 - dropout_p); the LSE is the softmax's before dropout. ``p_dtype`` rounds
     the weights exp(score - row max) to that type before the product with v (the
     normaliser stays unrounded), as float8 kernels round P for the P @ V MMA: a
-    model of the error that rounding alone causes, not the exact result. A row with no visible key gives zeros and an LSE of -inf (or the
-    sink alone). With ``return_lse`` the result is (out, lse [B, Hq, Sq]).
+    model of the error that rounding alone causes, not the exact result. A row
+    with no visible key gives zeros and an LSE of -inf (or the sink alone). With
+    ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")

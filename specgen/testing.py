@@ -125,10 +125,15 @@ def run_packed_case(torch, module, case: Case, generator) -> dict:
     _, lse = call_kernel(module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs())
     torch.cuda.synchronize()
     ref, ref_lse = packed_reference(spec, batch, extra)
-    model = None
-    if p_rounding(spec) is not None:
-        model, _ = packed_reference(spec, batch, extra, p_dtype=p_rounding(spec))
+    model = _p_model(spec, lambda **kw: packed_reference(spec, batch, extra, **kw))
     return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
+
+
+def _p_model(spec: dict, reference):
+    """``reference(p_dtype=...)``'s output with P rounded as the spec's kernel rounds
+    it (check.p_rounding), or None where that rounding is not coarser than the output."""
+    p_dtype = p_rounding(spec)
+    return None if p_dtype is None else reference(p_dtype=p_dtype)[0]
 
 
 def _row(label: str, spec: dict, out, ref, lse, ref_lse, model=None) -> dict:
@@ -173,10 +178,8 @@ def run_case(torch, module, case: Case, generator) -> dict:
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     torch.cuda.synchronize()
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
-    model = None
-    if p_rounding(spec) is not None:
-        model, _ = reference_for(spec, q, k, v, extra, q_offset=case.q_offset,
-                                 p_dtype=p_rounding(spec))
+    model = _p_model(spec, lambda **kw: reference_for(spec, q, k, v, extra,
+                                                      q_offset=case.q_offset, **kw))
     return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
 
 
@@ -285,8 +288,9 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         kind = f"fuzz cases ({len(cases)} drawn)" if seeds else "cases"
         models = [r["p_model_err"] for r in rows if "p_model_err" in r]
         floor = f" (P rounding alone: worst {max(models):.3e})" if models else ""
+        drawn = f"case {fuzz_case_seed}" if fuzz_case_seed else f"seed {seed}"
         print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}{floor}, "
-              f"seed {seed}")
+              f"{drawn}")
         for case_seed in failures:
             print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}")
         print()

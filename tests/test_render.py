@@ -4,6 +4,7 @@ spec field visibly changes the generated kernel."""
 import ast
 import copy
 import difflib
+import re
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import black
 import pytest
 import yaml
 
+from specgen.check import output_dtype
 from specgen.plan import make_plan
 from specgen.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
 from specgen.spec import spec_to_dict, validate_spec
@@ -224,10 +226,6 @@ def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch)
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
 def test_docstring_names_the_output_buffer_shape_and_dtype(name):
-    import re
-
-    from specgen.check import output_dtype
-
     text = (ROOT / "generated" / f"{name}.py").read_text()
     spec = generated_module(name).SPEC
     found = re.findall(r"out: optional \[([^\]]*)\] (\w+) output buffer", text)

@@ -19,6 +19,15 @@ from specgen.bench import (
     tflops,
     write_result,
 )
+from specgen.decode_bench import (
+    DecodeResult,
+    DecodeRow,
+    DecodeTiming,
+    format_decode_markdown,
+    graph_time_us,
+    rotation_copies,
+    steady_calls,
+)
 from specgen.errors import UsageError
 from specgen.gpu import device_slug
 from specgen.testing import case_matrix, format_table
@@ -183,3 +192,63 @@ def test_fuzz_arguments_are_checked(args, message):
     result = subprocess.run([sys.executable, "-m", "specgen", "test", "specs/fmha_gqa_causal.yaml", *args],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+class _FakeCuda:
+    """Enough of torch.cuda for rotation_copies: one device with a 60 MiB L2."""
+
+    class _Props:
+        L2_cache_size = 60 << 20
+
+    @staticmethod
+    def current_device():
+        return 0
+
+    @classmethod
+    def get_device_properties(cls, index):
+        assert index == 0
+        return cls._Props()
+
+
+class _FakeTorch:
+    cuda = _FakeCuda
+
+
+def test_steady_state_rotates_inputs_past_the_l2_cache():
+    # B1 Hkv8 L8192 bf16 D128: 32 MiB of K and V, so 8 copies hold 4x a 60 MiB L2.
+    assert rotation_copies(_FakeTorch, 32 << 20) == 8
+    assert rotation_copies(_FakeTorch, (32 << 20) + 1) == 8
+    assert rotation_copies(_FakeTorch, 240 << 20) == 2  # never fewer than two
+    assert rotation_copies(_FakeTorch, 4 << 30) == 2
+    assert [steady_calls(c) for c in (1, 2, 3, 8, 20)] == [16, 16, 18, 16, 20]
+    with pytest.raises(ValueError, match="calls must be at least 1"):
+        graph_time_us(_FakeTorch, lambda: None, do_bench=None, calls=0)
+
+
+def _decode_result():
+    timings = {
+        "specgen": DecodeTiming(us=16.4, kv_tbps=2.05, pct_of_copy=48.0, us_one_call=22.5),
+        "cudnn": DecodeTiming(us=15.9, kv_tbps=2.11, pct_of_copy=49.5, us_one_call=22.0,
+                              max_abs_diff_vs_specgen=1e-3),
+        "flex": DecodeTiming(error="not compared: window"),
+    }
+    row = DecodeRow(batch=1, heads_q=64, heads_kv=8, seq_len=8192, q_len=1, kv_bytes=33554432,
+                    splits=16, input_copies=8, calls_per_graph=16, timings=timings)
+    return DecodeResult(spec="demo_decode", kernel="fmha_decode_gqa8_bf16_d128", created="2026-11-22",
+                        device={"name": "NVIDIA H200", "driver": "580"}, copy_tbps=4.26,
+                        baselines=["cudnn", "flex"], layout="contiguous KV cache [B, L, Hkv, D]",
+                        rows=[row])
+
+
+def test_decode_markdown_shows_steady_state_and_one_call_tables():
+    lines = format_decode_markdown(_decode_result()).splitlines()
+    steady = next(line for line in lines if line.startswith("| 1 | 64/8 | 8192 | 16 |"))
+    assert "16.4 (2.05)" in steady and "15.9 (2.11)" in steady and "n/a (not compared: window)" in steady
+    assert "| 48% |" in steady and "0.97×" in steady
+    one = [line for line in lines if line.startswith("| 1 | 64/8 | 8192 |") and line != steady]
+    assert one == ["| 1 | 64/8 | 8192 | 22.5 | 22.0 | n/a |"]
+    text = "\n".join(lines)
+    assert "captured 16 times in one CUDA graph" in text and "4.26 TB/s" in text
+    data = json.loads(_decode_result().model_dump_json())
+    assert data["schema_version"] == 2 and data["rows"][0]["input_copies"] == 8
+    assert DecodeResult.model_validate(data) == _decode_result()

@@ -30,15 +30,12 @@ from .plan import ConfigPlan, Plan
 class CompileResult:
     module: str
     target: str
-    paths: tuple[Path, ...]  # one cubin per distinct launch config of the target
+    # One cubin per kernel of each distinct launch config of the target, in the
+    # order of target_configs, each config's main kernel first.
+    paths: tuple[Path, ...]
     size: int  # bytes, all cubins together
     seconds: float
     cached: bool
-
-    @property
-    def path(self) -> Path:
-        """The cubin of the target's own (longest-sequence) config."""
-        return self.paths[-1]
 
 
 def cache_dir() -> Path:
@@ -72,10 +69,17 @@ def toolchain_versions() -> dict:
     return versions
 
 
-def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None) -> str:
+# 2: one cubin file per kernel (1 wrote a family's kernels back to back in one
+# file, and cuobjdump, so `specgen diff`, read only the first).
+CACHE_FORMAT = 2
+
+
+def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
+              kernel: str | None = None) -> str:
     config = config or plan.target(target).configs[-1]
     payload = {
-        "kernel": plan.kernel_name,
+        "format": CACHE_FORMAT,
+        "kernel": kernel or plan.kernel_name,
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
         "target": target,
         "tiles": [config.tile_m, config.tile_n],
@@ -86,9 +90,24 @@ def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = 
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None = None) -> Path:
-    key = cache_key(plan, source, target, config)
-    return cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}.cubin"
+def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
+               kernel: str | None = None) -> Path:
+    """The cache file of one kernel (default: the spec's main kernel) of one config."""
+    key = cache_key(plan, source, target, config, kernel)
+    suffix = "" if kernel in (None, plan.kernel_name) else f"-{kernel}"
+    return cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}{suffix}.cubin"
+
+
+def kernel_builds(plan: Plan, config: ConfigPlan) -> list[tuple[str, list | None]]:
+    """Every kernel a config compiles, main kernel first: (name, its signatures, or
+    None for the spec's own). Decode adds its combine kernel, backward: true the
+    three backward kernels."""
+    if plan.spec.family == "decode":
+        return list(decode_signatures(plan, config).items())
+    builds: list[tuple[str, list | None]] = [(plan.kernel_name, None)]
+    if plan.backward:
+        builds += list(backward_signatures(plan).items())
+    return builds
 
 
 def target_configs(plan: Plan, target: str) -> list[ConfigPlan]:
@@ -249,35 +268,26 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
 
 def compile_target(plan: Plan, source: str, origin: str, target: str) -> CompileResult:
     """Compile one generated module for one target, through the cubin cache: one
-    cubin per distinct launch config (tiles and compiler options) of the target."""
+    cubin per kernel of each distinct launch config (tiles and compiler options)."""
     start = time.perf_counter()
     module = None
     paths, size, all_cached = [], 0, True
     for config in target_configs(plan, target):
-        path = cubin_path(plan, source, target, config)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # The lock makes concurrent builds of the same variant compile it once.
-        with FileLock(str(path) + ".lock"):
-            if not (path.is_file() and path.stat().st_size > 0):
-                all_cached = False
-                if module is None:
-                    module = load_module_from_source(plan.module_name, source, origin)
-                kernel = getattr(module, plan.kernel_name)
-                if config.extra_hints:
-                    kernel = kernel.replace_hints(**config.extra_hints)
-                if plan.backward:  # the forward, then the three backward kernels
-                    data = _export(plan, kernel, target, config) + b"".join(
-                        _export(plan, getattr(module, name), target, config, sigs)
-                        for name, sigs in backward_signatures(plan).items())
-                elif plan.spec.family == "decode":  # both kernels, one after the other
-                    data = b"".join(
-                        _export(plan, getattr(module, name), target, config, sigs)
-                        for name, sigs in decode_signatures(plan, config).items())
-                else:
-                    data = _export(plan, kernel, target, config)
-                atomic_write(path, data)
-        paths.append(path)
-        size += path.stat().st_size
+        for name, sigs in kernel_builds(plan, config):
+            path = cubin_path(plan, source, target, config, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # The lock makes concurrent builds of the same kernel compile it once.
+            with FileLock(str(path) + ".lock"):
+                if not (path.is_file() and path.stat().st_size > 0):
+                    all_cached = False
+                    if module is None:
+                        module = load_module_from_source(plan.module_name, source, origin)
+                    kernel = getattr(module, name)
+                    if name == plan.kernel_name and config.extra_hints:
+                        kernel = kernel.replace_hints(**config.extra_hints)
+                    atomic_write(path, _export(plan, kernel, target, config, sigs))
+            paths.append(path)
+            size += path.stat().st_size
     return CompileResult(
         plan.module_name, target, tuple(paths), size, time.perf_counter() - start,
         cached=all_cached,

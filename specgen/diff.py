@@ -214,12 +214,15 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
 
 
 def _variant_label(symbol: str, plan: Plan) -> str:
-    """'TILE_M=64 TILE_N=64 EVEN_N=False' for a mangled kernel symbol."""
+    """'TILE_M=64 TILE_N=64 EVEN_N=False' for a mangled symbol of the spec's main
+    kernel; '<name> (8)' (its constants' values) for another kernel of the module."""
     try:
         from cuda.tile.compilation import ConstantConstraint, demangle_kernel_name
 
-        _, signature = demangle_kernel_name(symbol)
+        name, signature = demangle_kernel_name(symbol)
         values = [p.value for p in signature.parameters if isinstance(p, ConstantConstraint)]
+        if name != plan.kernel_name:
+            return f"{name} ({', '.join(map(str, values))})" if values else name
         return " ".join(f"{n}={v}" for n, v in zip(plan.kernel_constants, values))
     except Exception:  # noqa: BLE001 - an unknown mangling still gets a label
         return symbol

@@ -29,8 +29,11 @@ def _plan_and_source(path):
 def test_shipped_spec_compiles(path, target):
     plan, source = _plan_and_source(path)
     result = compile_target(plan, source, f"generated/{path.stem}.py", target)
-    # One cubin per distinct launch config (by_seq_k buckets and the own config).
-    assert len(result.paths) == len(target_configs(plan, target))
+    # One cubin per kernel of each distinct launch config (by_seq_k buckets and the
+    # own config): decode adds its combine, backward: true its three kernels.
+    per_config = 2 if plan.spec.family == "decode" else 4 if plan.backward else 1
+    assert len(result.paths) == per_config * len(target_configs(plan, target))
+    assert len(set(result.paths)) == len(result.paths)
     sizes = [p.stat().st_size for p in result.paths]
     assert all(p.read_bytes()[:4] == b"\x7fELF" for p in result.paths)
     assert sum(sizes) == result.size and min(sizes) > 10_000

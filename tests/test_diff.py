@@ -133,3 +133,20 @@ def test_decode_specs_diff_without_tracebacks():
                   "--stat")
     assert result.returncode == 1, result.stderr
     assert "group_size: 8 → 4" in result.stdout and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_compiled_section_lists_every_kernel_of_a_decode_spec():
+    """Each kernel has its own cubin, so the combine kernel's resources are read too
+    (one file holding both images showed only the first)."""
+    result = diff("specs/fmha_decode_gqa8_bf16.yaml", "--set", "targets.sm_90.tile_n=64", "--json")
+    rows = {row["target"]: row for row in json.loads(result.stdout)["compiled"]}
+    a, b = rows["sm_90"]["a"], rows["sm_90"]["b"]
+    if a["kernels"] is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
+    for side, tile_n in ((a, 128), (b, 64)):
+        labels = [k["kernel"] for k in side["kernels"]]
+        assert {f"TILE_N={tile_n} SINGLE_SPLIT={s}" for s in (True, False)} <= set(labels)
+        # The combine, once per padded split count 2..64 (MAX_SPLITS).
+        assert sorted(label for label in labels if label.startswith("fmha_decode_combine_")) == sorted(
+            f"fmha_decode_combine_gqa8_bf16_d128 ({n})" for n in (2, 4, 8, 16, 32, 64))

@@ -249,7 +249,8 @@ def compiled_section(a: Side, b: Side) -> list[dict]:
 
 
 def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
-    """TFLOPS per sequence length where both specs were benchmarked on one device."""
+    """Where both specs were benchmarked on one device in the same suite: TFLOPS per
+    sequence length (prefill, backward), or steady-state µs per shape (decode)."""
     from .bench import load_result
 
     out = []
@@ -258,10 +259,13 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         for path_a in sorted(device_dir.glob(f"{a.plan.module_name}-*.json")):
             suite = path_a.stem[len(a.plan.module_name) + 1 :]
-            if suite == "decode":  # µs and TB/s rows (decode_bench), not TFLOPS: not compared yet
-                continue
             path_b = device_dir / f"{b.plan.module_name}-{suite}.json"
             if not path_b.is_file():
+                continue
+            if suite == "decode":
+                block = _decode_performance(path_a, path_b)
+                if block:
+                    out.append({"device": device_dir.name, **block})
                 continue
             ra, rb = load_result(path_a), load_result(path_b)
             by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
@@ -274,11 +278,27 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
                 ok = row["a_tflops"] and row["b_tflops"]
                 row["ratio"] = row["b_tflops"] / row["a_tflops"] if ok else None
             out.append({"device": ra.device.get("name", device_dir.name), "suite": suite,
-                        "a_date": ra.created, "b_date": rb.created, "rows": rows})
+                        "unit": "TFLOPS", "a_date": ra.created, "b_date": rb.created, "rows": rows})
     return out
 
 
-# --- output --------------------------------------------------------------------
+def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
+    """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
+    (above 1: b is faster). None unless both files have the steady-state schema."""
+    from .decode_bench import DecodeResult
+
+    texts = [path.read_text() for path in (path_a, path_b)]
+    if any(json.loads(text).get("schema_version") != 2 for text in texts):
+        return None  # schema 1 timed one call per graph: not comparable with 2
+    ra, rb = (DecodeResult.model_validate_json(text) for text in texts)
+    by_shape = {(r.batch, r.heads_kv, r.seq_len): r.timings["specgen"].us for r in rb.rows}
+    rows = []
+    for r in ra.rows:
+        a_us, b_us = r.timings["specgen"].us, by_shape.get((r.batch, r.heads_kv, r.seq_len))
+        rows.append({"shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_len}", "a_us": a_us, "b_us": b_us,
+                     "ratio": a_us / b_us if a_us and b_us else None})
+    return {"device": ra.device.get("name"), "suite": "decode", "unit": "µs", "a_date": ra.created,
+            "b_date": rb.created, "rows": rows}
 
 
 def _colour(diff: str) -> str:
@@ -352,11 +372,17 @@ def format_text(report: dict, stat: bool, colour: bool) -> str:
                 label = la if la == lb else f"{la} {ARROW} {lb}"
                 lines.append(f"    [{label}] " + ", ".join(parts))
     if report.get("performance"):
-        lines += ["", "5. Performance (TFLOPS, specgen kernel, from bench/results)"]
+        lines += ["", "5. Performance (specgen kernel, from bench/results; ratio above 1: b is faster)"]
         for block in report["performance"]:
-            lines.append(f"  {block['device']}, suite {block['suite']} (a {block['a_date']}, b {block['b_date']}):")
+            lines.append(f"  {block['device']}, suite {block['suite']}, {block['unit']} "
+                         f"(a {block['a_date']}, b {block['b_date']}):")
             for row in block["rows"]:
                 ratio = f"{row['ratio']:.2f}×" if row["ratio"] else "n/a"
+                if block["unit"] == "µs":
+                    a_t = f"{row['a_us']:.1f}" if row["a_us"] else "n/a"
+                    b_t = f"{row['b_us']:.1f}" if row["b_us"] else "n/a"
+                    lines.append(f"    {row['shape']}: {a_t} {ARROW} {b_t} µs ({ratio})")
+                    continue
                 a_t = f"{row['a_tflops']:.0f}" if row["a_tflops"] else "n/a"
                 b_t = f"{row['b_tflops']:.0f}" if row["b_tflops"] else "n/a"
                 lines.append(f"    S={row['seq']}: {a_t} {ARROW} {b_t} ({ratio})")

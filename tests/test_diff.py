@@ -127,8 +127,8 @@ def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
 
 
 def test_decode_specs_diff_without_tracebacks():
-    """Decode bench results (µs rows) sit beside prefill ones: the performance
-    section skips them instead of failing to read them as TFLOPS tables."""
+    """Decode specs diff like prefill ones; their bench results (µs rows, not
+    TFLOPS tables) are read without a traceback."""
     result = diff("specs/fmha_decode_gqa8_bf16.yaml", "specs/fmha_decode_gqa4_bf16.yaml", "--no-compile",
                   "--stat")
     assert result.returncode == 1, result.stderr
@@ -150,3 +150,27 @@ def test_compiled_section_lists_every_kernel_of_a_decode_spec():
         # The combine, once per padded split count 2..64 (MAX_SPLITS).
         assert sorted(label for label in labels if label.startswith("fmha_decode_combine_")) == sorted(
             f"fmha_decode_combine_gqa8_bf16_d128 ({n})" for n in (2, 4, 8, 16, 32, 64))
+
+
+def test_decode_performance_compares_steady_state_microseconds(tmp_path):
+    result = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
+                  "--no-compile")
+    block = json.loads(result.stdout)["performance"][0]
+    committed = {name: json.loads((ROOT / f"bench/results/h200/{name}-decode.json").read_text())
+                 for name in ("fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp")}
+    assert block["suite"] == "decode" and block["unit"] == "µs"
+    first = block["rows"][0]
+    a_us = committed["fmha_decode_gqa4_bf16"]["rows"][0]["timings"]["specgen"]["us"]
+    b_us = committed["fmha_decode_paged_mtp"]["rows"][0]["timings"]["specgen"]["us"]
+    assert (first["a_us"], first["b_us"]) == (a_us, b_us)
+    assert first["ratio"] == pytest.approx(a_us / b_us)
+    text = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--no-compile").stdout
+    assert f"B1 Hkv8 L8192: {a_us:.1f} → {b_us:.1f} µs" in text
+    # A result of the one-call schema (1) is not compared with a steady-state one.
+    (tmp_path / "h200").mkdir()
+    for name, data in committed.items():
+        data = dict(data, schema_version=1) if name == "fmha_decode_paged_mtp" else data
+        (tmp_path / "h200" / f"{name}-decode.json").write_text(json.dumps(data))
+    old = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
+               "--no-compile", "--results", str(tmp_path))
+    assert json.loads(old.stdout)["performance"] == []

@@ -278,10 +278,15 @@ def timed(ms: float, flops: int, matmul_tflops: float, **extra) -> Timing:
     return Timing(ms=ms, tflops=rate, pct_of_matmul=100 * rate / matmul_tflops, **extra)
 
 
+def error_line(exc: Exception) -> str:
+    """'TypeName: first line of the message', at most 300 characters."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {message}"[:300]
+
+
 def failed_timing(exc: Exception) -> Timing:
     """A baseline that raised: reported with the first line of its error."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return Timing(error=f"{type(exc).__name__}: {message}"[:300])
+    return Timing(error=error_line(exc))
 
 
 def device_and_matmul_rate(torch, do_bench, log) -> tuple[dict, float]:

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from .bench import error_line
 from .compile import atomic_write
 
 # (batch, KV heads, cached length); query heads = gqa_ratio * KV heads.
@@ -229,8 +230,7 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
                     timings[name] = rate([lambda a=args: fn(*a) for args in qkv],
                                          max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
-                    message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                    timings[name] = DecodeTiming(error=f"{type(exc).__name__}: {message}"[:300])
+                    timings[name] = DecodeTiming(error=error_line(exc))
             config, sms = module._config(qkv[0][0].device)
             splits = module.num_splits_for(batch, kv_heads, length, config["tile_n"], sms)
             rows.append(DecodeRow(batch=batch, heads_q=ratio * kv_heads, heads_kv=kv_heads,

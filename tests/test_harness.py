@@ -7,6 +7,7 @@ import pytest
 
 from specgen.bench import (
     BenchResult,
+    error_line,
     Row,
     Timing,
     attention_flops,
@@ -252,3 +253,9 @@ def test_decode_markdown_shows_steady_state_and_one_call_tables():
     data = json.loads(_decode_result().model_dump_json())
     assert data["schema_version"] == 2 and data["rows"][0]["input_copies"] == 8
     assert DecodeResult.model_validate(data) == _decode_result()
+
+
+def test_a_failed_baseline_is_reported_by_type_and_first_line():
+    assert error_line(RuntimeError("no kernel image\n  traceback detail")) == "RuntimeError: no kernel image"
+    assert error_line(ImportError()) == "ImportError: "
+    assert len(error_line(ValueError("x" * 1000))) == 300

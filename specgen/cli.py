@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                        "cuDNN instead; see specgen/explore.py for the format")
     bench.add_argument("--suite", default="prefill",
                        help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
-                            "token against a KV cache; CUDA-graph timing) or backward (the "
+                            "token against a KV cache, B 1..64; CUDA graphs, steady state and one "
+                            "call per graph) or backward (the "
                             "backward kernels of backward: true specs, B4 Hq32, S 1024..16384) "
                             "(default: prefill)")
     bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",

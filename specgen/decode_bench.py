@@ -231,7 +231,7 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
                                          max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
                     timings[name] = DecodeTiming(error=error_line(exc))
-            config, sms = module._config(qkv[0][0].device)
+            config, sms = module._config(torch.device("cuda"))
             splits = module.num_splits_for(batch, kv_heads, length, config["tile_n"], sms)
             rows.append(DecodeRow(batch=batch, heads_q=ratio * kv_heads, heads_kv=kv_heads,
                                   seq_len=length, q_len=1, kv_bytes=kv_bytes, splits=splits,

@@ -265,7 +265,7 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
             if suite == "decode":
                 block = _decode_performance(path_a, path_b)
                 if block:
-                    out.append({"device": device_dir.name, **block})
+                    out.append(block)
                 continue
             ra, rb = load_result(path_a), load_result(path_b)
             by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
@@ -297,7 +297,7 @@ def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
         a_us, b_us = r.timings["specgen"].us, by_shape.get((r.batch, r.heads_kv, r.seq_len))
         rows.append({"shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_len}", "a_us": a_us, "b_us": b_us,
                      "ratio": a_us / b_us if a_us and b_us else None})
-    return {"device": ra.device.get("name"), "suite": "decode", "unit": "µs", "a_date": ra.created,
+    return {"device": ra.device.get("name", path_a.parent.name), "suite": "decode", "unit": "µs", "a_date": ra.created,
             "b_date": rb.created, "rows": rows}
 
 

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -98,12 +99,12 @@ def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None =
     return cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}{suffix}.cubin"
 
 
-def kernel_builds(plan: Plan, config: ConfigPlan) -> list[tuple[str, list | None]]:
-    """Every kernel a config compiles, main kernel first: (name, its signatures, or
-    None for the spec's own). Decode adds its combine kernel, backward: true the
-    three backward kernels."""
+def kernel_builds(plan: Plan, config: ConfigPlan, target: str) -> list[tuple[str, list | None]]:
+    """Every kernel a config compiles for ``target``, main kernel first: (name, its
+    signatures, or None for the spec's own). Decode adds its combine kernel,
+    backward: true the three backward kernels."""
     if plan.spec.family == "decode":
-        return list(decode_signatures(plan, config).items())
+        return list(decode_signatures(plan, config, target).items())
     builds: list[tuple[str, list | None]] = [(plan.kernel_name, None)]
     if plan.backward:
         builds += list(backward_signatures(plan).items())
@@ -157,7 +158,15 @@ def load_module_from_source(name: str, source: str, origin: str):
     return module
 
 
-def decode_signatures(plan: Plan, config: ConfigPlan) -> dict:
+def pdl_values(plan: Plan, target: str) -> tuple[bool, ...]:
+    """The decode kernels' PDL constant values the launcher can pick on ``target``:
+    programmatic dependent launch needs sm_90 or later."""
+    if plan.pdl is False or int(re.match(r"sm_(\d+)", target).group(1)) < 90:
+        return (False,)
+    return (True,) if plan.pdl is True else (False, True)
+
+
+def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     """The decode family's two kernels: {kernel name: its signatures}."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
@@ -176,11 +185,12 @@ def decode_signatures(plan: Plan, config: ConfigPlan) -> dict:
     fixed = plan.spec.splits if plan.spec.splits != "auto" else None
     split_tiles = ([1 << (fixed - 1).bit_length()] if fixed else
                    [1 << i for i in range(1, plan.max_splits.bit_length())])
+    pdl = pdl_values(plan, target)
     return {
-        plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single],
-                                           convention) for single in (True, False)],
-        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile], convention)
-                            for tile in split_tiles if tile > 1],
+        plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single, p],
+                                           convention) for single in (True, False) for p in pdl],
+        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, p], convention)
+                            for tile in split_tiles if tile > 1 for p in pdl],
     }
 
 
@@ -273,7 +283,7 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
     module = None
     paths, size, all_cached = [], 0, True
     for config in target_configs(plan, target):
-        for name, sigs in kernel_builds(plan, config):
+        for name, sigs in kernel_builds(plan, config, target):
             path = cubin_path(plan, source, target, config, name)
             path.parent.mkdir(parents=True, exist_ok=True)
             # The lock makes concurrent builds of the same kernel compile it once.

@@ -61,6 +61,7 @@ class DecodeRow(_Model):
     q_len: int
     kv_bytes: int
     splits: int
+    pdl: Optional[bool] = None  # launched with programmatic dependent launch (None: not recorded)
     input_copies: int  # the steady-state graph cycles through this many input copies
     calls_per_graph: int
     timings: dict[str, DecodeTiming]
@@ -231,10 +232,9 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
                                          max_abs_diff_vs_specgen=diff)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
                     timings[name] = DecodeTiming(error=error_line(exc))
-            config, sms = module._config(torch.device("cuda"))
-            splits = module.num_splits_for(batch, kv_heads, length, config["tile_n"], sms)
+            _, splits, pdl = module.launch_plan(batch, kv_heads, length, torch.device("cuda"))
             rows.append(DecodeRow(batch=batch, heads_q=ratio * kv_heads, heads_kv=kv_heads,
-                                  seq_len=length, q_len=1, kv_bytes=kv_bytes, splits=splits,
+                                  seq_len=length, q_len=1, kv_bytes=kv_bytes, splits=splits, pdl=pdl,
                                   input_copies=copies, calls_per_graph=calls, timings=timings))
             log(label + ": " + "  ".join(
                 f"{n} {t.us:.1f} us {t.kv_tbps:.2f} TB/s (one call {t.us_one_call:.1f})" if t.us
@@ -292,7 +292,8 @@ def format_decode_markdown(result: DecodeResult) -> str:
             t = row.timings.get(n)
             ratios.append(f"{t.us / ours.us:.2f}×" if t and t.us and ours.us else "n/a")
         pct = f"{ours.pct_of_copy:.0f}%" if ours.pct_of_copy else "n/a"
-        lines.append(f"| {row.batch} | {row.heads_q}/{row.heads_kv} | {row.seq_len} | {row.splits} | "
+        splits = f"{row.splits}, PDL" if row.pdl else str(row.splits)
+        lines.append(f"| {row.batch} | {row.heads_q}/{row.heads_kv} | {row.seq_len} | {splits} | "
                      + " | ".join(cells) + f" | {pct} | " + " | ".join(ratios) + " |")
     lines += [
         "",

@@ -149,6 +149,7 @@ class Plan:
     page_size: int | None = None  # paged KV cache: tokens per page
     splits: str | int = "auto"
     max_splits: int = 64
+    pdl: str | bool = False  # decode: programmatic dependent launch
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
     combine_name: str = ""  # the decode family's split-combine kernel
     backward: bool = False  # also the backward kernels and an autograd Function
@@ -232,7 +233,7 @@ class Plan:
     def kernel_constants(self) -> tuple[str, ...]:
         """Names of the kernel's ct.Constant parameters, in signature order."""
         if self.spec.family == "decode":
-            return ("TILE_N", "SINGLE_SPLIT")
+            return ("TILE_N", "SINGLE_SPLIT", "PDL")
         names = ("TILE_M", "TILE_N")
         names += ("EVEN_N",) if self.even_n_param else ()
         return names + (("TILES_OUTER",) if self.tile_order_param else ())
@@ -481,5 +482,5 @@ def _decode(spec: Spec) -> dict:
         return {}
     rows = decode_rows(spec.gqa_ratio, spec.max_q_len)
     return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
-                splits=spec.splits, decode_tile_m=rows,
+                splits=spec.splits, pdl=spec.pdl, decode_tile_m=rows,
                 combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

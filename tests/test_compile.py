@@ -6,6 +6,7 @@ import yaml
 from specgen.compile import (
     cache_key,
     compile_target,
+    decode_signatures,
     signatures,
     target_configs,
     toolchain_versions,
@@ -102,3 +103,25 @@ def test_global_tile_order_is_a_kernel_constant_compiled_per_config():
     assert len(result.paths) == 2 and all(p.stat().st_size > 0 for p in result.paths)
     # A spec that never asks for the global order has no such argument.
     assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).tile_order_param
+
+
+@pytest.mark.parametrize("pdl,target,expected", [
+    ("auto", "sm_90", [False, True]),  # the launcher picks per call
+    ("auto", "sm_100", [False, True]),
+    ("auto", "sm_80", [False]),  # no programmatic dependent launch before sm_90
+    (True, "sm_90", [True]),
+    (True, "sm_80", [False]),
+    (False, "sm_120", [False]),
+])
+def test_decode_kernels_compile_the_pdl_values_the_launcher_can_pick(pdl, target, expected):
+    data = yaml.safe_load(open("specs/fmha_decode_gqa8_bf16.yaml").read())
+    plan = make_plan(validate_spec({**data, "pdl": pdl}))
+    config = plan.target(target).configs[-1]
+    sigs = decode_signatures(plan, config, target)
+    split_sigs, combine_sigs = sigs[plan.kernel_name], sigs[plan.combine_name]
+    # The split kernel: every (SINGLE_SPLIT, PDL) pair; the combine: every padded split count.
+    assert [(s.parameters[-2].value, s.parameters[-1].value) for s in split_sigs] == [
+        (single, p) for single in (True, False) for p in expected]
+    tiles = sorted({s.parameters[-2].value for s in combine_sigs})
+    assert tiles == [2, 4, 8, 16, 32, 64]
+    assert [s.parameters[-1].value for s in combine_sigs] == expected * len(tiles)

@@ -255,6 +255,14 @@ def test_decode_markdown_shows_steady_state_and_one_call_tables():
     assert DecodeResult.model_validate(data) == _decode_result()
 
 
+def test_decode_markdown_marks_pdl_launches():
+    result = _decode_result()
+    assert result.rows[0].pdl is None  # results from before the field still load
+    pdl = result.model_copy(update={"rows": [result.rows[0].model_copy(update={"pdl": True})]})
+    assert any(line.startswith("| 1 | 64/8 | 8192 | 16, PDL | 16.4 (2.05)")
+               for line in format_decode_markdown(pdl).splitlines())
+
+
 def test_a_failed_baseline_is_reported_by_type_and_first_line():
     assert error_line(RuntimeError("no kernel image\n  traceback detail")) == "RuntimeError: no kernel image"
     assert error_line(ImportError()) == "ImportError: "

@@ -90,6 +90,9 @@ BAD = [
     ({"family": "decode", "paged": {"page_size": 48}},
      "specs/bad.yaml: paged.page_size: must be a power of two in [16, 1024], got 48"),
     ({"max_q_len": 2}, "specs/bad.yaml: family prefill: max_q_len not supported by this family"),
+    ({"family": "decode", "pdl": "yes"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"yes\""),
+    ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
+    ({"pdl": "auto"}, "specs/bad.yaml: family prefill: pdl not supported by this family"),
     ({"backward": True, "window": {"left": 8}},
      "specs/bad.yaml: backward: true does not support window yet; the backward kernels cover "
      "causal/non-causal, GQA and power-of-two head dims, got true"),
@@ -107,7 +110,7 @@ BAD = [
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, splits, backward, compile_for, autotune"),
+     "q_subtiles, splits, pdl, backward, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, by_seq_k"),

@@ -532,8 +532,6 @@ class Spec(_Strict):
     @field_validator("pdl", mode="wrap")
     @classmethod
     def _pdl_message(cls, value, handler):
-        if isinstance(value, str) and value != "auto":  # "true" would pass as a bool
-            raise ValueError("must be 'auto', true or false")
         try:
             return handler(value)
         except ValidationError:

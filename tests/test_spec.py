@@ -92,6 +92,7 @@ BAD = [
     ({"max_q_len": 2}, "specs/bad.yaml: family prefill: max_q_len not supported by this family"),
     ({"family": "decode", "pdl": "yes"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"yes\""),
     ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
+    ({"family": "decode", "pdl": "true"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"true\""),
     ({"pdl": "auto"}, "specs/bad.yaml: family prefill: pdl not supported by this family"),
     ({"backward": True, "window": {"left": 8}},
      "specs/bad.yaml: backward: true does not support window yet; the backward kernels cover "

@@ -520,22 +520,15 @@ class Spec(_Strict):
         "written back into targets.",
     )
 
-    @field_validator("splits", mode="wrap")
+    @field_validator("splits", "pdl", mode="wrap")
     @classmethod
-    def _splits_message(cls, value, handler):
-        # A union ('auto' or a number): one line instead of one per member.
+    def _auto_union_message(cls, value, handler, info):
+        # A union ('auto' or a number or a bool): one line instead of one per member.
         try:
             return handler(value)
         except ValidationError:
-            raise ValueError("must be 'auto' or an integer in [1, 64]") from None
-
-    @field_validator("pdl", mode="wrap")
-    @classmethod
-    def _pdl_message(cls, value, handler):
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError("must be 'auto', true or false") from None
+            allowed = {"splits": "'auto' or an integer in [1, 64]", "pdl": "'auto', true or false"}
+            raise ValueError(f"must be {allowed[info.field_name]}") from None
 
     @field_validator("name")
     @classmethod

@@ -90,6 +90,7 @@ BAD = [
     ({"family": "decode", "paged": {"page_size": 48}},
      "specs/bad.yaml: paged.page_size: must be a power of two in [16, 1024], got 48"),
     ({"max_q_len": 2}, "specs/bad.yaml: family prefill: max_q_len not supported by this family"),
+    ({"family": "decode", "splits": 65}, "specs/bad.yaml: splits: must be 'auto' or an integer in [1, 64], got 65"),
     ({"family": "decode", "pdl": "yes"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"yes\""),
     ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
     ({"family": "decode", "pdl": "true"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"true\""),

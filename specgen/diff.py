@@ -301,6 +301,9 @@ def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
             "b_date": rb.created, "rows": rows}
 
 
+# --- output --------------------------------------------------------------------
+
+
 def _colour(diff: str) -> str:
     out = []
     for line in diff.splitlines(True):

@@ -159,11 +159,13 @@ def load_module_from_source(name: str, source: str, origin: str):
 
 
 def pdl_values(plan: Plan, target: str) -> tuple[bool, ...]:
-    """The decode kernels' PDL constant values the launcher can pick on ``target``:
-    programmatic dependent launch needs sm_90 or later."""
-    if plan.pdl is False or int(re.match(r"sm_(\d+)", target).group(1)) < 90:
+    """The decode kernels' PDL constant value the launcher picks on ``target`` (the
+    generated ``use_pdl``): programmatic dependent launch needs sm_90 or later, and
+    ``auto`` uses it on sm_90 only."""
+    arch = int(re.match(r"sm_(\d+)", target).group(1))
+    if plan.pdl is False or arch < 90:
         return (False,)
-    return (True,) if plan.pdl is True else (False, True)
+    return (True,) if plan.pdl is True or arch // 10 == 9 else (False,)
 
 
 def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:

@@ -151,6 +151,10 @@ class Plan:
     max_splits: int = 64
     pdl: str | bool = False  # decode: programmatic dependent launch
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
+    # Decode without a window: key tiles some row must not see (past the sequence, or
+    # after a query token) are the last 1 (q_len 1) or 2 (q_len <= 8 < tile_n) of a
+    # sequence, each masked in its own `if` rather than a loop.
+    tail_tiles: int = 1
     combine_name: str = ""  # the decode family's split-combine kernel
     backward: bool = False  # also the backward kernels and an autograd Function
     bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
@@ -483,4 +487,6 @@ def _decode(spec: Spec) -> dict:
     rows = decode_rows(spec.gqa_ratio, spec.max_q_len)
     return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
                 splits=spec.splits, pdl=spec.pdl, decode_tile_m=rows,
+                # (max_q_len - 1) < 16 <= tile_n keys: the masked keys span at most 2 tiles.
+                tail_tiles=1 if spec.max_q_len == 1 else 2,
                 combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

@@ -416,7 +416,7 @@ def test_decode_pdl_launch_matches_the_plain_launch_bitwise(name, monkeypatch):
     """Back-to-back calls that share one split workspace, with programmatic dependent
     launch forced on: each split kernel must wait for the combine before it to finish
     reading, so the outputs equal those of plain launches bit for bit, eager and in a
-    CUDA graph. Short (PDL under auto) and long splits both run."""
+    CUDA graph. Short and long splits both run."""
     from specgen.check import random_decode
 
     if torch.cuda.get_device_capability()[0] < 9:

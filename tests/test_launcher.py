@@ -103,23 +103,24 @@ def test_training_op_backward_traces_under_fake_tensors():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
-def test_decode_launch_plan_uses_pdl_for_short_splits_on_sm90(monkeypatch):
-    """Programmatic dependent launch: auto only where each split holds at most
-    PDL_MAX_TILES key tiles, never before sm_90; the spec's true/false overrides."""
+def test_decode_launch_plan_uses_pdl_where_the_spec_and_the_device_allow(monkeypatch):
+    """Programmatic dependent launch: auto on sm_90 (where it was measured) at every
+    size, true on every sm_90+ device, false never, and nothing before sm_90."""
     dec = generated_module("fmha_decode_gqa8_bf16")  # Hkv8 in these shapes, tile_n 128 on sm_90
     config = dec.CONFIGS["sm_90"][-1]
     device = torch.device("cuda", 0)
-    monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (config, 132, True))  # an H100/H200
-    assert dec.PDL == "auto" and dec.PDL_MAX_TILES == 8
-    assert dec.launch_plan(1, 8, 8192, device) == (config, 16, True)  # 64 tiles, 4 per split
-    assert dec.launch_plan(1, 8, 16384, device)[1:] == (16, True)  # 8 per split
-    assert dec.launch_plan(1, 8, 32768, device)[1:] == (16, False)  # 16 per split
-    assert dec.launch_plan(8, 8, 8192, device)[1:] == (2, False)  # 32 per split
-    assert dec.launch_plan(64, 8, 64, device)[1:] == (1, True)  # one tile, one split
-    monkeypatch.setattr(dec, "PDL", True)
-    assert dec.launch_plan(8, 8, 8192, device)[1:] == (2, True)
+    monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (config, 132, 9))  # an H100/H200
+    assert dec.PDL == "auto"
+    assert dec.launch_plan(1, 8, 8192, device) == (config, 16, True)  # 4 key tiles per split
+    assert dec.launch_plan(8, 8, 8192, device)[1:] == (2, True)  # 32 per split
+    assert dec.launch_plan(64, 8, 64, device)[1:] == (1, True)  # one split, no combine
     monkeypatch.setattr(dec, "PDL", False)
     assert dec.launch_plan(1, 8, 8192, device)[1:] == (16, False)
+    blackwell = (dec.CONFIGS["default"][-1], 148, 10)
+    monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, blackwell)
+    monkeypatch.setattr(dec, "PDL", "auto")
+    assert dec.launch_plan(1, 8, 8192, device)[2] is False  # not measured there
     monkeypatch.setattr(dec, "PDL", True)
-    monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (dec.CONFIGS["default"][-1], 108, False))  # an A100
+    assert dec.launch_plan(1, 8, 8192, device)[2] is True
+    monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (dec.CONFIGS["default"][-1], 108, 8))  # an A100
     assert dec.launch_plan(1, 8, 8192, device)[2] is False

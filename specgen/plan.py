@@ -151,9 +151,9 @@ class Plan:
     max_splits: int = 64
     pdl: str | bool = False  # decode: programmatic dependent launch
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
-    # Decode without a window: key tiles some row must not see (past the sequence, or
-    # after a query token) are the last 1 (q_len 1) or 2 (q_len <= 8 < tile_n) of a
-    # sequence, each masked in its own `if` rather than a loop.
+    # Decode: the key tiles after the last one every row sees (keys past the sequence,
+    # or after a query token) are at most 1 (q_len 1) or 2 (q_len <= 8 < 16 <= tile_n)
+    # per sequence, each masked in its own `if` rather than a loop.
     tail_tiles: int = 1
     combine_name: str = ""  # the decode family's split-combine kernel
     backward: bool = False  # also the backward kernels and an autograd Function

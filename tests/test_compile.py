@@ -7,6 +7,8 @@ from specgen.compile import (
     cache_key,
     compile_target,
     decode_signatures,
+    load_module_from_source,
+    pdl_values,
     signatures,
     target_configs,
     toolchain_versions,
@@ -126,3 +128,15 @@ def test_decode_kernels_compile_the_pdl_values_the_launcher_can_pick(pdl, target
     tiles = sorted({s.parameters[-2].value for s in combine_sigs})
     assert tiles == [2, 4, 8, 16, 32, 64]
     assert [s.parameters[-1].value for s in combine_sigs] == expected * len(tiles)
+
+
+
+@pytest.mark.parametrize("pdl", ["auto", True, False])
+def test_decode_build_compiles_the_pdl_value_the_generated_launcher_picks(pdl):
+    """The policy lives twice, in the build (pdl_values) and in the module (use_pdl):
+    they agree on every architecture."""
+    data = yaml.safe_load(open("specs/fmha_decode_gqa8_bf16.yaml").read())
+    plan = make_plan(validate_spec({**data, "name": f"pdl_policy_{str(pdl).lower()}", "pdl": pdl}))
+    module = load_module_from_source(plan.module_name, render(plan, "specs/v.yaml").text, "v.py")
+    for target in ("sm_80", "sm_86", "sm_90", "sm_100", "sm_120"):
+        assert pdl_values(plan, target) == (module.use_pdl(int(target[3:-1])),), target

@@ -12,7 +12,6 @@ import importlib.util
 import io
 import json
 import os
-import re
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from .errors import CompileError
-from .plan import ConfigPlan, Plan
+from .plan import ConfigPlan, Plan, _arch_key
 
 
 @dataclass(frozen=True)
@@ -158,14 +157,14 @@ def load_module_from_source(name: str, source: str, origin: str):
     return module
 
 
-def pdl_values(plan: Plan, target: str) -> tuple[bool, ...]:
-    """The decode kernels' PDL constant value the launcher picks on ``target`` (the
-    generated ``use_pdl``): programmatic dependent launch needs sm_90 or later, and
-    ``auto`` uses it on sm_90 only."""
-    arch = int(re.match(r"sm_(\d+)", target).group(1))
+def pdl_value(plan: Plan, target: str) -> bool:
+    """The decode kernels' PDL constant on ``target``, as the generated ``use_pdl``
+    picks it: programmatic dependent launch needs sm_90 or later, and ``auto`` uses
+    it on sm_90 only."""
+    arch = _arch_key(target)[1]
     if plan.pdl is False or arch < 90:
-        return (False,)
-    return (True,) if plan.pdl is True or arch // 10 == 9 else (False,)
+        return False
+    return plan.pdl is True or arch // 10 == 9
 
 
 def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
@@ -187,12 +186,12 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     fixed = plan.spec.splits if plan.spec.splits != "auto" else None
     split_tiles = ([1 << (fixed - 1).bit_length()] if fixed else
                    [1 << i for i in range(1, plan.max_splits.bit_length())])
-    pdl = pdl_values(plan, target)
+    pdl = pdl_value(plan, target)
     return {
-        plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single, p],
-                                           convention) for single in (True, False) for p in pdl],
-        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, p], convention)
-                            for tile in split_tiles if tile > 1 for p in pdl],
+        plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single, pdl],
+                                           convention) for single in (True, False)],
+        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
+                            for tile in split_tiles if tile > 1],
     }
 
 

@@ -8,7 +8,7 @@ from specgen.compile import (
     compile_target,
     decode_signatures,
     load_module_from_source,
-    pdl_values,
+    pdl_value,
     signatures,
     target_configs,
     toolchain_versions,
@@ -108,35 +108,34 @@ def test_global_tile_order_is_a_kernel_constant_compiled_per_config():
 
 
 @pytest.mark.parametrize("pdl,target,expected", [
-    ("auto", "sm_90", [True]),  # auto: Hopper, where PDL was measured
-    ("auto", "sm_100", [False]),
-    ("auto", "sm_80", [False]),  # no programmatic dependent launch before sm_90
-    (True, "sm_90", [True]),
-    (True, "sm_100", [True]),
-    (True, "sm_80", [False]),
-    (False, "sm_120", [False]),
+    ("auto", "sm_90", True),  # auto: Hopper, where PDL was measured
+    ("auto", "sm_100", False),
+    ("auto", "sm_80", False),  # no programmatic dependent launch before sm_90
+    (True, "sm_90", True),
+    (True, "sm_100", True),
+    (True, "sm_80", False),
+    (False, "sm_120", False),
 ])
-def test_decode_kernels_compile_the_pdl_values_the_launcher_can_pick(pdl, target, expected):
+def test_decode_kernels_compile_the_pdl_value_the_launcher_picks(pdl, target, expected):
     data = yaml.safe_load(open("specs/fmha_decode_gqa8_bf16.yaml").read())
     plan = make_plan(validate_spec({**data, "pdl": pdl}))
     config = plan.target(target).configs[-1]
     sigs = decode_signatures(plan, config, target)
     split_sigs, combine_sigs = sigs[plan.kernel_name], sigs[plan.combine_name]
-    # The split kernel: every (SINGLE_SPLIT, PDL) pair; the combine: every padded split count.
+    # The split kernel: both SINGLE_SPLIT values; the combine: every padded split count.
     assert [(s.parameters[-2].value, s.parameters[-1].value) for s in split_sigs] == [
-        (single, p) for single in (True, False) for p in expected]
+        (single, expected) for single in (True, False)]
     tiles = sorted({s.parameters[-2].value for s in combine_sigs})
     assert tiles == [2, 4, 8, 16, 32, 64]
-    assert [s.parameters[-1].value for s in combine_sigs] == expected * len(tiles)
-
+    assert [s.parameters[-1].value for s in combine_sigs] == [expected] * len(tiles)
 
 
 @pytest.mark.parametrize("pdl", ["auto", True, False])
 def test_decode_build_compiles_the_pdl_value_the_generated_launcher_picks(pdl):
-    """The policy lives twice, in the build (pdl_values) and in the module (use_pdl):
+    """The policy lives twice, in the build (pdl_value) and in the module (use_pdl):
     they agree on every architecture."""
     data = yaml.safe_load(open("specs/fmha_decode_gqa8_bf16.yaml").read())
     plan = make_plan(validate_spec({**data, "name": f"pdl_policy_{str(pdl).lower()}", "pdl": pdl}))
     module = load_module_from_source(plan.module_name, render(plan, "specs/v.yaml").text, "v.py")
     for target in ("sm_80", "sm_86", "sm_90", "sm_100", "sm_120"):
-        assert pdl_values(plan, target) == (module.use_pdl(int(target[3:-1])),), target
+        assert pdl_value(plan, target) is module.use_pdl(int(target[3:-1])), target

@@ -67,13 +67,13 @@ def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: Optional[dict] =
                   q_offset: int = 0) -> int:
     """Query-key pairs a kernel computes: every pair, or those under the causal
     diagonal and inside the window (row i at position q_offset + i)."""
+    from .reference import key_range
+
     left = window.get("left") if window else None
     right = window.get("right") if window else None
     total = 0
     for i in range(seq_q):
-        p = q_offset + i
-        hi = min(p if causal else (p + right if right is not None else seq_k - 1), seq_k - 1)
-        lo = max(p - left, 0) if left is not None else 0
+        lo, hi = key_range(q_offset + i, seq_k, causal=causal, left=left, right=right)
         total += max(hi - lo + 1, 0)
     return total
 
@@ -360,17 +360,14 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
             right = window.get("right") if window else None
 
             from .expr import torch_fn
+            from .reference import visible as visible_rule
 
             score_fn = torch_fn(score_mod) if score_mod else None
             mask_fn = torch_fn(mask_mod) if mask_mod else None
             hook_tensors: dict = {}  # the current call's extra tensors, read by the hooks
 
             def visible(b, h, qi, ki):
-                allowed = qi >= ki if causal else qi >= 0
-                if left is not None:
-                    allowed = allowed & (ki >= qi - left)
-                if right is not None and not causal:
-                    allowed = allowed & (ki <= qi + right)
+                allowed = visible_rule(qi, ki, causal=causal, left=left, right=right)
                 if mask_fn:
                     allowed = allowed & mask_fn({"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, hook_tensors)
                 return allowed
@@ -449,6 +446,8 @@ def _make_varlen_baselines(torch, names, spec: dict):
     elif "flex" in names:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        from .reference import visible as visible_rule
+
         compiled = torch.compile(flex_attention)
         masks: dict[int, object] = {}
         softcap = spec.get("softcap")
@@ -461,14 +460,8 @@ def _make_varlen_baselines(torch, names, spec: dict):
                 doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device="cuda"), cu[1:] - cu[:-1])
 
                 def visible(b, h, qi, ki):  # equal q/k lengths: packed offsets are positions
-                    allowed = doc[qi] == doc[ki]
-                    if causal:
-                        allowed = allowed & (qi >= ki)
-                    if left is not None:
-                        allowed = allowed & (ki >= qi - left)
-                    if right is not None and not causal:
-                        allowed = allowed & (ki <= qi + right)
-                    return allowed
+                    return (doc[qi] == doc[ki]) & visible_rule(qi, ki, causal=causal, left=left,
+                                                                    right=right)
 
                 masks[id(packed)] = create_block_mask(visible, None, None, total, total, device="cuda")
 

@@ -16,21 +16,41 @@ def causal_mask(seq_q: int, seq_k: int, q_offset: int = 0, device=None) -> torch
     return visible_mask(seq_q, seq_k, causal=True, q_offset=q_offset, device=device)
 
 
+def visible(rows, keys, *, causal: bool, left: int | None = None, right: int | None = None):
+    """The mask rule of every generated kernel, elementwise: query position ``rows``
+    sees key ``keys`` when j <= p (causal), p - left <= j (window left) and
+    j <= p + right (window right). Works on ints and on broadcasting tensors (the
+    reference's mask, FlexAttention's mask_mod)."""
+    allowed = keys <= rows if causal else keys >= 0
+    if left is not None:
+        allowed = allowed & (keys >= rows - left)
+    if right is not None:
+        allowed = allowed & (keys <= rows + right)
+    return allowed
+
+
+def key_range(position: int, seq_k: int, *, causal: bool, left: int | None = None,
+              right: int | None = None) -> tuple[int, int]:
+    """[lo, hi] of the keys query position ``position`` sees under :func:`visible`
+    among keys 0..seq_k-1, in closed form (empty when hi < lo)."""
+    hi = seq_k - 1
+    if causal:
+        hi = min(hi, position)
+    if right is not None:
+        hi = min(hi, position + right)
+    lo = max(position - left, 0) if left is not None else 0
+    return lo, hi
+
+
 def visible_mask(seq_q: int, seq_k: int, *, causal: bool, q_offset: int = 0,
                  window: tuple | None = None, device=None) -> torch.Tensor:
-    """[seq_q, seq_k] bool: query row i (position p = q_offset + i) sees key j when
-    j <= p (causal), p - left <= j (window left) and j <= p + right (window right)."""
+    """[seq_q, seq_k] bool: :func:`visible` for query row i (position q_offset + i)
+    and key j."""
     rows = torch.arange(seq_q, device=device)[:, None] + q_offset
     cols = torch.arange(seq_k, device=device)[None, :]
-    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
-    if causal:
-        visible &= cols <= rows
     left, right = window or (None, None)
-    if left is not None:
-        visible &= cols >= rows - left
-    if right is not None:
-        visible &= cols <= rows + right
-    return visible
+    allowed = visible(rows, cols, causal=causal, left=left, right=right)
+    return torch.broadcast_to(allowed, (seq_q, seq_k)).clone()
 
 
 _MASK32 = 0xFFFFFFFF

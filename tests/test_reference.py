@@ -169,3 +169,32 @@ def test_p_dtype_model_error_is_within_the_e4m3_rounding_bound():
     model = attention_reference(q, k, v, causal=True, q_offset=263, p_dtype=torch.float8_e4m3fn)
     err = (model - exact).abs().max().item()
     assert 0 < err <= (2**-4 + 2**-10 * 300) * v.abs().max().item()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("left,right", [(None, None), (3, None), (None, 2), (0, 0), (4, 1), (2, 7)])
+@pytest.mark.parametrize("q_offset", [0, 5, 11])
+def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset):
+    """key_range (the bench's pair count) and visible_mask (the reference, Flex)
+    are one rule: per row, the visible keys are exactly [lo, hi], checked against
+    the definition written out with plain ints."""
+    from specgen.bench import visible_pairs
+    from specgen.reference import key_range, visible, visible_mask
+
+    seq_q, seq_k = 9, 14
+    window = None if left is None and right is None else (left, right)
+    mask = visible_mask(seq_q, seq_k, causal=causal, q_offset=q_offset, window=window)
+    assert mask.shape == (seq_q, seq_k)
+    for i in range(seq_q):
+        p = q_offset + i
+        expected = [j for j in range(seq_k)
+                    if (not causal or j <= p) and (left is None or j >= p - left)
+                    and (right is None or j <= p + right)]
+        assert [j for j in range(seq_k) if mask[i, j]] == expected
+        assert [j for j in range(seq_k)
+                if visible(p, j, causal=causal, left=left, right=right)] == expected
+        lo, hi = key_range(p, seq_k, causal=causal, left=left, right=right)
+        assert list(range(lo, hi + 1)) == expected
+    pairs = visible_pairs(seq_q, seq_k, causal, {"left": left, "right": right} if window else None,
+                          q_offset=q_offset)
+    assert pairs == int(mask.sum())

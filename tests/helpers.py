@@ -1,4 +1,5 @@
-"""Shared test helpers: the shipped specs and their generated modules."""
+"""Shared test helpers: the shipped specs, their generated modules, and a small
+randomly initialised Qwen2 model for the transformers tests."""
 
 import importlib
 from pathlib import Path
@@ -14,3 +15,29 @@ DENSE_SPEC_NAMES = [n for n in SPEC_NAMES if n not in DECODE_SPEC_NAMES + VARLEN
 
 def generated_module(name: str):
     return importlib.import_module(f"generated.{name}")
+
+
+# The Qwen2-style models of the transformers tests, built from a config (no weights
+# downloaded). "tiny": the CPU tests (Hq4/Hkv2, head_dim 32, the stand-in module's
+# shape); "small": the GPU tests (Hq8/Hkv2, GQA 4:1, head_dim 128, the shipped
+# specs' shape).
+QWEN2_SIZES = {
+    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2),
+    "small": dict(vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.1),
+}
+
+
+def qwen2_model(implementation: str, size: str, dtype, device: str = "cpu", seed: int = 0):
+    """A two-layer Qwen2 model of ``size`` with attn_implementation ``implementation``;
+    the same seed gives the same weights whatever the implementation."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False,
+                                      **QWEN2_SIZES[size])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=implementation, dtype=dtype)
+    return model.to(device)

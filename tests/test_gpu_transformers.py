@@ -8,20 +8,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from specgen.integrations.transformers import register  # noqa: E402
+from .helpers import qwen2_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def qwen2(implementation: str, dtype, seed: int = 0):
     """Hq8/Hkv2 (GQA 4:1), head_dim 128, two layers: the shape of the shipped specs."""
-    config = transformers.Qwen2Config(
-        vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
-        initializer_range=0.1, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=implementation, dtype=dtype)
-    return model.to("cuda")
+    return qwen2_model(implementation, "small", dtype, device="cuda", seed=seed)
 
 
 def logits_close(ours, theirs, dtype) -> tuple[bool, float, float]:

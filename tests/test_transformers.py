@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from specgen.integrations import transformers as tf_integration  # noqa: E402
 from specgen.reference import attention_reference  # noqa: E402
+from .helpers import qwen2_model  # noqa: E402
 
 
 def stand_in(**spec_fields):
@@ -39,14 +40,7 @@ def stand_in(**spec_fields):
 
 
 def tiny_qwen2(implementation: str, seed: int = 0):
-    config = transformers.Qwen2Config(
-        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=implementation, dtype=torch.float32)
-    return model.eval()
+    return qwen2_model(implementation, "tiny", torch.float32, seed=seed).eval()
 
 
 def test_logits_and_greedy_generation_match_sdpa():

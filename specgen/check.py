@@ -160,6 +160,8 @@ def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
     extra.update(hook_tensors(spec, dims, generator))
     if spec["dtype"] == "float8_e4m3fn":
         extra.update(FP8_DESCALES)
+    if spec.get("kv_dtype") == "float8_e4m3fn":  # a decode spec's float8 cache
+        extra.update({n: FP8_DESCALES[n] for n in ("k_descale", "v_descale")})
     if spec.get("dropout"):
         extra["dropout_p"] = DROPOUT_P
         extra["seed"] = int(torch.randint(0, 2**31 - 1, (1,), device="cuda", generator=generator))
@@ -276,20 +278,31 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
                   generator=None) -> DecodeBatch:
     """Random q and caches for ``seq_lens``; every cache slot past a sequence's
     length holds NaN, so a kernel that reads one into its result fails the check.
-    A paged cache gets its pages in a shuffled order (and one spare page)."""
+    A paged cache gets its pages in a shuffled order (and one spare page). A
+    float8 cache (``kv_dtype``) holds N(0, 1) values / FP8_DESCALES' k and v descales."""
     dtype = getattr(torch, spec["dtype"])
+    kv_dtype = getattr(torch, spec.get("kv_dtype") or spec["dtype"])
     d, batch = spec["head_dim"], len(seq_lens)
     heads = kv_heads * spec["gqa_ratio"]
 
-    def rand(*shape):
-        return torch.randn(shape, generator=generator, device="cuda").to(dtype)
+    def rand(*shape, descale=1.0, to=dtype):
+        return (torch.randn(shape, generator=generator, device="cuda") / descale).to(to)
+
+    def rand_k(*shape):
+        return rand(*shape, descale=cache_descale("k_descale"), to=kv_dtype)
+
+    def rand_v(*shape):
+        return rand(*shape, descale=cache_descale("v_descale"), to=kv_dtype)
+
+    def cache_descale(name):
+        return FP8_DESCALES[name] if kv_dtype == torch.float8_e4m3fn else 1.0
 
     q = rand(batch, q_len, heads, d)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     paged = spec.get("paged")
     if not paged:
         max_len = max(seq_lens)
-        k, v = rand(batch, max_len, kv_heads, d), rand(batch, max_len, kv_heads, d)
+        k, v = rand_k(batch, max_len, kv_heads, d), rand_v(batch, max_len, kv_heads, d)
         for b, n in enumerate(seq_lens):
             k[b, n:] = float("nan")
             v[b, n:] = float("nan")
@@ -299,7 +312,7 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
     num_pages = sum(per_seq) + 1
     order = torch.randperm(num_pages, generator=generator, device="cuda").to(torch.int32)
     table = torch.zeros(batch, max(per_seq), dtype=torch.int32, device="cuda")
-    k = torch.full((num_pages, size, kv_heads, d), float("nan"), dtype=dtype, device="cuda")
+    k = torch.full((num_pages, size, kv_heads, d), float("nan"), dtype=kv_dtype, device="cuda")
     v = torch.full_like(k, float("nan"))
     used = 0
     for b, (n, count) in enumerate(zip(seq_lens, per_seq)):
@@ -307,8 +320,8 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
         used += count
         pos = torch.arange(n, device="cuda")
         pages = table[b, pos // size].long()
-        k[pages, pos % size] = rand(n, kv_heads, d)
-        v[pages, pos % size] = rand(n, kv_heads, d)
+        k[pages, pos % size] = rand_k(n, kv_heads, d)
+        v[pages, pos % size] = rand_v(n, kv_heads, d)
     return DecodeBatch(q, k, v, lens, table)
 
 
@@ -319,6 +332,9 @@ def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) ->
     q_len = batch.q.shape[1]
     for b in range(batch.q.shape[0]):
         k, v = batch.keys(b)
+        if k.dtype == torch.float8_e4m3fn:  # the values the float8 cache stands for
+            k = k.to(torch.float64) * float(extra.get("k_descale", 1.0))
+            v = v.to(torch.float64) * float(extra.get("v_descale", 1.0))
         q = batch.q[b].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         n = int(batch.seq_lens[b])
         out, _ = reference_for({**spec, "causal": True}, q, k[None], v[None], extra,

@@ -176,8 +176,10 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
         return _array_constraint(dtype, ndim, elem_bytes, inner_aligned)
 
     io = getattr(ct, plan.dtype)
-    split = [array(io, 4, 2, True), array(io, 4, 2, True), array(io, 4, 2, True), array(ct.int32, 1)]
+    cache = array(getattr(ct, plan.kv_dtype), 4, 1 if plan.kv_fp8 else 2, True)
+    split = [array(io, 4, 2, True), cache, cache, array(ct.int32, 1)]
     split += [array(ct.int32, 2)] if plan.page_size else []
+    split += [array(ct.float32, 1), array(ct.float32, 1)] if plan.kv_fp8 else []  # k, v descales
     sinks = [array(ct.float32, 1)] if plan.sinks else []
     parts = [array(io, 4, 2, True), array(ct.float32, 5, 4, True), array(ct.float32, 4, 4, True)]
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]

@@ -165,7 +165,7 @@ def _baselines(torch, names, ratio: int, window: Optional[dict], sinks: bool):
 
 def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: tuple[str, ...],
                      log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
-    from .check import random_decode
+    from .check import feature_inputs, random_decode
     from .gpu import device_info, device_slug, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
@@ -187,13 +187,17 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
         for batch, kv_heads, length in DECODE_SHAPES:
             label = f"[{job.plan.module_name}] B{batch} Hq{ratio * kv_heads}/Hkv{kv_heads} L{length}"
             gen = torch.Generator(device="cuda").manual_seed(0)
-            elem = torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size()
-            kv_bytes = 2 * batch * length * kv_heads * d * elem
+            cache_dtype = getattr(torch, spec.get("kv_dtype") or spec["dtype"])
+            kv_bytes = 2 * batch * length * kv_heads * d * torch.empty((), dtype=cache_dtype).element_size()
+            # A float8 cache: the baselines (no float8 KV in SDPA or Flex) read it
+            # dequantised to the query dtype, twice the bytes; their TB/s counts those.
+            base_bytes = kv_bytes * torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size() \
+                // torch.empty((), dtype=cache_dtype).element_size()
             copies = rotation_copies(torch, kv_bytes)
             calls = steady_calls(copies)
             log(f"{label}: {copies} input copies, {calls} calls per steady-state graph")
             datas = [random_decode(spec, [length] * batch, kv_heads, 1, gen) for _ in range(copies)]
-            extra = {"sinks": torch.randn(ratio * kv_heads, device="cuda")} if spec.get("sinks") else {}
+            extra = feature_inputs(spec, {"batch": batch, "heads": ratio * kv_heads, "kv_heads": kv_heads}, gen)
             outs = [torch.empty_like(data.q) for data in datas]
 
             def call(i):
@@ -202,9 +206,9 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
             ours = [call(i) for i in range(copies)]
             timings: dict[str, DecodeTiming] = {}
 
-            def rate(fns, **more) -> DecodeTiming:
+            def rate(fns, read_bytes=kv_bytes, **more) -> DecodeTiming:
                 us = graph_time_us(torch, fns, do_bench, calls=calls)
-                tbps = kv_bytes / (us * 1e-6) / 1e12
+                tbps = read_bytes / (us * 1e-6) / 1e12
                 return DecodeTiming(us=us, kv_tbps=tbps, pct_of_copy=100 * tbps / copy,
                                     us_one_call=graph_time_us(torch, fns[0], do_bench), **more)
 
@@ -212,12 +216,20 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
             torch.cuda.synchronize()
             mine = outs[0].float().clone()
             timings["specgen"] = rate(ours)
-            # Baselines on [B, H, L, D] copies of the caches, made outside the timing.
+            # Baselines on [B, H, L, D] copies of the caches, made outside the timing
+            # (a float8 cache dequantised to the query dtype).
+            descales = (float(extra.get("k_descale", 1.0)), float(extra.get("v_descale", 1.0)))
+
+            def baseline_cache(data, which):
+                cache = torch.stack([data.keys(b)[which] for b in range(batch)])
+                if cache.dtype == data.q.dtype:
+                    return cache.contiguous()
+                return (cache.float() * descales[which]).to(data.q.dtype).contiguous()
+
             qkv = []
             for data in datas:
-                qkv.append((data.q.transpose(1, 2).contiguous(),
-                            torch.stack([data.keys(b)[0] for b in range(batch)]).contiguous(),
-                            torch.stack([data.keys(b)[1] for b in range(batch)]).contiguous()))
+                qkv.append((data.q.transpose(1, 2).contiguous(), baseline_cache(data, 0),
+                            baseline_cache(data, 1)))
             del datas
             for name in baselines:
                 fn = fns.get(name)
@@ -228,8 +240,10 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
                     ref = fn(*qkv[0])
                     torch.cuda.synchronize()
                     diff = (ref.transpose(1, 2).float() - mine).abs().max().item()
-                    timings[name] = rate([lambda a=args: fn(*a) for args in qkv],
-                                         max_abs_diff_vs_specgen=diff)
+                    note = (f"reads the cache dequantised to {spec['dtype']} ({base_bytes} bytes)"
+                            if base_bytes != kv_bytes else None)
+                    timings[name] = rate([lambda a=args: fn(*a) for args in qkv], read_bytes=base_bytes,
+                                         max_abs_diff_vs_specgen=diff, note=note)
                 except Exception as exc:  # noqa: BLE001 - a missing baseline is reported
                     timings[name] = DecodeTiming(error=error_line(exc))
             _, splits, pdl = module.launch_plan(batch, kv_heads, length, torch.device("cuda"))
@@ -245,7 +259,9 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
             created=datetime.date.today().isoformat(), device=device, copy_tbps=copy,
             baselines=list(baselines), rows=rows,
             layout=("paged KV cache, page_size %d" % spec["paged"]["page_size"]
-                    if spec.get("paged") else "contiguous KV cache [B, L, Hkv, D]"),
+                    if spec.get("paged") else "contiguous KV cache [B, L, Hkv, D]")
+            + (f", {spec['kv_dtype']} (baselines: the cache dequantised to {spec['dtype']})"
+               if spec.get("kv_dtype") not in (None, spec["dtype"]) else ""),
         )
         folder = out_dir / device_slug(device.get("name", "gpu"))
         stem = folder / f"{result.spec}-decode"

@@ -151,6 +151,8 @@ class Plan:
     max_splits: int = 64
     pdl: str | bool = False  # decode: programmatic dependent launch
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
+    kv_dtype: str = ""  # decode: the KV cache's element type ("float8_e4m3fn", or the dtype)
+    kv_fp8: bool = False  # decode: a float8 cache, with k/v descales, cast to dtype for the MMAs
     # Decode: the key tiles after the last one every row sees (keys past the sequence,
     # or after a query token) are at most 1 (q_len 1) or 2 (q_len <= 8 < 16 <= tile_n)
     # per sequence, each masked in its own `if` rather than a loop.
@@ -254,7 +256,9 @@ def procedural_name(spec: Spec) -> str:
     """The one name of a kernel variant, used for the kernel, cache and bench rows."""
     heads = "mha" if spec.gqa_ratio == 1 else f"gqa{spec.gqa_ratio}"
     if spec.family == "decode":
-        name = f"fmha_decode_{heads}_{DTYPE_SHORT[spec.dtype]}_d{spec.head_dim}"
+        name = f"fmha_decode_{heads}_{DTYPE_SHORT[spec.dtype]}"
+        name += f"_kv{DTYPE_SHORT[spec.kv_dtype]}" if spec.cache_dtype != spec.dtype else ""
+        name += f"_d{spec.head_dim}"
         name += f"_q{spec.max_q_len}" if spec.max_q_len > 1 else ""
         return name + (f"_paged{spec.paged.page_size}" if spec.paged else "")
     mask = "causal" if spec.causal else "full"
@@ -487,6 +491,7 @@ def _decode(spec: Spec) -> dict:
     rows = decode_rows(spec.gqa_ratio, spec.max_q_len)
     return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
                 splits=spec.splits, pdl=spec.pdl, decode_tile_m=rows,
+                kv_dtype=spec.cache_dtype, kv_fp8=spec.cache_dtype == "float8_e4m3fn",
                 # (max_q_len - 1) < 16 <= tile_n keys: the masked keys span at most 2 tiles.
                 tail_tiles=1 if spec.max_q_len == 1 else 2,
                 combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

@@ -384,6 +384,12 @@ class Spec(_Strict):
         None,
         description="Element type of the output; null: dtype (float8_e4m3fn: bfloat16).",
     )
+    kv_dtype: Optional[Literal["float16", "bfloat16", "float8_e4m3fn"]] = Field(
+        None,
+        description="decode: element type of the KV cache; null: dtype. float8_e4m3fn "
+        "halves the bytes a decode call reads: the cache holds value / descale and "
+        "attention(..., k_descale, v_descale) passes the per-tensor descales.",
+    )
     head_dim: HeadDim = Field(
         128,
         description="Head dimension D of q and k: a multiple of 8 in [16, 256]; one "
@@ -599,7 +605,7 @@ class Spec(_Strict):
     @model_validator(mode="after")
     def _family_fields(self):
         """Each family takes only its own fields (a field another family owns is an error)."""
-        decode_only = ("max_q_len", "paged", "splits", "pdl")
+        decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
                         "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
                         "loop_split", "prescale_q", "q_subtiles", "backward")
@@ -618,6 +624,9 @@ class Spec(_Strict):
         if wrong:
             raise ValueError(f"family {self.family}: {', '.join(wrong)} not supported by this family")
         if self.family == "decode":
+            if self.cache_dtype == "float8_e4m3fn" and self.head_dim % 16:
+                raise ValueError(f"kv_dtype float8_e4m3fn needs head_dim a multiple of 16 (16-byte "
+                                 f"aligned cache rows), got {self.head_dim}")
             rows = decode_rows(self.gqa_ratio, self.max_q_len)
             for name, cfg in self.targets.items():
                 if cfg.tile_m != rows:
@@ -669,6 +678,14 @@ class Spec(_Strict):
                 "positions would be per sequence); use a padded batch, or a document "
                 "mask_mod instead of varlen"
             )
+        return value
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _kv_dtype(cls, value: Optional[str], info) -> Optional[str]:
+        dtype = info.data.get("dtype")
+        if value is not None and value not in (dtype, "float8_e4m3fn"):
+            raise ValueError(f"must be null, {dtype} (the dtype) or float8_e4m3fn")
         return value
 
     @field_validator("window")
@@ -776,6 +793,11 @@ class Spec(_Strict):
                         f"got tile_m {bucket.tile_m} in targets.{name}"
                     )
         return value
+
+    @property
+    def cache_dtype(self) -> str:
+        """decode: the element type of the KV cache."""
+        return self.kv_dtype or self.dtype
 
     @property
     def use_block_remap(self) -> bool:

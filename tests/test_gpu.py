@@ -344,6 +344,12 @@ DECODE_VARIANTS = {
         "targets": {"default": {"tile_m": 16, "tile_n": 32}}},
     "gqa8_q2_d64_paged128": {"gqa_ratio": 8, "max_q_len": 2, "head_dim": 64, "paged": {"page_size": 128},
                              "targets": {"default": {"tile_m": 16, "tile_n": 128}}},
+    # A float8 cache, paged, with several query tokens, a window and sinks.
+    "fp8kv_gqa4_q4_paged64_window_sinks": {
+        "gqa_ratio": 4, "max_q_len": 4, "kv_dtype": "float8_e4m3fn", "paged": {"page_size": 64},
+        "window": {"left": 500}, "sinks": True, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "fp8kv_f16_mha_d64": {"dtype": "float16", "kv_dtype": "float8_e4m3fn", "gqa_ratio": 1, "head_dim": 64,
+                          "targets": {"default": {"tile_m": 16, "tile_n": 128}}},
 }
 
 
@@ -411,7 +417,7 @@ def test_decode_replays_in_a_cuda_graph():
         assert compare(out, decode_reference(mod.SPEC, batch, {}), "bfloat16").ok
 
 
-@pytest.mark.parametrize("name", ["fmha_decode_gqa8_bf16", "fmha_decode_paged_mtp"])
+@pytest.mark.parametrize("name", ["fmha_decode_gqa8_bf16", "fmha_decode_paged_mtp", "fmha_decode_gqa8_fp8kv"])
 def test_decode_pdl_launch_matches_the_plain_launch_bitwise(name, monkeypatch):
     """Back-to-back calls that share one split workspace, with programmatic dependent
     launch forced on: each split kernel must wait for the combine before it to finish
@@ -443,6 +449,60 @@ def test_decode_pdl_launch_matches_the_plain_launch_bitwise(name, monkeypatch):
                 assert torch.equal(out, want), (lens, i, "graph")
             for out in outs:
                 out.fill_(float("nan"))
+
+
+def test_decode_float8_descales_are_read_by_the_kernel_and_checked():
+    """Descales given as tensors are read at run time: a captured graph replayed
+    after the values change matches the reference with the new values. Floats work
+    eagerly and under capture. Bad caches and descales are refused before launch."""
+    from specgen.check import decode_reference, random_decode
+
+    mod = generated_module("fmha_decode_gqa8_fp8kv")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    batch = random_decode(mod.SPEC, [700, 1500, 64, 3000], 2, 1, gen)
+    k_descale = torch.tensor([1.25], device="cuda")
+    v_descale = torch.tensor(2.0, device="cuda")  # 0-d: one element is enough
+    eager = mod.attention(*batch.args(), k_descale=1.25, v_descale=2.0)
+    want = decode_reference(mod.SPEC, batch, {"k_descale": 1.25, "v_descale": 2.0})
+    assert compare(eager, want, "bfloat16").ok
+    assert torch.equal(mod.attention(*batch.args(), k_descale=k_descale, v_descale=v_descale), eager)
+    out, out_floats = torch.empty_like(batch.q), torch.empty_like(batch.q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mod.attention(*batch.args(), out=out, k_descale=k_descale, v_descale=v_descale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mod.attention(*batch.args(), out=out, k_descale=k_descale, v_descale=v_descale)
+        # Floats never seen before: their tensors are filled by the graph itself.
+        mod.attention(*batch.args(), out=out_floats, k_descale=0.625, v_descale=3.0)
+    for k_value, v_value in ((1.25, 2.0), (0.5, 4.0)):
+        k_descale.fill_(k_value)
+        v_descale.fill_(v_value)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_reference(mod.SPEC, batch, {"k_descale": k_value, "v_descale": v_value})
+        assert compare(out, ref, "bfloat16").ok, (k_value, v_value)
+        ref = decode_reference(mod.SPEC, batch, {"k_descale": 0.625, "v_descale": 3.0})
+        assert compare(out_floats, ref, "bfloat16").ok
+
+    bf16_cache = batch.k_cache.to(torch.bfloat16)
+    bad = [
+        ((batch.q, bf16_cache, batch.v_cache, batch.seq_lens), {},
+         "k_cache must be a 4-D torch.float8_e4m3fn tensor"),
+        (batch.args(), {"k_descale": 0.0}, "k_descale must be a positive finite float or a one-element"),
+        (batch.args(), {"v_descale": float("inf")}, "v_descale must be a positive finite float"),
+        (batch.args(), {"k_descale": torch.ones(2, device="cuda")},
+         "k_descale must be a positive float or a one-element float32 tensor on cuda"),
+        (batch.args(), {"v_descale": torch.ones(1, device="cuda", dtype=torch.float64)},
+         "v_descale must be a positive float or a one-element float32 tensor on cuda"),
+        (batch.args(), {"k_descale": torch.ones(1)}, "k_descale must be a positive float or a one-element"),
+    ]
+    for args, kwargs, message in bad:
+        with pytest.raises(ValueError) as info:
+            mod.attention(*args, **kwargs)
+        assert message in str(info.value), (message, str(info.value))
 
 
 def test_decode_arguments_are_checked_before_launch():

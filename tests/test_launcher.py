@@ -124,3 +124,16 @@ def test_decode_launch_plan_uses_pdl_where_the_spec_and_the_device_allow(monkeyp
     assert dec.launch_plan(1, 8, 8192, device)[2] is True
     monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (dec.CONFIGS["default"][-1], 108, 8))  # an A100
     assert dec.launch_plan(1, 8, 8192, device)[2] is False
+
+
+
+def test_decode_float8_cache_module_checks_q_against_the_query_dtype(monkeypatch):
+    """A kv_dtype float8_e4m3fn module keeps bf16 queries; a float8 q is refused
+    before any launch (the cache checks need CUDA tensors: tests/test_gpu.py)."""
+    dec = generated_module("fmha_decode_gqa8_fp8kv")
+    monkeypatch.setattr(dec.ct, "launch", lambda *a, **k: pytest.fail("launched despite bad arguments"))
+    assert dec.DTYPE == torch.bfloat16 and dec.KV_DTYPE == torch.float8_e4m3fn
+    cache = torch.zeros(1, 64, 1, 128, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(1, 1, 8, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"^q must be a 4-D torch.bfloat16 tensor with head_dim 128"):
+        dec.attention(q, cache, cache, torch.ones(1, dtype=torch.int32))

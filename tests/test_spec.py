@@ -95,6 +95,14 @@ BAD = [
     ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
     ({"family": "decode", "pdl": "true"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"true\""),
     ({"pdl": "auto"}, "specs/bad.yaml: family prefill: pdl not supported by this family"),
+    ({"family": "decode", "dtype": "bfloat16", "kv_dtype": "float16"},
+     "specs/bad.yaml: kv_dtype: must be null, bfloat16 (the dtype) or float8_e4m3fn, got \"float16\""),
+    ({"family": "decode", "kv_dtype": "int8"},
+     "specs/bad.yaml: kv_dtype: must be one of 'float16', 'bfloat16' or 'float8_e4m3fn', got \"int8\""),
+    ({"family": "decode", "kv_dtype": "float8_e4m3fn", "head_dim": 72},
+     "specs/bad.yaml: kv_dtype float8_e4m3fn needs head_dim a multiple of 16 (16-byte aligned cache rows), "
+     "got 72"),
+    ({"kv_dtype": "float8_e4m3fn"}, "specs/bad.yaml: family prefill: kv_dtype not supported by this family"),
     ({"backward": True, "window": {"left": 8}},
      "specs/bad.yaml: backward: true does not support window yet; the backward kernels cover "
      "causal/non-causal, GQA and power-of-two head dims, got true"),
@@ -110,7 +118,7 @@ BAD = [
     ({"fast_math": {"exp3": True}},
      "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
-     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, head_dim, v_head_dim, "
+     "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
      "q_subtiles, splits, pdl, backward, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},

@@ -153,6 +153,7 @@ class Plan:
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
     kv_dtype: str = ""  # decode: the KV cache's element type ("float8_e4m3fn", or the dtype)
     kv_fp8: bool = False  # decode: a float8 cache, with k/v descales, cast to dtype for the MMAs
+    split_ctas_per_sm: int = 1  # decode: CTAs per SM the auto split count aims for (float8 cache: 2)
     # Decode: the key tiles after the last one every row sees (keys past the sequence,
     # or after a query token) are at most 1 (q_len 1) or 2 (q_len <= 8 < 16 <= tile_n)
     # per sequence, each masked in its own `if` rather than a loop.
@@ -492,6 +493,7 @@ def _decode(spec: Spec) -> dict:
     return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
                 splits=spec.splits, pdl=spec.pdl, decode_tile_m=rows,
                 kv_dtype=spec.cache_dtype, kv_fp8=spec.cache_dtype == "float8_e4m3fn",
+                split_ctas_per_sm=2 if spec.cache_dtype == "float8_e4m3fn" else 1,
                 # (max_q_len - 1) < 16 <= tile_n keys: the masked keys span at most 2 tiles.
                 tail_tiles=1 if spec.max_q_len == 1 else 2,
                 combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

@@ -418,11 +418,14 @@ def test_decode_replays_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("name", ["fmha_decode_gqa8_bf16", "fmha_decode_paged_mtp", "fmha_decode_gqa8_fp8kv"])
-def test_decode_pdl_launch_matches_the_plain_launch_bitwise(name, monkeypatch):
+def test_decode_pdl_launch_matches_the_plain_launch(name, monkeypatch):
     """Back-to-back calls that share one split workspace, with programmatic dependent
     launch forced on: each split kernel must wait for the combine before it to finish
-    reading, so the outputs equal those of plain launches bit for bit, eager and in a
-    CUDA graph. Short and long splits both run."""
+    reading. A call that read another call's partials would be far off; the PDL
+    outputs equal the plain ones to within one bf16 rounding on a few elements (the
+    PDL kernels are compiled separately: at 33 splits an H200 rounded 1-2 of 8192
+    elements the other way), and eager and graph-replayed PDL outputs are bitwise
+    equal. Short and long splits both run, and more splits than one per SM."""
     from specgen.check import random_decode
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -445,8 +448,9 @@ def test_decode_pdl_launch_matches_the_plain_launch_bitwise(name, monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             for i, (want, got, out) in enumerate(zip(plain, eager, outs)):
-                assert torch.equal(got, want), (lens, i, "eager")
-                assert torch.equal(out, want), (lens, i, "graph")
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-24, msg=f"{lens} call {i}")
+                assert int((got != want).sum()) <= got.numel() // 1000, (lens, i, "eager")
+                assert torch.equal(out, got), (lens, i, "graph")
             for out in outs:
                 out.fill_(float("nan"))
 

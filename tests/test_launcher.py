@@ -137,3 +137,18 @@ def test_decode_float8_cache_module_checks_q_against_the_query_dtype(monkeypatch
     q = torch.zeros(1, 1, 8, 128, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"^q must be a 4-D torch.bfloat16 tensor with head_dim 128"):
         dec.attention(q, cache, cache, torch.ones(1, dtype=torch.int32))
+
+
+def test_decode_float8_cache_aims_for_two_split_ctas_per_sm(monkeypatch):
+    """auto splits: the float8-cache kernel aims for two CTAs per SM (the 16-bit one
+    for one), still at least two key tiles per split and at most MAX_SPLITS."""
+    for name, per_sm, want in (("fmha_decode_gqa8_fp8kv", 2, (32, 4, 1, 2)),
+                               ("fmha_decode_gqa8_bf16", 1, (16, 2, 1, 2))):
+        dec = generated_module(name)
+        assert dec.SPLIT_CTAS_PER_SM == per_sm
+        config = dec.CONFIGS["sm_90"][-1]
+        monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (config, 132, 9))
+        device = torch.device("cuda", 0)
+        got = tuple(dec.launch_plan(b, 8, length, device)[1]
+                    for b, length in ((1, 8192), (8, 8192), (64, 4096), (1, 512)))
+        assert got == want, name

@@ -285,17 +285,17 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
     d, batch = spec["head_dim"], len(seq_lens)
     heads = kv_heads * spec["gqa_ratio"]
 
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    k_descale, v_descale = (FP8_DESCALES["k_descale"], FP8_DESCALES["v_descale"]) if fp8 else (1.0, 1.0)
+
     def rand(*shape, descale=1.0, to=dtype):
         return (torch.randn(shape, generator=generator, device="cuda") / descale).to(to)
 
     def rand_k(*shape):
-        return rand(*shape, descale=cache_descale("k_descale"), to=kv_dtype)
+        return rand(*shape, descale=k_descale, to=kv_dtype)
 
     def rand_v(*shape):
-        return rand(*shape, descale=cache_descale("v_descale"), to=kv_dtype)
-
-    def cache_descale(name):
-        return FP8_DESCALES[name] if kv_dtype == torch.float8_e4m3fn else 1.0
+        return rand(*shape, descale=v_descale, to=kv_dtype)
 
     q = rand(batch, q_len, heads, d)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")

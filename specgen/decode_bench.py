@@ -187,12 +187,11 @@ def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: 
         for batch, kv_heads, length in DECODE_SHAPES:
             label = f"[{job.plan.module_name}] B{batch} Hq{ratio * kv_heads}/Hkv{kv_heads} L{length}"
             gen = torch.Generator(device="cuda").manual_seed(0)
-            cache_dtype = getattr(torch, spec.get("kv_dtype") or spec["dtype"])
-            kv_bytes = 2 * batch * length * kv_heads * d * torch.empty((), dtype=cache_dtype).element_size()
+            elements = 2 * batch * length * kv_heads * d  # K and V
+            kv_bytes = elements * torch.finfo(getattr(torch, spec.get("kv_dtype") or spec["dtype"])).bits // 8
             # A float8 cache: the baselines (no float8 KV in SDPA or Flex) read it
             # dequantised to the query dtype, twice the bytes; their TB/s counts those.
-            base_bytes = kv_bytes * torch.empty((), dtype=getattr(torch, spec["dtype"])).element_size() \
-                // torch.empty((), dtype=cache_dtype).element_size()
+            base_bytes = elements * torch.finfo(getattr(torch, spec["dtype"])).bits // 8
             copies = rotation_copies(torch, kv_bytes)
             calls = steady_calls(copies)
             log(f"{label}: {copies} input copies, {calls} calls per steady-state graph")

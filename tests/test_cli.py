@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from specgen.cli import schema_text
+from specgen.commands.cli import schema_text
 
 from .helpers import ROOT, SPECS
 
@@ -189,8 +189,8 @@ def test_backward_suite_without_cuda_exits_2(project):
 
 
 def test_backward_flops_are_two_and_a_half_forward():
-    from specgen.backward_bench import backward_flops
-    from specgen.bench import spec_flops
+    from specgen.bench.backward import backward_flops
+    from specgen.bench.prefill import spec_flops
 
     spec = {"causal": True, "head_dim": 128, "v_head_dim": None, "window": None}
     assert backward_flops(spec, 4, 32, 4096, 4096) == 2.5 * spec_flops(spec, 4, 32, 4096, 4096)
@@ -215,9 +215,9 @@ def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, 
                            cwd=project, env=env, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     cubins = sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
-    from specgen.compile import kernel_builds, target_configs
-    from specgen.plan import make_plan
-    from specgen.spec import load_spec
+    from specgen.compile.export import kernel_builds, target_configs
+    from specgen.plan.make import make_plan
+    from specgen.spec.model import load_spec
 
     plans = [make_plan(load_spec(project / s)) for s in specs]
     expected = sum(len(kernel_builds(plan, config, "sm_90")) for plan in plans

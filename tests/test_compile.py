@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from specgen.compile import (
+from specgen.compile.export import (
     cache_key,
     compile_target,
     decode_signatures,
@@ -14,9 +14,9 @@ from specgen.compile import (
     toolchain_versions,
 )
 from specgen.errors import CompileError
-from specgen.plan import make_plan
-from specgen.render import render
-from specgen.spec import validate_spec
+from specgen.plan.make import make_plan
+from specgen.emit.render import render
+from specgen.spec.model import validate_spec
 
 from .helpers import SPECS
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from specgen.diff import pair_kernels
+from specgen.commands.diff import pair_kernels
 
 from .helpers import ROOT, SPECS
 from .test_cli import specgen

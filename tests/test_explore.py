@@ -5,7 +5,7 @@ rendered before anything runs; bad files and bad variants exit 2 in one line."""
 import pytest
 
 from specgen.errors import UsageError
-from specgen.explore import VariantsResult, VariantTiming, format_markdown, load_variants
+from specgen.commands.explore import VariantsResult, VariantTiming, format_markdown, load_variants
 
 from .helpers import ROOT
 from .test_cli import specgen

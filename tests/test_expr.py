@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from specgen.errors import SpecError
-from specgen.expr import ExprError, compile_hook, evaluate
-from specgen.reference import attention_reference
-from specgen.spec import validate_spec
+from specgen.spec.hooks import ExprError, compile_hook, evaluate
+from specgen.check.reference import attention_reference
+from specgen.spec.model import validate_spec
 
 TENSORS = {"slope": ("float32", 1), "doc": ("int32", 2)}
 
@@ -157,7 +157,7 @@ def test_reference_hooks_equal_explicit_bias_and_mask():
 def test_hooks_trace_into_compiled_flex_attention():
     """The Flex baseline runs the hooks inside torch.compile(fullgraph=True): no
     graph break (a break would fall back to unfused Flex and misstate the baseline)."""
-    from specgen.expr import torch_fn
+    from specgen.spec.hooks import torch_fn
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     score_fn = torch_fn("score - slope[h] * (q_idx - kv_idx)")

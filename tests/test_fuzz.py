@@ -25,12 +25,12 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, assume, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from specgen import cli  # noqa: E402
-from specgen.compile import load_module_from_source  # noqa: E402
+from specgen.commands import cli  # noqa: E402
+from specgen.compile.export import load_module_from_source  # noqa: E402
 from specgen.errors import SpecError  # noqa: E402
-from specgen.plan import make_plan  # noqa: E402
-from specgen.render import BLACK_MODE, render  # noqa: E402
-from specgen.spec import Spec, validate_spec  # noqa: E402
+from specgen.plan.make import make_plan  # noqa: E402
+from specgen.emit.render import BLACK_MODE, render  # noqa: E402
+from specgen.spec.model import Spec, validate_spec  # noqa: E402
 
 EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "500"))
 COMPILE_EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_COMPILE", "4"))
@@ -193,7 +193,7 @@ def test_the_valid_strategies_mostly_produce_valid_specs():
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.one_of(prefill_specs(), decode_specs()))
 def test_a_sample_of_random_specs_compiles_for_sm_90(data):
-    from specgen.compile import compile_target
+    from specgen.compile.export import compile_target
 
     spec = _validated(data)
     assume(spec is not None)

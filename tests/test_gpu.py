@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specgen.check import (
+from specgen.check.cases import (
     call_kernel,
     compare,
     compare_lse,
@@ -12,7 +12,7 @@ from specgen.check import (
     reference_for,
     shape_dims,
 )
-from specgen.testing import Case, run_case
+from specgen.check.runner import Case, run_case
 
 from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
 
@@ -116,10 +116,10 @@ VARIANTS = {
 def _variant_module(name, overrides):
     import yaml
 
-    from specgen.compile import load_module_from_source
-    from specgen.plan import make_plan
-    from specgen.render import render
-    from specgen.spec import validate_spec
+    from specgen.compile.export import load_module_from_source
+    from specgen.plan.make import make_plan
+    from specgen.emit.render import render
+    from specgen.spec.model import validate_spec
 
     from .helpers import ROOT
 
@@ -263,7 +263,7 @@ def test_dropout_is_reproducible_and_matches_reference_mask():
 @pytest.mark.parametrize("name", VARLEN_SPEC_NAMES)
 @pytest.mark.parametrize("index", range(8))
 def test_varlen_specs_match_reference(name, index):
-    from specgen.testing import case_matrix
+    from specgen.check.runner import case_matrix
 
     mod = generated_module(name)
     cases = case_matrix(False, mod.SPEC)
@@ -307,7 +307,7 @@ VARLEN_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARLEN_VARIANTS))
 @pytest.mark.parametrize("index", [1, 2])
 def test_varlen_variants_match_reference(variant, index):
-    from specgen.testing import case_matrix
+    from specgen.check.runner import case_matrix
 
     mod = _variant_module(variant, VARLEN_VARIANTS[variant])
     case = case_matrix(False, mod.SPEC)[index]
@@ -354,10 +354,10 @@ DECODE_VARIANTS = {
 
 
 def _decode_module(name, overrides):
-    from specgen.compile import load_module_from_source
-    from specgen.plan import make_plan
-    from specgen.render import render
-    from specgen.spec import validate_spec
+    from specgen.compile.export import load_module_from_source
+    from specgen.plan.make import make_plan
+    from specgen.emit.render import render
+    from specgen.spec.model import validate_spec
 
     data = {"name": f"decode_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
             **overrides}
@@ -366,7 +366,7 @@ def _decode_module(name, overrides):
 
 
 def _decode_cases(mod):
-    from specgen.testing import case_matrix
+    from specgen.check.runner import case_matrix
 
     return case_matrix(False, mod.SPEC)
 
@@ -395,7 +395,7 @@ def test_decode_variants_match_reference(variant):
 def test_decode_replays_in_a_cuda_graph():
     """Captured once, replayed with new tokens and longer sequences written into
     the same buffers: no host sync, no allocation inside the launcher."""
-    from specgen.check import decode_reference, random_decode
+    from specgen.check.cases import decode_reference, random_decode
 
     mod = generated_module("fmha_decode_paged_mtp")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -426,7 +426,7 @@ def test_decode_pdl_launch_matches_the_plain_launch(name, monkeypatch):
     PDL kernels are compiled separately: at 33 splits an H200 rounded 1-2 of 8192
     elements the other way), and eager and graph-replayed PDL outputs are bitwise
     equal. Short and long splits both run, and more splits than one per SM."""
-    from specgen.check import random_decode
+    from specgen.check.cases import random_decode
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
@@ -459,7 +459,7 @@ def test_decode_float8_descales_are_read_by_the_kernel_and_checked():
     """Descales given as tensors are read at run time: a captured graph replayed
     after the values change matches the reference with the new values. Floats work
     eagerly and under capture. Bad caches and descales are refused before launch."""
-    from specgen.check import decode_reference, random_decode
+    from specgen.check.cases import decode_reference, random_decode
 
     mod = generated_module("fmha_decode_gqa8_fp8kv")
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -537,7 +537,7 @@ BACKWARD_VARIANTS = {
 
 
 def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
-    from specgen.reference import attention_reference
+    from specgen.check.reference import attention_reference
 
     spec = mod.SPEC
     gen = torch.Generator(device="cuda").manual_seed(seed)

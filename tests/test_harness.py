@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from specgen.bench import (
+from specgen.bench.prefill import (
     BenchResult,
     error_line,
     Row,
@@ -20,7 +20,7 @@ from specgen.bench import (
     tflops,
     write_result,
 )
-from specgen.decode_bench import (
+from specgen.bench.decode import (
     DecodeResult,
     DecodeRow,
     DecodeTiming,
@@ -30,8 +30,8 @@ from specgen.decode_bench import (
     steady_calls,
 )
 from specgen.errors import UsageError
-from specgen.gpu import device_slug
-from specgen.testing import case_matrix, format_table
+from specgen.check.gpu import device_slug
+from specgen.check.runner import case_matrix, format_table
 
 from .helpers import ROOT
 from .test_cli import specgen
@@ -155,7 +155,7 @@ def test_gpu_commands_exit_2_without_cuda(command):
 
 
 def test_fuzz_cases_are_valid_replayable_and_varied():
-    from specgen.testing import FUZZ_MAX_SCORES, fuzz_case
+    from specgen.check.runner import FUZZ_MAX_SCORES, fuzz_case
 
     from .helpers import generated_module
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specgen.reference import attention_reference, causal_mask
+from specgen.check.reference import attention_reference, causal_mask
 
 
 def _qkv(batch, heads, kv_heads, seq_q, seq_k, d, seed=0):
@@ -125,7 +125,7 @@ def test_window_softcap_sinks_match_a_naive_loop(causal, window, softcap, with_s
 
 
 def test_dropout_reference_mask_rate_seed_and_scaling():
-    from specgen.reference import dropout_keep
+    from specgen.check.reference import dropout_keep
 
     keep = dropout_keep(2, 4, 128, 256, q_offset=3, seed=1, dropout_p=0.25)
     assert abs(keep.float().mean().item() - 0.75) < 0.01
@@ -178,8 +178,8 @@ def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset)
     """key_range (the bench's pair count) and visible_mask (the reference, Flex)
     are one rule: per row, the visible keys are exactly [lo, hi], checked against
     the definition written out with plain ints."""
-    from specgen.bench import visible_pairs
-    from specgen.reference import key_range, visible, visible_mask
+    from specgen.bench.prefill import visible_pairs
+    from specgen.check.reference import key_range, visible, visible_mask
 
     seq_q, seq_k = 9, 14
     window = None if left is None and right is None else (left, right)

@@ -12,10 +12,10 @@ import black
 import pytest
 import yaml
 
-from specgen.check import output_dtype
-from specgen.plan import make_plan
-from specgen.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
-from specgen.spec import spec_to_dict, validate_spec
+from specgen.check.cases import output_dtype
+from specgen.plan.make import make_plan
+from specgen.emit.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
+from specgen.spec.model import spec_to_dict, validate_spec
 
 from .helpers import ROOT, SPECS, SPEC_NAMES, generated_module
 
@@ -193,7 +193,7 @@ def test_fast_math_off_keeps_natural_exp_and_plain_division():
 def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch):
     """The launcher's choice, without a GPU: sm_90 buckets by seq_k, replace_hints
     variants made once, the target's own config past the last bucket."""
-    from specgen.compile import load_module_from_source
+    from specgen.compile.export import load_module_from_source
 
     data = copy.deepcopy(BASE)
     data["targets"]["sm_90"] = {

@@ -3,7 +3,7 @@
 import pytest
 
 from specgen.errors import SpecError
-from specgen.spec import Spec, load_spec, parse_spec_text, validate_spec
+from specgen.spec.model import Spec, load_spec, parse_spec_text, validate_spec
 
 from .helpers import SPECS
 
@@ -243,7 +243,7 @@ def test_tuning_fields_errors_name_the_field(overrides, expected):
 
 
 def test_spec_to_dict_round_trips_and_leaves_out_auto_hints():
-    from specgen.spec import spec_to_dict
+    from specgen.spec.model import spec_to_dict
 
     spec = validate_spec({"name": "ok", "targets": {"sm_90": {
         "tile_m": 128, "tile_n": 64, "num_worker_warps": 8,
@@ -257,7 +257,7 @@ def test_spec_to_dict_round_trips_and_leaves_out_auto_hints():
 
 
 def test_spec_to_dict_leaves_out_the_default_tile_order():
-    from specgen.spec import spec_to_dict
+    from specgen.spec.model import spec_to_dict
 
     spec = validate_spec({"name": "ok", "causal": True, "targets": {"sm_90": {
         "tile_m": 128, "tile_n": 64, "tile_order": "per_head",

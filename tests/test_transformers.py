@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from specgen.integrations import transformers as tf_integration  # noqa: E402
-from specgen.reference import attention_reference  # noqa: E402
+from specgen.check.reference import attention_reference  # noqa: E402
 from .helpers import qwen2_model  # noqa: E402
 
 

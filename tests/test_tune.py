@@ -5,8 +5,8 @@ import pytest
 import yaml
 
 from specgen.errors import UsageError
-from specgen.spec import AutotuneSpace, load_spec, validate_spec
-from specgen.tune import Timed, choose, finalists, parse_seqs, search_space, write_back
+from specgen.spec.model import AutotuneSpace, load_spec, validate_spec
+from specgen.commands.tune import Timed, choose, finalists, parse_seqs, search_space, write_back
 
 from .helpers import ROOT
 from .test_cli import specgen
@@ -96,7 +96,7 @@ def test_search_space_includes_both_tile_orders_when_declared():
     space = AutotuneSpace(tile_m=[64], tile_n=[64], occupancy=[1], tile_order=["per_head", "global"])
     orders = [c["tile_order"] for c in search_space(space)]
     assert orders == ["per_head", "global"]
-    from specgen.tune import describe
+    from specgen.commands.tune import describe
     assert describe(search_space(space)[1]) == "64x64 occ1 global"
 
 

@@ -54,7 +54,7 @@ def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleTy
         elif path.suffix == ".py":
             if not path.is_file():
                 raise ValueError(f"register: no generated module at {text}")
-            from ..gpu import import_module_file
+            from specgen.check.gpu import import_module_file
 
             module = import_module_file(path)
         else:
@@ -95,11 +95,11 @@ def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleTy
 
 
 def _module_from_spec(path: Path) -> ModuleType:
-    from ..compile import load_module_from_source
-    from ..errors import SpecError
-    from ..plan import make_plan
-    from ..render import render
-    from ..spec import load_spec
+    from specgen.compile.export import load_module_from_source
+    from specgen.errors import SpecError
+    from specgen.plan.make import make_plan
+    from specgen.emit.render import render
+    from specgen.spec.model import load_spec
 
     try:
         plan = make_plan(load_spec(path))

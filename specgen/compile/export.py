@@ -22,8 +22,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .errors import CompileError
-from .plan import ConfigPlan, Plan, _arch_key
+from specgen.errors import CompileError
+from specgen.plan.make import ConfigPlan, Plan, _arch_key
 
 
 @dataclass(frozen=True)

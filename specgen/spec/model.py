@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import SpecError
+from specgen.errors import SpecError
 
 TARGET_RE = re.compile(r"^sm_[1-9][0-9]{1,2}[a-z]?$")
 MAX_SPEC_BYTES = 1 << 20
@@ -593,7 +593,7 @@ class Spec(_Strict):
     def _hook(cls, value: Optional[str], info) -> Optional[str]:
         if value is None:
             return value
-        from .expr import ExprError, compile_hook
+        from specgen.spec.hooks import ExprError, compile_hook
 
         tensors = {n: (t.dtype, len(t.shape)) for n, t in (info.data.get("tensors") or {}).items()}
         try:

@@ -197,7 +197,7 @@ def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=
                   p_dtype=None):
     """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse).
     ``p_dtype``: the P-rounding model of attention_reference (see p_rounding)."""
-    from .reference import attention_reference
+    from specgen.check.reference import attention_reference
 
     window = spec.get("window")
     tensors = {name: extra[name] for name in spec.get("tensors") or {}}

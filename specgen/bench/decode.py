@@ -25,8 +25,8 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from .bench import error_line
-from .compile import atomic_write
+from specgen.bench.prefill import error_line
+from specgen.compile.export import atomic_write
 
 # (batch, KV heads, cached length); query heads = gqa_ratio * KV heads.
 DECODE_SHAPES = ((1, 8, 8192), (1, 8, 32768), (8, 8, 8192), (64, 8, 4096))
@@ -165,8 +165,8 @@ def _baselines(torch, names, ratio: int, window: Optional[dict], sinks: bool):
 
 def run_decode_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: tuple[str, ...],
                      log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
-    from .check import feature_inputs, random_decode
-    from .gpu import device_info, device_slug, fresh_modules, require_cuda
+    from specgen.check.cases import feature_inputs, random_decode
+    from specgen.check.gpu import device_info, device_slug, fresh_modules, require_cuda
 
     torch = require_cuda("bench")
     from triton.testing import do_bench

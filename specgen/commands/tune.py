@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import SpecError, UsageError
-from .spec import (
+from specgen.errors import SpecError, UsageError
+from specgen.spec.model import (
     HINT_DEFAULTS,
     HINT_FIELDS,
     TUNABLE_FIELDS,
@@ -182,7 +182,7 @@ def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]
     out = io.StringIO()
     yaml.dump(data, out)
     new_text = out.getvalue()
-    from .spec import parse_spec_text, validate_spec
+    from specgen.spec.model import parse_spec_text, validate_spec
 
     try:
         validate_spec(parse_spec_text(new_text, path), path)
@@ -214,9 +214,9 @@ def run_tune(
     confirm: int = 4,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> int:
-    from .bench import SUITES, spec_flops, tflops
-    from .build import load_jobs, write_jobs
-    from .check import (
+    from specgen.bench.prefill import SUITES, spec_flops, tflops
+    from specgen.compile.jobs import load_jobs, write_jobs
+    from specgen.check.cases import (
         Comparison,
         compare,
         feature_inputs,
@@ -225,10 +225,10 @@ def run_tune(
         shape_dims,
         smoke_case,
     )
-    from .compile import atomic_write, load_module_from_source
-    from .gpu import device_info, device_slug, require_cuda
-    from .plan import make_plan
-    from .render import render
+    from specgen.compile.export import atomic_write, load_module_from_source
+    from specgen.check.gpu import device_info, device_slug, require_cuda
+    from specgen.plan.make import make_plan
+    from specgen.emit.render import render
 
     spec: Spec = load_spec(path)
     space = spec.autotune.get(target)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .expr import Gather, Hook, compile_hook
-from .spec import (
+from specgen.spec.hooks import Gather, Hook, compile_hook
+from specgen.spec.model import (
     HINT_DEFAULTS,
     HINT_FIELDS,
     LaunchConfig,

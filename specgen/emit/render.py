@@ -12,15 +12,16 @@ import json
 import os
 import re
 import traceback
+from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
 
 import black
 import jinja2
 
-from . import __version__
-from .errors import RenderError
-from .plan import Plan
+from specgen import __version__
+from specgen.errors import RenderError
+from specgen.plan.make import Plan
 
 TEMPLATE_BY_FAMILY = {"prefill": "fmha_prefill.py.jinja", "decode": "fmha_decode.py.jinja"}
 BLACK_MODE = black.Mode(line_length=88)
@@ -34,16 +35,23 @@ HEADER_RE = re.compile(
 
 
 def templates_dir() -> Path:
-    """The templates/ folder beside the package (a source checkout or an editable
-    install); SPECGEN_TEMPLATES overrides it."""
+    """The Jinja2 templates: SPECGEN_TEMPLATES if set, else the copy an installed wheel
+    carries inside the package, else the top-level templates/ of a source checkout
+    (an editable install)."""
     override = os.environ.get("SPECGEN_TEMPLATES")
-    path = Path(override) if override else Path(__file__).resolve().parent.parent / "templates"
-    if not path.is_dir():
-        raise RenderError(
-            f"templates folder not found at {path}; install specgen from a checkout "
-            "(pip install -e .) or set SPECGEN_TEMPLATES"
-        )
-    return path
+    if override:
+        candidates = [Path(override)]
+    else:
+        package = Path(str(resources.files("specgen")))
+        candidates = [package / "templates", package.parent / "templates"]
+    for path in candidates:
+        if (path / TEMPLATE_BY_FAMILY["prefill"]).is_file():
+            return path
+    raise RenderError(
+        f"templates not found (looked in {', '.join(map(str, candidates))}); reinstall "
+        "specgen (pip install specgen, or pip install -e . in a checkout) or point "
+        "SPECGEN_TEMPLATES at a templates folder"
+    )
 
 
 @functools.lru_cache(maxsize=None)

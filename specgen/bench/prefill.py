@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from .compile import atomic_write
-from .errors import UsageError
+from specgen.compile.export import atomic_write
+from specgen.errors import UsageError
 
 SUITES = {
     # name: (batch, query heads, sequence lengths); Sq = Skv.
@@ -43,8 +43,8 @@ def parse_baselines(text: str) -> tuple[str, ...]:
     return names
 
 
-DECODE_SUITE = "decode"  # specgen.decode_bench: decode specs at the memory speed of light
-BACKWARD_SUITE = "backward"  # specgen.backward_bench: the backward kernels of training specs
+DECODE_SUITE = "decode"  # specgen.bench.decode: decode specs at the memory speed of light
+BACKWARD_SUITE = "backward"  # specgen.bench.backward: the backward kernels of training specs
 
 
 def parse_suite(name: str, allow_decode: bool = True) -> str:
@@ -67,7 +67,7 @@ def visible_pairs(seq_q: int, seq_k: int, causal: bool, window: Optional[dict] =
                   q_offset: int = 0) -> int:
     """Query-key pairs a kernel computes: every pair, or those under the causal
     diagonal and inside the window (row i at position q_offset + i)."""
-    from .reference import key_range
+    from specgen.check.reference import key_range
 
     left = window.get("left") if window else None
     right = window.get("right") if window else None
@@ -82,8 +82,8 @@ def mask_mod_pairs(torch, spec: dict, extra: dict, batch: int, heads: int, seq_q
                    seq_k: int) -> int:
     """Query-key pairs a mask_mod spec leaves visible (with its causal mask and
     window), summed over batch and heads: evaluated with torch, 1024 rows at a time."""
-    from .expr import compile_hook, torch_fn
-    from .reference import visible_mask
+    from specgen.spec.hooks import compile_hook, torch_fn
+    from specgen.check.reference import visible_mask
 
     allowed_fn = torch_fn(spec["mask_mod"])
     tensors = {n: extra[n] for n in spec.get("tensors") or {}}
@@ -253,7 +253,7 @@ def plot(result: BenchResult, path: Path) -> Optional[str]:
 
 
 def write_result(result: BenchResult, out_dir: Path, log: Callable[[str], None]) -> Path:
-    from .gpu import device_slug
+    from specgen.check.gpu import device_slug
 
     folder = out_dir / device_slug(result.device.get("name", "gpu"))
     stem = folder / f"{result.spec}-{result.suite}"
@@ -292,7 +292,7 @@ def failed_timing(exc: Exception) -> Timing:
 def device_and_matmul_rate(torch, do_bench, log) -> tuple[dict, float]:
     """The device description and the fp16 MATMUL_N^3 matmul rate (TFLOPS) of this
     run, each logged: the yardstick every suite's percentages are read against."""
-    from .gpu import device_info
+    from specgen.check.gpu import device_info
 
     device = device_info()
     log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
@@ -359,8 +359,8 @@ def _make_baselines(torch, names, causal: bool, ratio: int, spec: Optional[dict]
             left = window.get("left") if window else None
             right = window.get("right") if window else None
 
-            from .expr import torch_fn
-            from .reference import visible as visible_rule
+            from specgen.spec.hooks import torch_fn
+            from specgen.check.reference import visible as visible_rule
 
             score_fn = torch_fn(score_mod) if score_mod else None
             mask_fn = torch_fn(mask_mod) if mask_mod else None
@@ -446,7 +446,7 @@ def _make_varlen_baselines(torch, names, spec: dict):
     elif "flex" in names:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        from .reference import visible as visible_rule
+        from specgen.check.reference import visible as visible_rule
 
         compiled = torch.compile(flex_attention)
         masks: dict[int, object] = {}
@@ -485,7 +485,7 @@ def run_bench(
     baselines: tuple[str, ...],
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> list[Path]:
-    from .check import (
+    from specgen.check.cases import (
         call_kernel,
         feature_inputs,
         output_dtype,
@@ -494,7 +494,7 @@ def run_bench(
         random_qkv,
         shape_dims,
     )
-    from .gpu import fresh_modules, require_cuda
+    from specgen.check.gpu import fresh_modules, require_cuda
 
     torch = require_cuda("bench")
     from triton.testing import do_bench

@@ -31,10 +31,10 @@ from typing import Callable, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import SpecError, UsageError
-from .plan import Plan, make_plan
-from .render import render
-from .spec import load_spec, spec_to_dict, validate_spec
+from specgen.errors import SpecError, UsageError
+from specgen.plan.make import Plan, make_plan
+from specgen.emit.render import render
+from specgen.spec.model import load_spec, spec_to_dict, validate_spec
 
 
 class Shapes(BaseModel):
@@ -81,7 +81,7 @@ class VariantsResult(BaseModel):
 
 def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, str]]:
     """Parse the file and render every variant; any problem is a UsageError."""
-    from .diff import apply_sets
+    from specgen.commands.diff import apply_sets
 
     try:
         raw = yaml.safe_load(path.read_text())
@@ -142,9 +142,9 @@ def run_variants(
     out_dir: Path,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Path:
-    from .bench import attention_flops, tflops
-    from .check import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
-    from .gpu import device_info, device_slug, import_module_file, require_cuda
+    from specgen.bench.prefill import attention_flops, tflops
+    from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
+    from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda
 
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .check import (
+from specgen.check.cases import (
     TOLERANCES,
     call_kernel,
     compare,
@@ -29,8 +29,8 @@ from .check import (
     reference_for,
     shape_dims,
 )
-from .errors import UsageError
-from .gpu import fresh_modules, require_cuda
+from specgen.errors import UsageError
+from specgen.check.gpu import fresh_modules, require_cuda
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .bench import (
+from specgen.bench.prefill import (
     BACKWARD_SUITE,
     SUITES,
     BenchResult,
@@ -32,7 +32,7 @@ from .bench import (
     timed,
     write_result,
 )
-from .errors import UsageError
+from specgen.errors import UsageError
 
 # Backward FLOPs over forward FLOPs: 5 matmuls (S, dP, dV, dQ, dK) against 2.
 BACKWARD_FLOP_FACTOR = 2.5
@@ -93,8 +93,8 @@ def _grad_timer(torch, do_bench, forward, leaves, dout):
 
 def run_backward_bench(paths: list[str], out_dir: Path, gen_dir: Path, baselines: tuple[str, ...],
                        log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> list[Path]:
-    from .check import random_qkv
-    from .gpu import fresh_modules, require_cuda
+    from specgen.check.cases import random_qkv
+    from specgen.check.gpu import fresh_modules, require_cuda
 
     jobs = fresh_modules(paths, gen_dir, log)
     without = [job.plan.module_name for job, module in jobs if not module.SPEC.get("backward")]

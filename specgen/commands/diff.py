@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 import yaml
 
-from .errors import CompileError, SpecError, UsageError
-from .plan import Plan, make_plan
-from .render import HEADER_RE, render
-from .spec import parse_spec_text, validate_spec
+from specgen.errors import CompileError, SpecError, UsageError
+from specgen.plan.make import Plan, make_plan
+from specgen.emit.render import HEADER_RE, render
+from specgen.spec.model import parse_spec_text, validate_spec
 
 ARROW = "→"
 
@@ -229,7 +229,7 @@ def _variant_label(symbol: str, plan: Plan) -> str:
 
 
 def compiled_section(a: Side, b: Side) -> list[dict]:
-    from .compile import compile_target
+    from specgen.compile.export import compile_target
 
     targets = list(dict.fromkeys(a.plan.compile_for + b.plan.compile_for))
     rows = []
@@ -251,7 +251,7 @@ def compiled_section(a: Side, b: Side) -> list[dict]:
 def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     """Where both specs were benchmarked on one device in the same suite: TFLOPS per
     sequence length (prefill, backward), or steady-state µs per shape (decode)."""
-    from .bench import load_result
+    from specgen.bench.prefill import load_result
 
     out = []
     if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
@@ -285,7 +285,7 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
 def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
     """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
     (above 1: b is faster). None unless both files have the steady-state schema."""
-    from .decode_bench import DecodeResult
+    from specgen.bench.decode import DecodeResult
 
     texts = [path.read_text() for path in (path_a, path_b)]
     if any(json.loads(text).get("schema_version") != 2 for text in texts):
@@ -447,7 +447,7 @@ def run_diff(
 
 def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
     """Each spec re-rendered with the working-tree templates against generated/."""
-    from .build import load_jobs
+    from specgen.compile.jobs import load_jobs
 
     reports = []
     for job in load_jobs(paths, gen_dir):

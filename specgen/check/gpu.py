@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from .build import Job, load_jobs, write_jobs
-from .compile import package_version
-from .errors import UsageError
+from specgen.compile.jobs import Job, load_jobs, write_jobs
+from specgen.compile.export import package_version
+from specgen.errors import UsageError
 
 
 def require_cuda(command: str):

@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from . import __version__
-from .errors import SpecgenError, UsageError
+from specgen import __version__
+from specgen.errors import SpecgenError, UsageError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def schema_text() -> str:
-    from .spec import json_schema
+    from specgen.spec.model import json_schema
 
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "build":
-            from .build import run_build
+            from specgen.compile.jobs import run_build
 
             return run_build(
                 args.paths,
@@ -162,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.jobs,
             )
         if args.command == "test":
-            from .testing import run_test
+            from specgen.check.runner import run_test
 
-            from .testing import parse_fuzz_case
+            from specgen.check.runner import parse_fuzz_case
 
             if args.fuzz < 0 or args.fuzz > 100000:
                 raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed,
                             fuzz=args.fuzz, fuzz_case_seed=case)
         if args.command == "tune":
-            from .bench import parse_suite
-            from .build import parse_targets
-            from .tune import parse_seqs, run_tune
+            from specgen.bench.prefill import parse_suite
+            from specgen.compile.jobs import parse_targets
+            from specgen.commands.tune import parse_seqs, run_tune
 
             target = parse_targets(args.target)
             if len(target) != 1:
@@ -185,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                             Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
                             confirm=int(args.confirm))
         if args.command == "bench":
-            from .bench import parse_baselines, parse_suite, run_bench
+            from specgen.bench.prefill import parse_baselines, parse_suite, run_bench
 
             if args.variants:
-                from .explore import run_variants
+                from specgen.commands.explore import run_variants
 
                 if args.paths:
                     raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
@@ -198,25 +198,25 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
             suite, baselines = parse_suite(args.suite), parse_baselines(args.baselines)
             if suite == "decode":
-                from .decode_bench import run_decode_bench
+                from specgen.bench.decode import run_decode_bench
 
                 run_decode_bench(args.paths, Path(args.out), Path(args.gen), baselines)
             elif suite == "backward":
-                from .backward_bench import run_backward_bench
+                from specgen.bench.backward import run_backward_bench
 
                 run_backward_bench(args.paths, Path(args.out), Path(args.gen), baselines)
             else:
                 run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
             return 0
         if args.command == "diff":
-            from .diff import run_diff
+            from specgen.commands.diff import run_diff
 
             return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
                             not args.no_compile, Path(args.results), Path(args.gen))
         if args.command == "schema":
             text = schema_text()
             if args.out:
-                from .compile import atomic_write
+                from specgen.compile.export import atomic_write
 
                 atomic_write(Path(args.out), text.encode())
             else:

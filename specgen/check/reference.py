@@ -105,7 +105,7 @@ def attention_reference(
     ``window`` is (left, right), None for unbounded; ``softcap`` c maps each
     score to c * tanh(score / c); ``sinks`` [Hq] adds exp(sink[h]) to each row's
     normaliser. ``score_mod`` / ``mask_mod`` are checked hook expressions
-    (specgen.expr) over score, b, h, q_idx, kv_idx and ``tensors``; the score_mod
+    (specgen.spec.hooks) over score, b, h, q_idx, kv_idx and ``tensors``; the score_mod
     sees the scaled, soft-capped score. ``dropout_p`` zeroes the weights the
     kernels' hash drops for ``seed`` (dropout_keep) and scales the rest by
     1 / (1 - dropout_p); the LSE is the softmax's before dropout. ``p_dtype`` rounds
@@ -127,7 +127,7 @@ def attention_reference(
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if score_mod or mask_mod:
-        from .expr import evaluate
+        from specgen.spec.hooks import evaluate
 
         batch, heads, seq_q, seq_k = scores.shape
         env = {

@@ -1,0 +1,1 @@
+"""Bench: timing of generated kernels beside the field's baselines."""

@@ -1,0 +1,1 @@
+"""The commands: the CLI and the work of tune, diff and explore."""

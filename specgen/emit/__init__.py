@@ -1,0 +1,1 @@
+"""Emit: a plan rendered through its family's Jinja2 template, black-formatted."""

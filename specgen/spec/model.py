@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from specgen.errors import SpecError
+from specgen.spec.defaults import measured_targets
 
 TARGET_RE = re.compile(r"^sm_[1-9][0-9]{1,2}[a-z]?$")
 MAX_SPEC_BYTES = 1 << 20
@@ -353,10 +354,6 @@ def decode_rows(gqa_ratio: int, max_q_len: int) -> int:
     return max(16, 1 << (gqa_ratio * max_q_len - 1).bit_length())
 
 
-def _default_targets() -> dict[str, TargetConfig]:
-    return {"default": DEFAULT_TARGET}
-
-
 class Spec(_Strict):
     """An attention kernel: what it computes and how it is built, per GPU target."""
 
@@ -482,9 +479,13 @@ class Spec(_Strict):
     )
     loads: Loads = Field(default_factory=Loads)
     targets: dict[TargetKey, TargetConfig] = Field(
-        default_factory=_default_targets,
+        default_factory=dict,
         description="Launch config by the device's sm_XY, chosen at run time; "
-        "'default' for any other device (filled with 64x64, occupancy 2 if absent).",
+        "'default' for any other device (filled with 64x64, occupancy 2 if absent). "
+        "Left out (or empty), every target the shipped table of measured configs "
+        "knows gets its entry for this spec's dtype, head dim, mask and extras "
+        "(the generated module names the run that measured each); decode configs take "
+        "tile_m from gqa_ratio x max_q_len.",
     )
     prescale_q: bool = Field(
         False,
@@ -525,6 +526,20 @@ class Spec(_Strict):
         description="Search space of `specgen tune` per target; the winners are "
         "written back into targets.",
     )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _measured_targets(cls, data, handler):
+        # A spec without targets: validate it as written, then once more with the
+        # measured configs of its class (specgen/spec/default_configs.json), so the
+        # filled targets pass every check a written one does.
+        if not isinstance(data, dict) or data.get("targets"):
+            return handler(data)
+        spec = handler(data)
+        rows = decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
+        page = spec.paged.page_size if spec.paged else None
+        targets = measured_targets(spec.model_dump(mode="json"), rows, page)
+        return handler({**data, "targets": targets})
 
     @field_validator("splits", "pdl", mode="wrap")
     @classmethod

@@ -1,0 +1,97 @@
+"""Specs without `targets:` get the shipped table's measured configs."""
+
+import pytest
+
+from specgen.errors import SpecError
+from specgen.spec import defaults
+from specgen.spec.model import TargetConfig, decode_rows, spec_to_dict, validate_spec
+
+QWEN2 = {"name": "qwen2", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 7, "causal": True}
+KEY_FIELDS = {"family", "target", "dtype", "head_dim", "masked", "extras"}
+SOURCE_FIELDS = {"how", "spec", "device", "date", "shapes", "log"}
+
+
+def test_every_entry_is_a_valid_config_with_its_provenance():
+    seen = set()
+    for entry in defaults.table():
+        assert set(entry["key"]) == KEY_FIELDS
+        assert set(entry["source"]) == SOURCE_FIELDS and all(entry["source"].values())
+        key = tuple(sorted(entry["key"].items()))
+        assert key not in seen, f"two entries for {key}"
+        seen.add(key)
+        config = dict(entry["config"])
+        config.setdefault("tile_m", 16)  # decode entries take tile_m from the spec
+        TargetConfig.model_validate(config)
+
+
+def test_a_spec_without_targets_gets_the_measured_config_of_its_class():
+    spec = validate_spec(QWEN2)
+    entry = defaults.lookup(defaults.key_of(QWEN2), "sm_90")
+    assert "fmha_gqa8_bf16" in entry["source"]["spec"]
+    assert spec_to_dict(spec)["targets"]["sm_90"] == entry["config"]
+    assert spec_to_dict(spec)["targets"]["default"] == defaults.PORTABLE
+    # An empty targets mapping means the same as none.
+    assert validate_spec({**QWEN2, "targets": {}}) == spec
+
+
+def test_written_targets_are_kept_as_written():
+    mine = {"default": {"tile_m": 32, "tile_n": 32, "occupancy": 1}}
+    spec = validate_spec({**QWEN2, "targets": mine})
+    assert set(spec.targets) == {"default"}
+    assert spec.targets["default"].tile_m == 32
+
+
+def test_the_filled_spec_round_trips_and_is_deterministic():
+    first = spec_to_dict(validate_spec(QWEN2))
+    assert validate_spec(first) == validate_spec(QWEN2)
+    assert spec_to_dict(validate_spec(dict(QWEN2))) == first
+
+
+@pytest.mark.parametrize("fields, bucket_key", [
+    ({"head_dim": 64}, {"head_dim": 64, "masked": True}),
+    ({"head_dim": 80}, {"head_dim": 128}),
+    ({"head_dim": 192, "v_head_dim": 128}, {"head_dim": 256}),
+    ({"causal": False}, {"masked": False}),
+    ({"causal": False, "window": {"left": 7, "right": 7}}, {"masked": True}),
+    ({"softcap": 50.0}, {"extras": True}),
+    ({"dtype": "float16"}, {"dtype": "16-bit"}),
+    ({"dtype": "float8_e4m3fn"}, {"dtype": "float8_e4m3fn"}),
+])
+def test_the_key_names_what_decides_a_config(fields, bucket_key):
+    key = defaults.key_of({**QWEN2, **fields})
+    assert {k: key[k] for k in bucket_key} == bucket_key
+
+
+def test_extras_fall_back_to_the_plain_entry_and_unknown_classes_to_portable():
+    soft = validate_spec({**QWEN2, "softcap": 30.0})
+    plain = validate_spec(QWEN2)
+    assert soft.targets["sm_90"] == plain.targets["sm_90"]
+    # No table entry for float8 with D64: only the portable default.
+    fp8_d64 = validate_spec({**QWEN2, "dtype": "float8_e4m3fn", "head_dim": 64})
+    assert set(fp8_d64.targets) == {"default"}
+
+
+@pytest.mark.parametrize("gqa, q_len, rows", [(8, 1, 16), (1, 4, 16), (4, 4, 16), (16, 2, 32), (64, 2, 128)])
+def test_decode_derives_tile_m_from_the_packed_query_tile(gqa, q_len, rows):
+    spec = validate_spec({"name": "dec", "family": "decode", "dtype": "bfloat16",
+                          "gqa_ratio": gqa, "max_q_len": q_len})
+    assert rows == decode_rows(gqa, q_len)
+    assert {cfg.tile_m for cfg in spec.targets.values()} == {rows}
+    assert spec.targets["sm_90"].tile_n == 128
+
+
+def test_decode_keeps_a_key_tile_inside_one_page():
+    spec = validate_spec({"name": "dec", "family": "decode", "gqa_ratio": 4,
+                          "paged": {"page_size": 32}})
+    assert {cfg.tile_n for cfg in spec.targets.values()} == {32}
+
+
+def test_decode_float8_cache_uses_its_own_entry():
+    spec = validate_spec({"name": "dec", "family": "decode", "dtype": "bfloat16",
+                          "kv_dtype": "float8_e4m3fn", "gqa_ratio": 8})
+    assert spec.targets["sm_90"].num_worker_warps == 8
+
+
+def test_a_bad_spec_without_targets_still_reports_its_own_error():
+    with pytest.raises(SpecError, match="gqa_ratio"):
+        validate_spec({**QWEN2, "gqa_ratio": 0}, "x.yaml")

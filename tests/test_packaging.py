@@ -1,0 +1,88 @@
+"""A wheel of specgen builds modules from any folder: the templates and the table of
+measured configs ship inside it."""
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from .helpers import ROOT
+
+DECODE_WITHOUT_TARGETS = "name: llama3_70b_decode\nfamily: decode\ndtype: bfloat16\ngqa_ratio: 8\n"
+
+
+def run(*args, cwd=None):
+    result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory):
+    """specgen's wheel, installed into a fresh venv that borrows the dependencies."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git to copy the tracked files")
+    base = tmp_path_factory.mktemp("wheel")
+    # Build from a copy of the tracked tree, so nothing of the checkout's (build/,
+    # caches) leaks in and nothing is written into it.
+    src = base / "src"
+    src.mkdir()
+    files = run("git", "ls-files", "-z", cwd=ROOT).split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
+    dist = base / "dist"
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+        "-w", dist, src)
+    [wheel] = dist.glob("specgen-*.whl")
+    venv = base / "venv"
+    run(sys.executable, "-m", "venv", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    # The dependencies come from this interpreter's site-packages, appended after the
+    # venv's own (a plain path in a .pth file: the .pth files there, such as an
+    # editable install's, are not read, so only the wheel can provide specgen).
+    purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
+    deps = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    (Path(purelib) / "_outer_deps.pth").write_text("\n".join(deps) + "\n")
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", wheel)
+    return wheel, python
+
+
+def test_the_wheel_carries_the_templates_and_the_config_table(wheel_env):
+    wheel, _ = wheel_env
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for template in (ROOT / "templates").glob("*.jinja"):
+        assert f"specgen/templates/{template.name}" in names
+    assert "specgen/spec/default_configs.json" in names
+
+
+def test_an_installed_wheel_builds_the_committed_module_outside_the_checkout(wheel_env, tmp_path):
+    _, python = wheel_env
+    where = run(python, "-c", "import specgen.emit.render as r; print(r.templates_dir())", cwd=tmp_path)
+    assert str(python.parent.parent) in where, f"templates not from the wheel: {where}"
+    (tmp_path / "specs").mkdir()
+    shutil.copy(ROOT / "specs" / "fmha_gqa_causal.yaml", tmp_path / "specs")
+    run(python, "-m", "specgen", "build", "specs/fmha_gqa_causal.yaml", "--no-compile",
+        "--out", "generated", cwd=tmp_path)
+    built = (tmp_path / "generated" / "fmha_gqa_causal.py").read_bytes()
+    assert built == (ROOT / "generated" / "fmha_gqa_causal.py").read_bytes()
+
+
+def test_a_decode_spec_without_targets_builds_the_same_from_the_wheel_and_the_checkout(
+        wheel_env, tmp_path):
+    _, python = wheel_env
+    spec = tmp_path / "specs" / "llama3_70b_decode.yaml"
+    spec.parent.mkdir()
+    spec.write_text(DECODE_WITHOUT_TARGETS)
+    run(python, "-m", "specgen", "build", "specs", "--no-compile", "--out", "from_wheel",
+        cwd=tmp_path)
+    run(sys.executable, "-m", "specgen", "build", "specs", "--no-compile", "--out",
+        "from_checkout", cwd=tmp_path)
+    from_wheel = (tmp_path / "from_wheel" / "llama3_70b_decode.py").read_text()
+    assert from_wheel == (tmp_path / "from_checkout" / "llama3_70b_decode.py").read_text()
+    assert '"tile_m": 16' in from_wheel

@@ -55,6 +55,12 @@ def parse_suite(name: str, allow_decode: bool = True) -> str:
     return name
 
 
+def suite_heads(heads: int, gqa_ratio: int) -> int:
+    """The suite's query heads, rounded down to a multiple of gqa_ratio (at least
+    one KV head): Hq32 for GQA 8, Hq28 for Qwen2's 7."""
+    return max(gqa_ratio, heads - heads % gqa_ratio)
+
+
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, causal: bool,
                     v_head_dim: Optional[int] = None) -> int:
     """2 * B * Hq * Sq * Skv * (D + Dv) (two matmuls, multiply-add = 2; 4 * ... * D
@@ -506,9 +512,7 @@ def run_bench(
     for job, module in fresh_modules(paths, gen_dir, log):
         spec = module.SPEC
         ratio, causal = spec["gqa_ratio"], spec["causal"]
-        if heads % ratio:
-            log(f"{job.plan.module_name}: skipped, {heads} query heads not divisible by gqa_ratio {ratio}")
-            continue
+        heads = suite_heads(SUITES[suite][1], ratio)
         kv_heads, d = heads // ratio, spec["head_dim"]
         varlen = bool(spec.get("varlen"))
         fns = (_make_varlen_baselines(torch, baselines, spec) if varlen

@@ -214,7 +214,7 @@ def run_tune(
     confirm: int = 4,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> int:
-    from specgen.bench.prefill import SUITES, spec_flops, tflops
+    from specgen.bench.prefill import SUITES, spec_flops, suite_heads, tflops
     from specgen.compile.jobs import load_jobs, write_jobs
     from specgen.check.cases import (
         Comparison,
@@ -249,8 +249,7 @@ def run_tune(
         raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
     batch, heads, suite_seqs = SUITES[suite]
     seqs = sorted(seqs or suite_seqs)
-    if heads % spec.gqa_ratio:
-        raise UsageError(f"suite {suite}: {heads} query heads not divisible by gqa_ratio {spec.gqa_ratio}")
+    heads = suite_heads(heads, spec.gqa_ratio)
 
     torch = require_cuda("tune")
     import cuda.tile as ct

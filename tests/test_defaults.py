@@ -4,7 +4,7 @@ import pytest
 
 from specgen.errors import SpecError
 from specgen.spec import defaults
-from specgen.spec.model import TargetConfig, decode_rows, spec_to_dict, validate_spec
+from specgen.spec import TargetConfig, decode_rows, spec_to_dict, validate_spec
 
 QWEN2 = {"name": "qwen2", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 7, "causal": True}
 KEY_FIELDS = {"family", "target", "dtype", "head_dim", "masked", "extras"}

@@ -8,7 +8,7 @@ import torch
 from specgen.errors import SpecError
 from specgen.spec.hooks import ExprError, compile_hook, evaluate
 from specgen.check.reference import attention_reference
-from specgen.spec.model import validate_spec
+from specgen.spec import validate_spec
 
 TENSORS = {"slope": ("float32", 1), "doc": ("int32", 2)}
 

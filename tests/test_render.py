@@ -15,7 +15,7 @@ import yaml
 from specgen.check.cases import output_dtype
 from specgen.plan.make import make_plan
 from specgen.emit.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
-from specgen.spec.model import spec_to_dict, validate_spec
+from specgen.spec import spec_to_dict, validate_spec
 
 from .helpers import ROOT, SPECS, SPEC_NAMES, generated_module
 

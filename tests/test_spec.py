@@ -3,7 +3,7 @@
 import pytest
 
 from specgen.errors import SpecError
-from specgen.spec.model import Spec, load_spec, parse_spec_text, validate_spec
+from specgen.spec import Spec, load_spec, parse_spec_text, validate_spec
 
 from .helpers import SPECS
 
@@ -81,33 +81,34 @@ BAD = [
     ({"causal": "yes"}, "specs/bad.yaml: causal: must be true or false, got \"yes\""),
     ({"family": "encode"}, "specs/bad.yaml: family: must be one of 'prefill' or 'decode', got \"encode\""),
     ({"family": "decode", "varlen": True},
-     "specs/bad.yaml: family decode: varlen not supported by this family"),
+     "specs/bad.yaml: varlen: a prefill field, not supported by family decode"),
     ({"family": "decode", "gqa_ratio": 8, "max_q_len": 4, "targets": {"sm_90": {"tile_m": 16, "tile_n": 64}}},
      "specs/bad.yaml: targets.sm_90.tile_m: a decode tile packs gqa_ratio x max_q_len = 32 query rows, "
-     "padded to 32; set tile_m: 32"),
+     "padded to 32; set tile_m: 32 (or leave targets out), got 16"),
     ({"family": "decode", "paged": {"page_size": 32}, "targets": {"sm_90": {"tile_m": 16, "tile_n": 64}}},
-     "specs/bad.yaml: targets.sm_90.tile_n 64 is larger than paged.page_size 32; a key tile must lie in one page"),
+     "specs/bad.yaml: targets.sm_90.tile_n: must be at most paged.page_size 32 (a key tile must lie in one "
+     "page), got 64"),
     ({"family": "decode", "paged": {"page_size": 48}},
      "specs/bad.yaml: paged.page_size: must be a power of two in [16, 1024], got 48"),
-    ({"max_q_len": 2}, "specs/bad.yaml: family prefill: max_q_len not supported by this family"),
+    ({"max_q_len": 2}, "specs/bad.yaml: max_q_len: a decode field, not supported by family prefill"),
     ({"family": "decode", "splits": 65}, "specs/bad.yaml: splits: must be 'auto' or an integer in [1, 64], got 65"),
     ({"family": "decode", "pdl": "yes"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"yes\""),
     ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
     ({"family": "decode", "pdl": "true"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"true\""),
-    ({"pdl": "auto"}, "specs/bad.yaml: family prefill: pdl not supported by this family"),
+    ({"pdl": "auto"}, "specs/bad.yaml: pdl: a decode field, not supported by family prefill"),
     ({"family": "decode", "dtype": "bfloat16", "kv_dtype": "float16"},
      "specs/bad.yaml: kv_dtype: must be null, bfloat16 (the dtype) or float8_e4m3fn, got \"float16\""),
     ({"family": "decode", "kv_dtype": "int8"},
      "specs/bad.yaml: kv_dtype: must be one of 'float16', 'bfloat16' or 'float8_e4m3fn', got \"int8\""),
     ({"family": "decode", "kv_dtype": "float8_e4m3fn", "head_dim": 72},
-     "specs/bad.yaml: kv_dtype float8_e4m3fn needs head_dim a multiple of 16 (16-byte aligned cache rows), "
-     "got 72"),
-    ({"kv_dtype": "float8_e4m3fn"}, "specs/bad.yaml: family prefill: kv_dtype not supported by this family"),
+     "specs/bad.yaml: kv_dtype: float8_e4m3fn needs head_dim a multiple of 16 (16-byte aligned cache rows), "
+     "got head_dim 72"),
+    ({"kv_dtype": "float8_e4m3fn"}, "specs/bad.yaml: kv_dtype: a decode field, not supported by family prefill"),
     ({"backward": True, "window": {"left": 8}},
      "specs/bad.yaml: backward: true does not support window yet; the backward kernels cover "
      "causal/non-causal, GQA and power-of-two head dims, got true"),
     ({"family": "decode", "backward": True},
-     "specs/bad.yaml: family decode: backward not supported by this family"),
+     "specs/bad.yaml: backward: a prefill field, not supported by family decode"),
     ({"block_remap": True},
      "specs/bad.yaml: block_remap: true needs causal: true (non-causal query tiles all "
      "do the same work); use false or null, got true"),
@@ -243,7 +244,7 @@ def test_tuning_fields_errors_name_the_field(overrides, expected):
 
 
 def test_spec_to_dict_round_trips_and_leaves_out_auto_hints():
-    from specgen.spec.model import spec_to_dict
+    from specgen.spec import spec_to_dict
 
     spec = validate_spec({"name": "ok", "targets": {"sm_90": {
         "tile_m": 128, "tile_n": 64, "num_worker_warps": 8,
@@ -257,7 +258,7 @@ def test_spec_to_dict_round_trips_and_leaves_out_auto_hints():
 
 
 def test_spec_to_dict_leaves_out_the_default_tile_order():
-    from specgen.spec.model import spec_to_dict
+    from specgen.spec import spec_to_dict
 
     spec = validate_spec({"name": "ok", "causal": True, "targets": {"sm_90": {
         "tile_m": 128, "tile_n": 64, "tile_order": "per_head",
@@ -266,3 +267,18 @@ def test_spec_to_dict_leaves_out_the_default_tile_order():
     assert "tile_order" not in data["targets"]["sm_90"]
     assert data["targets"]["sm_90"]["by_seq_k"][0]["tile_order"] == "global"
     assert validate_spec(data) == spec
+
+
+def test_cross_field_problems_all_come_in_one_run():
+    data = {"name": "ok", "family": "decode", "gqa_ratio": 8, "paged": {"page_size": 16},
+            "varlen": True,
+            "targets": {"sm_90": {"tile_m": 64, "tile_n": 128,
+                                  "by_seq_k": [{"max_seq_k": 64, "tile_m": 16, "tile_n": 16}]}}}
+    assert _error(data) == [
+        "specs/bad.yaml: varlen: a prefill field, not supported by family decode",
+        "specs/bad.yaml: targets.sm_90.tile_m: a decode tile packs gqa_ratio x max_q_len = 8 query "
+        "rows, padded to 16; set tile_m: 16 (or leave targets out), got 64",
+        "specs/bad.yaml: targets.sm_90.tile_n: must be at most paged.page_size 16 (a key tile must "
+        "lie in one page), got 128",
+        "specs/bad.yaml: targets.sm_90.by_seq_k: decode specs take one config per target",
+    ]

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from specgen.errors import UsageError
-from specgen.spec.model import AutotuneSpace, load_spec, validate_spec
+from specgen.spec import AutotuneSpace, load_spec, validate_spec
 from specgen.commands.tune import Timed, choose, finalists, parse_seqs, search_space, write_back
 
 from .helpers import ROOT

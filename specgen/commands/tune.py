@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specgen.errors import SpecError, UsageError
-from specgen.spec.model import (
+from specgen.spec import (
     HINT_DEFAULTS,
     HINT_FIELDS,
     TUNABLE_FIELDS,
@@ -182,7 +182,7 @@ def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]
     out = io.StringIO()
     yaml.dump(data, out)
     new_text = out.getvalue()
-    from specgen.spec.model import parse_spec_text, validate_spec
+    from specgen.spec import parse_spec_text, validate_spec
 
     try:
         validate_spec(parse_spec_text(new_text, path), path)

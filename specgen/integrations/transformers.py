@@ -99,7 +99,7 @@ def _module_from_spec(path: Path) -> ModuleType:
     from specgen.errors import SpecError
     from specgen.plan.make import make_plan
     from specgen.emit.render import render
-    from specgen.spec.model import load_spec
+    from specgen.spec import load_spec
 
     try:
         plan = make_plan(load_spec(path))

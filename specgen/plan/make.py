@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specgen.spec.hooks import Gather, Hook, compile_hook
-from specgen.spec.model import (
+from specgen.spec import (
     HINT_DEFAULTS,
     HINT_FIELDS,
     LaunchConfig,

@@ -1,0 +1,353 @@
+"""The parts of a spec: the checked scalar types and the small models (fast math,
+loads, window, extra tensors, pages, launch configs, the tune search space)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+
+class Problems(ValueError):
+    """Several problems of one spec found by one check, each (field path, message):
+    reported one per line, like the errors of single fields."""
+
+    def __init__(self, items: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{path}: {message}" for path, message in items))
+        self.items = items
+
+
+TARGET_RE = re.compile(r"^sm_[1-9][0-9]{1,2}[a-z]?$")
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _power_of_two_tile(value: int) -> int:
+    if value < 16 or value > 256 or value & (value - 1):
+        raise ValueError("must be a power of two in [16, 256]")
+    return value
+
+
+def _latency(value: Optional[int]) -> Optional[int]:
+    if value is not None and not 1 <= value <= 10:
+        raise ValueError("must be an integer in [1, 10] or null")
+    return value
+
+
+def _occupancy(value: int) -> int:
+    if not 1 <= value <= 32:
+        raise ValueError("must be an integer in [1, 32]")
+    return value
+
+
+def _target_name(value: str) -> str:
+    if not TARGET_RE.match(value):
+        raise ValueError("must be a GPU target such as sm_90, sm_100 or sm_120")
+    return value
+
+
+def _power_of_two(low: int, high: int):
+    def check(value: Optional[int]) -> Optional[int]:
+        if value is not None and (value < low or value > high or value & (value - 1)):
+            raise ValueError(f"must be a power of two in [{low}, {high}] or null (auto)")
+        return value
+
+    return check
+
+
+def _opt_level(value: Optional[int]) -> Optional[int]:
+    if value is not None and not 0 <= value <= 3:
+        raise ValueError("must be an integer in [0, 3] or null (the compiler's 3)")
+    return value
+
+
+def _head_dim(value: int) -> int:
+    # Multiples of 8 keep every row of a 2-byte q/k/v 16-byte aligned (TMA).
+    if not 16 <= value <= 256 or value % 8:
+        raise ValueError("must be a multiple of 8 in [16, 256]")
+    return value
+
+
+TileSize = Annotated[int, AfterValidator(_power_of_two_tile)]
+HeadDim = Annotated[int, AfterValidator(_head_dim)]
+Latency = Annotated[Optional[int], AfterValidator(_latency)]
+Occupancy = Annotated[int, AfterValidator(_occupancy)]
+NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16))]
+WorkerWarps = Annotated[Optional[int], AfterValidator(_power_of_two(1, 32))]
+OptLevel = Annotated[Optional[int], AfterValidator(_opt_level)]
+
+
+def _target_key(value: str) -> str:
+    if value != "default" and not TARGET_RE.match(value):
+        raise ValueError(
+            "unknown target; allowed: 'default' or a GPU target such as sm_90, "
+            "sm_100, sm_120"
+        )
+    return value
+
+
+TargetName = Annotated[str, AfterValidator(_target_name)]
+TargetKey = Annotated[str, AfterValidator(_target_key)]
+
+
+class _Strict(BaseModel):
+    # strict: YAML's "true" string or 1.5 is never coerced into a bool or an int.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class FastMath(_Strict):
+    """Fast-math choices of the softmax and the final normalisation."""
+
+    exp2: bool = Field(
+        True, description="Fold 1/ln2 into the scale and use ct.exp2 (ex2.approx)."
+    )
+    flush_to_zero: bool = Field(
+        True, description="flush_to_zero=True on exp2 and on the final division."
+    )
+    approx_div: bool = Field(
+        True, description="rounding_mode=APPROX on the final normalisation."
+    )
+
+
+class Loads(_Strict):
+    """How K and V tiles are loaded."""
+
+    k_transposed: bool = Field(
+        True,
+        description="Load K^T directly with order=(0,1,3,2) instead of ct.permute.",
+    )
+    k_latency: Latency = Field(
+        2, description="Latency hint of the K load, 1..10, or null for none."
+    )
+    v_latency: Latency = Field(
+        4, description="Latency hint of the V load, 1..10, or null for none."
+    )
+    check_bounds: Literal["all", "masked"] = Field(
+        "all",
+        description="'masked' drops the bounds check (check_bounds=False) from the K "
+        "and V loads of the unmasked key tiles, which are always inside the array; "
+        "needs loop_split.",
+    )
+    allow_tma: Optional[bool] = Field(
+        None,
+        description="allow_tma of the K and V loads: false forbids TMA, null leaves "
+        "the choice to the compiler.",
+    )
+
+
+class Window(_Strict):
+    """A sliding window around each query's absolute position p = q_offset + i."""
+
+    left: Optional[int] = Field(
+        None, ge=0, le=2**31 - 1,
+        description="Keys j >= p - left are visible; null: unbounded to the left.",
+    )
+    right: Optional[int] = Field(
+        None, ge=0, le=2**31 - 1,
+        description="Keys j <= p + right are visible; null: unbounded to the right. "
+        "A causal kernel takes null or 0.",
+    )
+
+    @model_validator(mode="after")
+    def _bounded(self):
+        if self.left is None and self.right is None:
+            raise ValueError("set left or right (or both); without either, drop window")
+        return self
+
+
+DIM_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k")
+TENSOR_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+# Names a tensor may not take: the launcher's own arguments and locals, the hook
+# variables and functions, and module-level names of a generated module.
+RESERVED_NAMES = frozenset({
+    "q", "k", "v", "out", "scale", "q_offset", "sinks", "lse", "score", "b", "h", "q_idx",
+    "kv_idx", "batch", "num_heads", "num_kv_heads", "seq_q", "seq_k", "name", "t", "want",
+    "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
+    "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
+    "expected", "dims", "tensors", "got", "dtype",
+})
+
+
+def _dim_size(value, handler):
+    # A union (a name or a number): one message per entry instead of one per member.
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(
+            f"must be one of {', '.join(DIM_NAMES)} or an integer in [1, 2**31 - 1]"
+        ) from None
+
+
+DimSize = Annotated[
+    Union[Annotated[int, Field(ge=1, le=2**31 - 1)], Literal[DIM_NAMES]],
+    WrapValidator(_dim_size),
+]
+
+
+class ExtraTensor(_Strict):
+    """An extra input tensor of score_mod / mask_mod: attention(..., <name>=tensor)."""
+
+    dtype: Literal["float32", "int32"] = Field(description="Element type.")
+    shape: list[DimSize] = Field(
+        min_length=1, max_length=4,
+        description="Sizes: batch, heads, kv_heads, seq_q, seq_k or a number each; the "
+        "launcher checks them before the launch.",
+    )
+
+
+class Paged(_Strict):
+    """A paged KV cache: pages [num_pages, page_size, Hkv, D] and a page table."""
+
+    page_size: int = Field(
+        description="Tokens per page: a power of two in [16, 1024], at least the tile_n "
+        "of every target (a key tile never spans two pages).",
+    )
+
+    @field_validator("page_size")
+    @classmethod
+    def _pow2(cls, value: int) -> int:
+        if value < 16 or value > 1024 or value & (value - 1):
+            raise ValueError("must be a power of two in [16, 1024]")
+        return value
+
+
+TileOrder = Literal["per_head", "global"]
+
+HINT_FIELDS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
+# What each kernel option is when left out (replace_hints resets to these).
+HINT_DEFAULTS = {"occupancy": None, "num_ctas": None, "num_worker_warps": None, "opt_level": 3}
+
+
+class LaunchConfig(_Strict):
+    """Tile sizes and compiler hints of one launch."""
+
+    tile_m: TileSize = Field(description="Query rows per CTA (power of two, 16..256).")
+    tile_n: TileSize = Field(description="Keys per inner step (power of two, 16..256).")
+    occupancy: Occupancy = Field(2, description="CTAs per SM the compiler aims for.")
+    num_ctas: NumCtas = Field(
+        None, description="CTAs per cluster (CGA), a power of two 1..16; null: auto."
+    )
+    num_worker_warps: WorkerWarps = Field(
+        None,
+        description="Warps of the compute warp groups of a warp-specialised kernel, "
+        "a power of two 1..32; null: auto.",
+    )
+    opt_level: OptLevel = Field(None, description="tileiras optimisation level 0..3; null: 3.")
+    tile_order: TileOrder = Field(
+        "per_head",
+        description="Launch order of the query tiles. per_head: one (batch, head)'s "
+        "tiles after another, which keeps its K/V in L2; global: tile t of every head "
+        "before any head's next tile, so with block remap the heaviest tiles of all "
+        "heads run first (wins on short causal sequences).",
+    )
+
+    def hints(self) -> dict[str, int]:
+        """The kernel options this config sets (the ones left null are auto)."""
+        return {k: getattr(self, k) for k in HINT_FIELDS if getattr(self, k) is not None}
+
+
+class SeqBucket(LaunchConfig):
+    """A launch config for key lengths up to ``max_seq_k``."""
+
+    max_seq_k: int = Field(
+        ge=1, le=2**31 - 1,
+        description="This config applies while seq_k <= max_seq_k (the first match wins).",
+    )
+
+
+class TargetConfig(LaunchConfig):
+    """Launch configuration for one GPU target: a config per key-length bucket,
+    then the target's own fields for every longer sequence."""
+
+    by_seq_k: list[SeqBucket] = Field(
+        default_factory=list,
+        description="Configs for short key lengths, in increasing max_seq_k; "
+        "longer sequences use the target's own fields. Written by `specgen tune`.",
+    )
+
+    @field_validator("by_seq_k")
+    @classmethod
+    def _increasing(cls, value: list[SeqBucket]) -> list[SeqBucket]:
+        for before, after in zip(value, value[1:]):
+            if after.max_seq_k <= before.max_seq_k:
+                raise ValueError(
+                    f"max_seq_k must increase from bucket to bucket, got "
+                    f"{before.max_seq_k} then {after.max_seq_k}"
+                )
+        return value
+
+
+TUNABLE_FIELDS = (
+    "tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level", "tile_order",
+)
+
+
+def _distinct(value: list) -> list:
+    if len(set(value)) != len(value):
+        raise ValueError("lists a value twice")
+    return value
+
+
+def _choices(item):
+    return Annotated[list[item], AfterValidator(_distinct)]
+
+
+class AutotuneSpace(_Strict):
+    """The values `specgen tune` tries for one target: every combination is timed."""
+
+    tile_m: _choices(TileSize) = Field(
+        default_factory=lambda: [64, 128], min_length=1
+    )
+    tile_n: _choices(TileSize) = Field(
+        default_factory=lambda: [64, 128], min_length=1
+    )
+    occupancy: _choices(Occupancy) = Field(
+        default_factory=lambda: [1, 2], min_length=1
+    )
+    num_ctas: _choices(NumCtas) = Field(
+        default_factory=lambda: [None], min_length=1
+    )
+    num_worker_warps: _choices(WorkerWarps) = (
+        Field(default_factory=lambda: [None], min_length=1)
+    )
+    opt_level: _choices(OptLevel) = Field(
+        default_factory=lambda: [None], min_length=1
+    )
+    tile_order: _choices(TileOrder) = Field(
+        default_factory=lambda: ["per_head"], min_length=1
+    )
+    seq_buckets: bool = Field(
+        True,
+        description="Keep a separate winner per sequence length of the suite when "
+        "winners differ (written as by_seq_k); false keeps one config for all.",
+    )
+    min_gain: float = Field(
+        0.02, ge=0.0, le=1.0,
+        description="A bucket keeps its own config only if it beats the long-sequence "
+        "winner by at least this fraction.",
+    )
+
+    def size(self) -> int:
+        total = 1
+        for name in TUNABLE_FIELDS:
+            total *= len(getattr(self, name))
+        return total
+
+
+DEFAULT_TARGET = TargetConfig(tile_m=64, tile_n=64, occupancy=2)
+
+
+def decode_rows(gqa_ratio: int, max_q_len: int) -> int:
+    """Rows of a decode kernel's packed query tile: gqa_ratio heads x max_q_len
+    tokens, rounded up to a power of two, at least 16 (the MMA's minimum)."""
+    return max(16, 1 << (gqa_ratio * max_q_len - 1).bit_length())
+
+

@@ -217,7 +217,7 @@ def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, 
     cubins = sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
     from specgen.compile.export import kernel_builds, target_configs
     from specgen.plan.make import make_plan
-    from specgen.spec.model import load_spec
+    from specgen.spec import load_spec
 
     plans = [make_plan(load_spec(project / s)) for s in specs]
     expected = sum(len(kernel_builds(plan, config, "sm_90")) for plan in plans

@@ -16,7 +16,7 @@ from specgen.compile.export import (
 from specgen.errors import CompileError
 from specgen.plan.make import make_plan
 from specgen.emit.render import render
-from specgen.spec.model import validate_spec
+from specgen.spec import validate_spec
 
 from .helpers import SPECS
 

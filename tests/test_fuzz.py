@@ -30,7 +30,7 @@ from specgen.compile.export import load_module_from_source  # noqa: E402
 from specgen.errors import SpecError  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.emit.render import BLACK_MODE, render  # noqa: E402
-from specgen.spec.model import Spec, validate_spec  # noqa: E402
+from specgen.spec import Spec, validate_spec  # noqa: E402
 
 EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "500"))
 COMPILE_EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_COMPILE", "4"))

@@ -119,7 +119,7 @@ def _variant_module(name, overrides):
     from specgen.compile.export import load_module_from_source
     from specgen.plan.make import make_plan
     from specgen.emit.render import render
-    from specgen.spec.model import validate_spec
+    from specgen.spec import validate_spec
 
     from .helpers import ROOT
 
@@ -357,7 +357,7 @@ def _decode_module(name, overrides):
     from specgen.compile.export import load_module_from_source
     from specgen.plan.make import make_plan
     from specgen.emit.render import render
-    from specgen.spec.model import validate_spec
+    from specgen.spec import validate_spec
 
     data = {"name": f"decode_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
             **overrides}

@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def schema_text() -> str:
-    from specgen.spec.model import json_schema
+    from specgen.spec import json_schema
 
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 

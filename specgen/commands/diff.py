@@ -20,7 +20,7 @@ import yaml
 from specgen.errors import CompileError, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import HEADER_RE, render
-from specgen.spec.model import parse_spec_text, validate_spec
+from specgen.spec import parse_spec_text, validate_spec
 
 ARROW = "→"
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from specgen.errors import SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import render
-from specgen.spec.model import load_spec, spec_to_dict, validate_spec
+from specgen.spec import load_spec, spec_to_dict, validate_spec
 
 
 class Shapes(BaseModel):

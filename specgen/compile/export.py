@@ -71,7 +71,9 @@ def toolchain_versions() -> dict:
 
 # 2: one cubin file per kernel (1 wrote a family's kernels back to back in one
 # file, and cuobjdump, so `specgen diff`, read only the first).
-CACHE_FORMAT = 2
+# 3: each cubin has a <cubin>.json beside it naming its signatures, symbols and
+# compiler options, from which `specgen build` writes the module's AOT manifest.
+CACHE_FORMAT = 3
 
 
 def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
@@ -216,16 +218,21 @@ def backward_signatures(plan: Plan) -> dict:
     }
 
 
-def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool):
+def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool,
+                      last_dim: int | None = None):
     """An array with a contiguous last axis; ``inner_aligned``: 16-byte aligned rows
-    and base (q, k, v, out as torch makes them)."""
+    and base (q, k, v, out as torch makes them). ``last_dim``: the last axis is always
+    this head dim (the launcher checks it), so the cubin may assume its divisibility
+    as the JIT does for the same tensors (a power of two up to 16)."""
     import cuda.tile as ct
     from cuda.tile.compilation import ArrayConstraint
 
     align = 16 // elem_bytes if inner_aligned else 1
+    last = min(16, last_dim & -last_dim) if last_dim else 1
     return ArrayConstraint(
         dtype,
         ndim,
+        shape_divisible_by=(1,) * (ndim - 1) + (last,),
         index_dtype=ct.int32,
         stride_lower_bound_incl=0,
         alias_groups=(),
@@ -261,7 +268,9 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     for _, param, dtype, dims in plan.extra_tensors:  # hook tensors, made contiguous
         layouts[param] = (getattr(ct, dtype), len(dims), 4, False)
     cfg = config or plan.target(target).configs[-1]
-    params = [array(*layouts.get(name, layouts["Q"])) for name in plan.array_params]
+    last_dims = {"Q": plan.head_dim, "K": plan.head_dim, "V": plan.v_head_dim, "Out": plan.v_head_dim}
+    params = [array(*layouts.get(name, layouts["Q"]), last_dim=last_dims.get(name))
+              for name in plan.array_params]
     params += [ScalarConstraint(ct.float32)]  # qk_scale
     if not plan.varlen:  # varlen kernels derive q_offset per sequence
         params += [ScalarConstraint(ct.int32)]
@@ -291,20 +300,39 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
             path.parent.mkdir(parents=True, exist_ok=True)
             # The lock makes concurrent builds of the same kernel compile it once.
             with FileLock(str(path) + ".lock"):
-                if not (path.is_file() and path.stat().st_size > 0):
+                if not (path.is_file() and path.stat().st_size > 0 and aot_entries_path(path).is_file()):
                     all_cached = False
                     if module is None:
                         module = load_module_from_source(plan.module_name, source, origin)
                     kernel = getattr(module, name)
                     if name == plan.kernel_name and config.extra_hints:
                         kernel = kernel.replace_hints(**config.extra_hints)
+                    sigs = sigs or signatures(plan, target, config)
                     atomic_write(path, _export(plan, kernel, target, config, sigs))
+                    entries = aot_entries(module, kernel, name, target, sigs)
+                    atomic_write(aot_entries_path(path), json.dumps(entries, indent=1).encode())
             paths.append(path)
             size += path.stat().st_size
     return CompileResult(
         plan.module_name, target, tuple(paths), size, time.perf_counter() - start,
         cached=all_cached,
     )
+
+
+def aot_entries_path(cubin: Path) -> Path:
+    return cubin.with_name(cubin.name + ".json")
+
+
+def aot_entries(module, kernel, name: str, target: str, sigs) -> list[dict]:
+    """The AOT manifest entries of one exported cubin: one per signature, with the
+    symbol export_kernel gives it and the compiler options as the module's own
+    ``aot_hints`` resolves them (the module compares the same values at run time)."""
+    from cuda.tile.compilation import mangle_kernel_name
+
+    hints = module.aot_hints(kernel, target)
+    return [{"kernel": name, "sm": target, "hints": hints,
+             "signature": mangle_kernel_name(name, sig.with_symbol(None)),
+             "symbol": sig.symbol or mangle_kernel_name(name, sig)} for sig in sigs]
 
 
 def _export(plan: Plan, kernel, target: str, config: ConfigPlan, sigs=None) -> bytes:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from specgen.compile.aot import write_aot_folder
 from specgen.compile.export import CompileResult, atomic_write, compile_target
 from specgen.errors import CompileError, InvalidSpecs, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
@@ -199,6 +200,10 @@ def compile_jobs(
             report(done, outcome)
     order = {(job.plan.module_name, t): i for i, (job, t) in enumerate(tasks)}
     results.sort(key=lambda r: order[(r.module, r.target)])
+    for job in jobs:  # the cubins beside each module, for its first call on a GPU
+        mine = [r for r in results if r.module == job.plan.module_name]
+        if mine and job.out_path.is_file() and job.out_path.read_text() == job.rendered.text:
+            write_aot_folder(job.out_path, job.rendered.text, mine)
     return results, failures
 
 

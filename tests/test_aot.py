@@ -27,7 +27,7 @@ def _build(work):
     result = subprocess.run(
         [sys.executable, "-m", "specgen", "build", f"specs/{SPEC}.yaml", "--targets", "sm_90",
          "--out", "gen"], cwd=work, capture_output=True, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr
 
 

@@ -30,7 +30,7 @@ def built(tmp_path_factory):
     done = subprocess.run(
         [sys.executable, "-m", "specgen", "build", *[f"specs/{n}.yaml" for n in names],
          "--targets", f"sm_{major}{minor}", "--out", "gen"],
-        cwd=work, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        cwd=work, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr
     return {n: str(work / "gen" / f"{n}.py") for n in names}
 

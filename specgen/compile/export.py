@@ -201,18 +201,19 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
 
 def backward_signatures(plan: Plan) -> dict:
     """The backward kernels (delta, dK/dV, dQ): {kernel name: its signatures}, at the
-    module's BWD_TILE_M x BWD_TILE_N (64 x 64)."""
+    module's BWD_TILE_M x BWD_TILE_N (plan.bwd_tile)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     io = getattr(ct, plan.dtype)
     qkv = _array_constraint(io, 4, 2, True)
     rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
-    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), 64, 64]
+    tile_m, tile_n = plan.bwd_tile
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), tile_m, tile_n]
     convention = CallingConvention.cutile_python_v1()
     delta, dkdv, dq = plan.bwd_names
     return {
-        delta: [KernelSignature([qkv, qkv, rows, 64], convention)],
+        delta: [KernelSignature([qkv, qkv, rows, tile_m], convention)],
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + scalars, convention)],
         dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + scalars, convention)],
     }

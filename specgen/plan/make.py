@@ -161,6 +161,8 @@ class Plan:
     combine_name: str = ""  # the decode family's split-combine kernel
     backward: bool = False  # also the backward kernels and an autograd Function
     bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
+    # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
+    bwd_tile: tuple[int, int] = (64, 64)
 
     def target(self, name: str) -> TargetPlan:
         """The launch config the generated launcher picks on device ``name``."""

@@ -95,3 +95,15 @@ def test_decode_float8_cache_uses_its_own_entry():
 def test_a_bad_spec_without_targets_still_reports_its_own_error():
     with pytest.raises(SpecError, match="gqa_ratio"):
         validate_spec({**QWEN2, "gqa_ratio": 0}, "x.yaml")
+
+
+def test_the_module_names_the_run_behind_each_measured_default():
+    from specgen.emit.render import render
+    from specgen.plan import make_plan
+
+    text = render(make_plan(validate_spec(QWEN2)), "specs/qwen2.yaml").text
+    assert "measured defaults of the spec's class" in text
+    assert "fmha_gqa8_bf16" in text and "NVIDIA H200" in text
+    mine = {"sm_90": {"tile_m": 64, "tile_n": 64, "occupancy": 2}}
+    text = render(make_plan(validate_spec({**QWEN2, "targets": mine})), "specs/qwen2.yaml").text
+    assert "measured defaults" not in text

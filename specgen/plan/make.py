@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specgen.spec.hooks import Gather, Hook, compile_hook
+from specgen.spec import defaults
 from specgen.spec import (
     HINT_DEFAULTS,
     HINT_FIELDS,
@@ -160,6 +161,9 @@ class Plan:
     tail_tiles: int = 1
     combine_name: str = ""  # the decode family's split-combine kernel
     backward: bool = False  # also the backward kernels and an autograd Function
+    # Where the targets are the measured defaults of the spec's class (the spec wrote
+    # none, or exactly those): (target, the run that measured its config).
+    measured_defaults: tuple[tuple[str, str], ...] = ()
     bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
@@ -294,6 +298,20 @@ def _target_plans(targets: dict[str, TargetConfig]) -> tuple[TargetPlan, ...]:
         configs.append(_config_plan(cfg, None, own))
         plans.append(TargetPlan(name, cfg.tile_m, cfg.tile_n, cfg.occupancy, tuple(configs)))
     return tuple(plans)
+
+
+def _measured_defaults(spec: Spec) -> tuple[tuple[str, str], ...]:
+    data = spec.model_dump(mode="json")
+    page = spec.paged.page_size if spec.paged else None
+    rows = decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
+    if spec_to_dict(spec)["targets"] != defaults.measured_targets(data, rows, page):
+        return ()
+    notes = []
+    for target, entry in defaults.provenance(data).items():
+        if entry:
+            s = entry["source"]
+            notes.append((target, f"{s['how']} of {s['spec']} on an {s['device']}, {s['date']}"))
+    return tuple(notes)
 
 
 def _kernel_options(targets: tuple[TargetPlan, ...]) -> str:
@@ -470,6 +488,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",
         targets=targets,
+        measured_defaults=_measured_defaults(spec),
         kernel_options=_kernel_options(targets),
         compile_for=tuple(spec.compile_for),
         spec_dict=spec_to_dict(spec),

@@ -274,26 +274,26 @@ def run_tune(
     stream = torch.cuda.current_stream()
 
     def kernel_args(q, k, v, out, config, extra, q_offset=0):
-        """The launch arguments; ``extra``: sinks and hook tensors (feature_inputs)."""
-        arrays = [q, k, v, out]
+        """The launch arguments, in the order of the plan's parameter list;
+        ``extra``: sinks and hook tensors (feature_inputs)."""
+        values = {"q": q, "k": k, "v": v, "out": out, "scale": scale, "q_offset": q_offset,
+                  "tile_m": config["tile_m"], "tile_n": config["tile_n"],
+                  "even_n": k.shape[2] % config["tile_n"] == 0,
+                  "tiles_outer": config["tile_order"] == "global"}
         if plan.sinks:
-            arrays.append(extra["sinks"].float())
+            values["sinks"] = extra["sinks"].float()
         if plan.return_lse:
-            arrays.append(torch.empty(q.shape[:3], device="cuda", dtype=torch.float32))
-        arrays += [extra[name].contiguous() for name, _, _, _ in plan.extra_tensors]
+            values["lse"] = torch.empty(q.shape[:3], device="cuda", dtype=torch.float32)
+        for name, _, _, _ in plan.extra_tensors:
+            values[f"tensor:{name}"] = extra[name].contiguous()
         if plan.fp8:
-            arrays.append(torch.tensor([extra["q_descale"], extra["k_descale"], extra["v_descale"]],
-                                       dtype=torch.float32, device="cuda"))
-        args = (*arrays, scale, q_offset)
+            values["descales"] = torch.tensor([extra["q_descale"], extra["k_descale"], extra["v_descale"]],
+                                              dtype=torch.float32, device="cuda")
         if plan.dropout:
             p = extra["dropout_p"]
-            args += (min(round(p * 2**24), 2**24), 1.0 / (1.0 - p), extra["seed"])
-        args += (config["tile_m"], config["tile_n"])
-        if plan.even_n_param:
-            args += (k.shape[2] % config["tile_n"] == 0,)
-        if plan.tile_order_param:
-            args += (config["tile_order"] == "global",)
-        return args
+            values.update(dropout_threshold=min(round(p * 2**24), 2**24), dropout_scale=1.0 / (1.0 - p),
+                          seed=extra["seed"])
+        return tuple(values[param.role] for param in plan.params)
 
     def grid(config, seq_q, batch_heads):
         tiles = math.ceil(seq_q / config["tile_m"])

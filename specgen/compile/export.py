@@ -78,10 +78,17 @@ CACHE_FORMAT = 3
 
 def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
               kernel: str | None = None) -> str:
+    from cuda.tile.compilation import mangle_kernel_name
+
     config = config or plan.target(target).configs[-1]
+    kernel = kernel or plan.kernel_name
+    sigs = dict(kernel_builds(plan, config, target))[kernel] or signatures(plan, target, config)
     payload = {
         "format": CACHE_FORMAT,
-        "kernel": kernel or plan.kernel_name,
+        # What the cubin assumes of its arguments, so a change of the exported
+        # signatures never reuses an older cubin.
+        "signatures": [mangle_kernel_name(kernel, s) for s in sigs],
+        "kernel": kernel,
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
         "target": target,
         "tiles": [config.tile_m, config.tile_n],
@@ -245,48 +252,36 @@ def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool,
 
 
 def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
-    """One KernelSignature per value of the kernel's runtime-specialised constants.
+    """One KernelSignature per value of the kernel's runtime-specialised constants,
+    built from the plan's parameter list (specgen.plan.abi).
 
-    Arrays are 4-D with a contiguous last axis and 16-byte aligned rows, the layout
-    torch gives; the JIT path specialises again for whatever it is called with.
+    q, k, v and out are arrays with a contiguous last axis and 16-byte aligned rows,
+    the layout torch gives; the smaller tensors are made contiguous by the launcher.
+    The JIT path specialises again for whatever it is called with.
     """
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
-    array = _array_constraint
-    layouts = {
-        # q, k, v, out: 4-D with a contiguous last axis and 16-byte aligned rows.
-        # (varlen: packed [total, H, D])
-        "Q": (getattr(ct, plan.dtype), 3 if plan.varlen else 4, 1 if plan.fp8 else 2, True),
-        "Sinks": (ct.float32, 1, 4, False),  # [Hq] float32, made contiguous
-        # [B, Hq, Sq] float32, Sq arbitrary (varlen: [Hq, total_q])
-        "Lse": (ct.float32, 2 if plan.varlen else 3, 4, False),
-        "Out": (getattr(ct, plan.out_dtype), 3 if plan.varlen else 4, 2, True),
-        "Descales": (ct.float32, 1, 4, False),  # [3] q, k, v descales of a float8 kernel
-        "CuSeqlensQ": (ct.int32, 1, 4, False),
-        "CuSeqlensK": (ct.int32, 1, 4, False),
-    }
-    for _, param, dtype, dims in plan.extra_tensors:  # hook tensors, made contiguous
-        layouts[param] = (getattr(ct, dtype), len(dims), 4, False)
     cfg = config or plan.target(target).configs[-1]
-    last_dims = {"Q": plan.head_dim, "K": plan.head_dim, "V": plan.v_head_dim, "Out": plan.v_head_dim}
-    params = [array(*layouts.get(name, layouts["Q"]), last_dim=last_dims.get(name))
-              for name in plan.array_params]
-    params += [ScalarConstraint(ct.float32)]  # qk_scale
-    if not plan.varlen:  # varlen kernels derive q_offset per sequence
-        params += [ScalarConstraint(ct.int32)]
-    if plan.dropout:  # threshold, scale, seed
-        params += [ScalarConstraint(ct.int32), ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
-    params += [cfg.tile_m, cfg.tile_n]
-    even_values = (True, False) if plan.even_n_param else (None,)
-    result = []
-    order = [cfg.tiles_outer] if plan.tile_order_param else []
-    for even in even_values:
-        extra = ([] if even is None else [even]) + order
-        result.append(
-            KernelSignature(params + extra, CallingConvention.cutile_python_v1())
-        )
-    return result
+    constants = {"TILE_M": [cfg.tile_m], "TILE_N": [cfg.tile_n], "EVEN_N": [True, False],
+                 "TILES_OUTER": [cfg.tiles_outer]}
+    fixed = []
+    for param in plan.params:
+        if param.kind == "array":
+            io = param.layout == "io"
+            elem_bytes = 1 if param.dtype == "float8_e4m3fn" else 2 if io else 4
+            fixed.append(_array_constraint(getattr(ct, param.dtype), param.ndim, elem_bytes, io,
+                                           last_dim=param.last_dim))
+        elif param.kind == "scalar":
+            fixed.append(ScalarConstraint(getattr(ct, param.dtype)))
+        else:
+            fixed.append(constants[param.name])
+    # Every combination of the constants with more than one value (EVEN_N).
+    result = [[]]
+    for value in fixed:
+        options = value if isinstance(value, list) else [value]
+        result = [r + [o] for r in result for o in options]
+    return [KernelSignature(params, CallingConvention.cutile_python_v1()) for params in result]
 
 
 def compile_target(plan: Plan, source: str, origin: str, target: str) -> CompileResult:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specgen.spec.hooks import Gather, Hook, compile_hook
+from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
 from specgen.spec import (
     HINT_DEFAULTS,
@@ -136,7 +137,6 @@ class Plan:
     scale_expr: str  # the softmax scale the kernel multiplies by: "qk_scale * INV_LN2"
     # Terms of the per-row mask of a masked key tile ("keys <= rows", ...).
     row_mask: tuple[str, ...]
-    array_params: tuple[str, ...]  # "Q", "K", "V", "Out" [, "Sinks"] [, "Lse"]
     q_subtiles: int  # 1, or 2 for two halves of tile_m with their own softmax state
     halves: tuple[str, ...]  # name suffixes of the query tiles: ("",) or ("0", "1")
     sub_m: str  # rows of one query tile: "TILE_M" or "SUB_M"
@@ -167,6 +167,11 @@ class Plan:
     bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
+
+    @property
+    def params(self) -> tuple[Param, ...]:
+        """The prefill kernel's parameters, in order (specgen.plan.abi)."""
+        return prefill_params(self)
 
     def target(self, name: str) -> TargetPlan:
         """The launch config the generated launcher picks on device ``name``."""
@@ -479,11 +484,6 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.
         scale_expr="qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale",
         row_mask=row_mask,
-        array_params=("Q", "K", "V", "Out") + (("Sinks",) if spec.sinks else ())
-        + (("Lse",) if spec.return_lse or spec.backward else ())
-        + tuple(tensor_param(name) for name in spec.tensors)
-        + (("CuSeqlensQ", "CuSeqlensK") if spec.varlen else ())
-        + (("Descales",) if spec.dtype == "float8_e4m3fn" else ()),
         q_subtiles=spec.q_subtiles,
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",

@@ -188,14 +188,6 @@ def test_backward_suite_without_cuda_exits_2(project):
     assert not (project / "results").exists()
 
 
-def test_backward_flops_are_two_and_a_half_forward():
-    from specgen.bench.backward import backward_flops
-    from specgen.bench.prefill import spec_flops
-
-    spec = {"causal": True, "head_dim": 128, "v_head_dim": None, "window": None}
-    assert backward_flops(spec, 4, 32, 4096, 4096) == 2.5 * spec_flops(spec, 4, 32, 4096, 4096)
-
-
 @pytest.mark.slow
 def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, tmp_path):
     """Three `specgen build` processes at once on the same specs, one output folder
@@ -214,7 +206,9 @@ def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, 
     check = subprocess.run([sys.executable, "-m", "specgen", "build", *specs, "--check", "--no-compile"],
                            cwd=project, env=env, capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
-    cubins = sorted(p for p in cache.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+    cubins = sorted(cache.rglob("*.cubin"))
+    # Each cubin has the sidecar that names its signatures for the AOT manifest.
+    assert all(p.with_name(p.name + ".json").is_file() for p in cubins)
     from specgen.compile.export import kernel_builds, target_configs
     from specgen.plan.make import make_plan
     from specgen.spec import load_spec

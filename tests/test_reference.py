@@ -178,7 +178,7 @@ def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset)
     """key_range (the bench's pair count) and visible_mask (the reference, Flex)
     are one rule: per row, the visible keys are exactly [lo, hi], checked against
     the definition written out with plain ints."""
-    from specgen.bench.prefill import visible_pairs
+    from specgen.bench.flops import visible_pairs
     from specgen.check.reference import key_range, visible, visible_mask
 
     seq_q, seq_k = 9, 14
@@ -195,6 +195,5 @@ def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset)
                 if visible(p, j, causal=causal, left=left, right=right)] == expected
         lo, hi = key_range(p, seq_k, causal=causal, left=left, right=right)
         assert list(range(lo, hi + 1)) == expected
-    pairs = visible_pairs(seq_q, seq_k, causal, {"left": left, "right": right} if window else None,
-                          q_offset=q_offset)
+    pairs = visible_pairs(seq_q, seq_k, causal, window, q_offset=q_offset)
     assert pairs == int(mask.sum())

@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("paths", nargs="*", metavar="SPEC", help="spec file or folder of specs")
     bench.add_argument("--variants", metavar="FILE",
                        help="time the variants of one spec listed in FILE (YAML) against "
-                       "cuDNN instead; see specgen/explore.py for the format")
+                       "cuDNN instead; see docs/tuning.md for the format")
     bench.add_argument("--suite", default="prefill",
                        help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
                             "token against a KV cache, B 1..64; CUDA graphs, steady state and one "
@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
                             "backward kernels of backward: true specs, B4 Hq32, S 1024..16384) "
                             "(default: prefill)")
     bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
-                       help="comma-separated subset of cudnn,flash,flex (default: all)")
+                       help="comma-separated names from cudnn,flash,flex,fa3,tilegym (default: "
+                       "cudnn,flash,flex; fa3 and tilegym where installed, else the row says why)")
     bench.add_argument("--out", default="bench/results", metavar="DIR",
                        help="results folder; files go to DIR/<gpu>/ (default: bench/results)")
     bench.add_argument("--gen", default="generated", metavar="DIR",
@@ -137,6 +138,16 @@ def _parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the spec's JSON Schema")
     schema.add_argument("--out", metavar="FILE", help="write it to FILE instead of stdout")
+
+    docs = sub.add_parser(
+        "docs",
+        help="regenerate the generated pages of docs/ (the spec field reference from the "
+        "Pydantic model, the performance page from bench/results)",
+        description="Regenerate docs/spec-reference.md and docs/performance.md in the "
+        "project at --root. Exit 0 in step (or written), 1 with --check when a page drifted.",
+    )
+    docs.add_argument("--check", action="store_true", help="report drift, write nothing")
+    docs.add_argument("--root", default=".", metavar="DIR", help="project folder (default: .)")
     return parser
 
 
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed,
                             fuzz=args.fuzz, fuzz_case_seed=case)
         if args.command == "tune":
-            from specgen.bench.prefill import parse_suite
+            from specgen.bench import parse_suite
             from specgen.compile.jobs import parse_targets
             from specgen.commands.tune import parse_seqs, run_tune
 
@@ -181,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
             if not args.confirm.isdigit() or int(args.confirm) > 64:
                 raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
-            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allow_decode=False), Path(args.out),
+            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)), Path(args.out),
                             Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
                             confirm=int(args.confirm))
         if args.command == "bench":
-            from specgen.bench.prefill import parse_baselines, parse_suite, run_bench
+            from specgen.bench import parse_suite, run_suite
+            from specgen.bench.baselines import parse_baselines
 
             if args.variants:
                 from specgen.commands.explore import run_variants
@@ -196,23 +208,26 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if not args.paths:
                 raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
-            suite, baselines = parse_suite(args.suite), parse_baselines(args.baselines)
-            if suite == "decode":
-                from specgen.bench.decode import run_decode_bench
-
-                run_decode_bench(args.paths, Path(args.out), Path(args.gen), baselines)
-            elif suite == "backward":
-                from specgen.bench.backward import run_backward_bench
-
-                run_backward_bench(args.paths, Path(args.out), Path(args.gen), baselines)
-            else:
-                run_bench(args.paths, Path(args.out), Path(args.gen), suite, baselines)
+            run_suite(parse_suite(args.suite), args.paths, results=Path(args.out), gen=Path(args.gen),
+                      baselines=parse_baselines(args.baselines))
             return 0
         if args.command == "diff":
             from specgen.commands.diff import run_diff
 
             return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
                             not args.no_compile, Path(args.results), Path(args.gen))
+        if args.command == "docs":
+            from specgen.docs import DocsError, write_docs
+
+            try:
+                changed = write_docs(Path(args.root), check=args.check)
+            except DocsError as exc:
+                raise UsageError(f"docs: {exc}") from None
+            for name in changed:
+                print(f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}")
+            if not changed:
+                print("docs/ in step with the model and bench/results")
+            return 1 if args.check and changed else 0
         if args.command == "schema":
             text = schema_text()
             if args.out:

@@ -251,7 +251,7 @@ def compiled_section(a: Side, b: Side) -> list[dict]:
 def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     """Where both specs were benchmarked on one device in the same suite: TFLOPS per
     sequence length (prefill, backward), or steady-state µs per shape (decode)."""
-    from specgen.bench.prefill import load_result
+    from specgen.bench.core import load_result
 
     out = []
     if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
@@ -285,17 +285,19 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
 def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
     """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
     (above 1: b is faster). None unless both files have the steady-state schema."""
-    from specgen.bench.decode import DecodeResult
+    from specgen.bench.core import load_result
 
-    texts = [path.read_text() for path in (path_a, path_b)]
-    if any(json.loads(text).get("schema_version") != 2 for text in texts):
-        return None  # schema 1 timed one call per graph: not comparable with 2
-    ra, rb = (DecodeResult.model_validate_json(text) for text in texts)
-    by_shape = {(r.batch, r.heads_kv, r.seq_len): r.timings["specgen"].us for r in rb.rows}
+    # Schema 1 timed one call per graph: not comparable with the steady state.
+    if 1 in [json.loads(p.read_text()).get("schema_version", 3) for p in (path_a, path_b)]:
+        return None
+    ra, rb = load_result(path_a), load_result(path_b)
+    by_shape = {(r.batch, r.heads_kv, r.seq_k): 1000 * r.timings["specgen"].ms for r in rb.rows
+                if r.timings["specgen"].ms}
     rows = []
     for r in ra.rows:
-        a_us, b_us = r.timings["specgen"].us, by_shape.get((r.batch, r.heads_kv, r.seq_len))
-        rows.append({"shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_len}", "a_us": a_us, "b_us": b_us,
+        a_ms = r.timings["specgen"].ms
+        a_us, b_us = (1000 * a_ms if a_ms else None), by_shape.get((r.batch, r.heads_kv, r.seq_k))
+        rows.append({"shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_k}", "a_us": a_us, "b_us": b_us,
                      "ratio": a_us / b_us if a_us and b_us else None})
     return {"device": ra.device.get("name", path_a.parent.name), "suite": "decode", "unit": "µs", "a_date": ra.created,
             "b_date": rb.created, "rows": rows}

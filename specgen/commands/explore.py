@@ -142,14 +142,14 @@ def run_variants(
     out_dir: Path,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> Path:
-    from specgen.bench.prefill import attention_flops, tflops
+    from specgen.bench.baselines import REGISTRY, Inputs
+    from specgen.bench.core import median_ms, tflops, write_report
+    from specgen.bench.flops import attention_flops
     from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
     from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda
 
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
     from triton.testing import do_bench
 
     device = device_info()
@@ -162,6 +162,9 @@ def run_variants(
         modules[label] = import_module_file(file)
 
     first = next(iter(plans.values()))
+    cudnn = REGISTRY["cudnn"].make(torch, "prefill", first)
+    if isinstance(cudnn, str):
+        raise UsageError(f"{path}: the cuDNN baseline cannot run {config.spec}: {cudnn}")
     ratio, causal, d = first.group_size, first.causal, first.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -191,11 +194,8 @@ def run_variants(
         out = poisoned_out(first.spec_dict, q, v)
         flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal, first.v_head_dim)
 
-        def cudnn():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return sdpa(q, kf, vf, is_causal=causal)
-
-        cudnn_ms = do_bench(cudnn, warmup=25, rep=200, return_mode="median")
+        inputs = Inputs(q=q, k=k, v=v, k_full=kf, v_full=vf)
+        cudnn_ms = median_ms(do_bench, lambda: cudnn(inputs))
         for label, module in modules.items():
             err = errs.get(label)
             if err is None or err > TOLERANCES[first.dtype]:
@@ -216,12 +216,9 @@ def run_variants(
         file=path.as_posix(), spec=config.spec, base=config.base, created=datetime.date.today().isoformat(),
         device=device, shapes=shapes, variants=config.variants, max_rel_err=errs, rows=rows,
     )
-    target = out_dir / device_slug(device["name"])
-    target.mkdir(parents=True, exist_ok=True)
-    stem = target / f"variants-{path.stem}"
-    stem.with_suffix(".json").write_text(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
+    stem = out_dir / device_slug(device["name"]) / f"variants-{path.stem}"
     table = format_markdown(result)
-    stem.with_suffix(".md").write_text(table)
+    write_report(stem, json.dumps(result.model_dump(mode="json"), indent=2) + "\n", table)
     print(table)
     log(f"wrote {stem}.json and .md")
     return stem

@@ -214,7 +214,9 @@ def run_tune(
     confirm: int = 4,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> int:
-    from specgen.bench.prefill import SUITES, spec_flops, suite_heads, tflops
+    from specgen.bench.core import tflops
+    from specgen.bench.flops import forward_flops
+    from specgen.bench.prefill import BATCH, HEADS, SEQS, suite_heads
     from specgen.compile.jobs import load_jobs, write_jobs
     from specgen.check.cases import (
         Comparison,
@@ -247,7 +249,7 @@ def run_tune(
     configs = search_space(space, spec.q_subtiles)
     if not configs:
         raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
-    batch, heads, suite_seqs = SUITES[suite]
+    batch, heads, suite_seqs = BATCH, HEADS, SEQS
     seqs = sorted(seqs or suite_seqs)
     heads = suite_heads(heads, spec.gqa_ratio)
 
@@ -329,7 +331,7 @@ def run_tune(
             hints_fn=_hints,
             quiet=True,
         )
-        flops = spec_flops(spec_dict, batch, heads, seq, seq)
+        flops = forward_flops(plan, batch, heads, seq, seq)
         searched = [Timed(m.config, m.mean_us) for m in result.successes]
         if result.failures:
             log(f"[S={seq}]   {len(result.failures)} configs failed, e.g. "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 from specgen.compile.export import CompileResult, aot_entries_path, atomic_write, package_version
@@ -50,7 +49,9 @@ def write_aot_folder(module_path: Path, source: str, results: list[CompileResult
         "entries": entries,
     }
     atomic_write(folder / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
-    for stale in folder.iterdir():
+    # Cubins of an earlier build (never another writer's temporary ".name.xxx" file:
+    # concurrent builds of one module write the same files).
+    for stale in folder.glob("*.cubin"):
         if stale.name not in keep:
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            stale.unlink(missing_ok=True)
     return folder

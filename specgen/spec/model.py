@@ -121,8 +121,8 @@ class Spec(_Strict):
     skip_masked_tiles: bool = Field(
         False,
         description="With a mask_mod: test each key tile's mask first and branch around "
-        "the tiles it hides from every row. Measured no faster on H200 for document "
-        "masks (bench/NOTES.md, 15): the loads are pipelined ahead of the branch.",
+        "the tiles it hides from every row. Measured no faster on an H200 for document "
+        "masks: the loads are pipelined ahead of the branch.",
     )
     dropout: bool = Field(
         False,
@@ -193,8 +193,8 @@ class Spec(_Strict):
     backward: bool = Field(
         False,
         description="Also generate the backward kernels (D = rowsum(dO * O), dK/dV with "
-        "GQA reduction, dQ); attention becomes differentiable through a "
-        "torch.autograd.Function. Causal or not, any gqa_ratio, power-of-two head_dim.",
+        "GQA reduction, dQ); attention becomes differentiable through a torch.library "
+        "custom op. Causal or not, any gqa_ratio, power-of-two head_dim.",
     )
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],

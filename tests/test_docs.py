@@ -1,0 +1,150 @@
+"""The documentation: generated pages match their generator, every spec field is
+described, the README stays short and starts with what a newcomer needs, and the
+project's history stays in the experiment log."""
+
+import difflib
+import re
+from typing import get_args
+
+import pytest
+from pydantic import ValidationError
+
+from specgen.docs import (
+    DESCRIPTIONS,
+    FAMILY_ONLY,
+    REGENERATE,
+    DocsError,
+    check_descriptions,
+    generated_docs,
+    spec_reference_markdown,
+    write_docs,
+)
+from specgen.spec import Spec
+
+from .helpers import ROOT
+from .test_readme import _readme_test_command
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+EXPERIMENT_LOG = DOCS / "experiments.md"
+INSTALL = 'pip install -e ".[dev]"'
+
+
+@pytest.mark.parametrize("rel", sorted(generated_docs(ROOT)))
+def test_generated_docs_are_up_to_date(rel):
+    want = generated_docs(ROOT)[rel]
+    path = ROOT / rel
+    assert path.is_file(), f"{rel} is missing; run `{REGENERATE}`"
+    have = path.read_text()
+    if have != want:
+        diff = "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                            f"{rel} (on disk)", f"{rel} (generated)"))
+        pytest.fail(f"{rel} differs from its generator; run `{REGENERATE}`\n{diff[:4000]}")
+
+
+def test_write_docs_check_reports_drift_and_writes_nothing(tmp_path):
+    for rel in ("specs", "bench/results"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).symlink_to(ROOT / rel)
+    assert sorted(write_docs(tmp_path, check=True)) == sorted(generated_docs(ROOT))
+    assert not (tmp_path / "docs").exists()
+    assert sorted(write_docs(tmp_path, check=False)) == sorted(generated_docs(ROOT))
+    assert write_docs(tmp_path, check=True) == []
+
+
+def test_every_model_field_has_a_description():
+    paths = check_descriptions()  # raises DocsError naming the field otherwise
+    assert "window.left" in paths and "targets.<target>.by_seq_k[].max_seq_k" in paths
+    assert set(DESCRIPTIONS) <= set(paths)
+
+
+def test_a_field_without_description_fails_loudly(monkeypatch):
+    monkeypatch.delitem(DESCRIPTIONS, "skip_masked_tiles")
+    monkeypatch.setattr(Spec.model_fields["skip_masked_tiles"], "description", None)
+    with pytest.raises(DocsError, match="skip_masked_tiles"):
+        spec_reference_markdown()
+
+
+def test_a_description_of_no_field_fails_loudly(monkeypatch):
+    monkeypatch.setitem(DESCRIPTIONS, "window.middle", "gone")
+    with pytest.raises(DocsError, match="window.middle"):
+        spec_reference_markdown()
+
+
+# A value other than the default for each family-only field, valid in its own family.
+FAMILY_SAMPLES = {
+    "kv_dtype": "float8_e4m3fn", "max_q_len": 2, "paged": {"page_size": 64}, "splits": 4,
+    "pdl": True, "out_dtype": "bfloat16", "v_head_dim": 64, "softcap": 30.0,
+    "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+    "score_mod": "score * 0.5", "mask_mod": "kv_idx <= q_idx", "skip_masked_tiles": True,
+    "dropout": True, "varlen": True, "return_lse": True, "loop_split": False,
+    "block_remap": False, "prescale_q": True, "q_subtiles": 2, "backward": True,
+}
+# Other fields a sample needs to pass its own field's checks, so that the family check
+# is the one that refuses it: two query half-tiles need a decode tile of 32 rows.
+FAMILY_CONTEXT = {"q_subtiles": {"gqa_ratio": 32}}
+
+
+@pytest.mark.parametrize("field", sorted(FAMILY_ONLY))
+def test_family_column_matches_the_validator(field):
+    other = "prefill" if FAMILY_ONLY[field] == "decode" else "decode"
+    with pytest.raises(ValidationError) as info:
+        Spec.model_validate({"name": "x", "family": other, field: FAMILY_SAMPLES[field],
+                             **FAMILY_CONTEXT.get(field, {})})
+    assert f"not supported by family {other}" in str(info.value)
+
+
+def test_spec_reference_counts_the_shipped_specs():
+    text = (DOCS / "spec-reference.md").read_text()
+    count = len(list((ROOT / "specs").glob("*.yaml")))
+    assert f"{count} specs ship in `specs/`" in text
+    assert "`decode`" in text.split("| `family` |")[1].split("\n")[0]
+
+
+def test_readme_is_short():
+    lines = README.read_text().splitlines()
+    assert len(lines) < 200, f"README.md has {len(lines)} lines; move reference material to docs/"
+
+
+def test_readme_first_screen_has_install_and_test_commands():
+    first = "\n".join(README.read_text().splitlines()[:25])
+    assert INSTALL in first
+    assert "torch==2.13.0" in first
+    assert "specgen build specs/fmha_gqa_causal.yaml" in first
+    assert _readme_test_command() in first
+
+
+HISTORY = [re.compile(r"\bissue[ -]?#?[0-9]", re.IGNORECASE), re.compile(r"NOTES")]
+
+
+def _pages():
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+@pytest.mark.parametrize("path", [p for p in _pages() if p != EXPERIMENT_LOG],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_history_references_outside_the_experiment_log(path):
+    text = path.read_text()
+    for pattern in HISTORY:
+        found = pattern.search(text)
+        assert not found, (f"{path.relative_to(ROOT)}: {found.group(0)!r}: history belongs in "
+                           "docs/experiments.md (link to it instead)")
+
+
+@pytest.mark.parametrize("path", _pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(path):
+    for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", path.read_text()):
+        assert (path.parent / target).exists(), f"{path.relative_to(ROOT)}: broken link {target}"
+
+
+def test_spec_comments_list_every_allowed_value():
+    # A comment that lists a field's choices ("dtype: float16  # float16 | bfloat16 | ...")
+    # lists all the model allows.
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        for line in path.read_text().splitlines():
+            found = re.match(r"(\w+):.*#\s*(\w+(?: \| \w+)+)\s*$", line)
+            if not found or found.group(1) not in Spec.model_fields:
+                continue
+            allowed = set(map(str, get_args(Spec.model_fields[found.group(1)].annotation)))
+            listed = set(found.group(2).split(" | "))
+            assert listed == allowed, f"{path.name}: {line.strip()}: the model allows {sorted(allowed)}"

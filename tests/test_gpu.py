@@ -612,3 +612,31 @@ def test_custom_op_forward_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref, _ = reference_for(mod.SPEC, q, k, v, {})
     assert compare(out, ref, "bfloat16").ok
+
+
+# FlashAttention's convention for more queries than keys: q_offset = Skv - Sq < 0, the
+# rows before the first key see none (zeros, LSE -inf).
+NEGATIVE_OFFSET_SHAPES = [(1, 2, 333, 200, -133), (2, 1, 1000, 300, -700), (1, 1, 130, 1, -129),
+                          (1, 1, 64, 64, -64)]
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_gqa8_bf16", "fmha_mistral_window",
+                                  "fmha_gptoss_sinks", "fmha_document_mask", "fmha_mha_bf16"])
+@pytest.mark.parametrize("shape", NEGATIVE_OFFSET_SHAPES, ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
+def test_negative_q_offset_matches_reference(name, shape):
+    _check(generated_module(name), *shape, seed=shape[2] + shape[3])
+
+
+def test_negative_q_offset_rows_are_zero_with_lse_minus_inf():
+    mod = _variant_module("negative_offset_lse", {"return_lse": True})
+    q = torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 1, 100, 128, device="cuda", dtype=torch.float16)
+    out, lse = mod.attention(q, k, k, q_offset=-200)  # rows 0..199 see no key
+    assert torch.isfinite(out).all() and (out[:, :, :200] == 0).all()
+    assert torch.isneginf(lse[:, :, :200]).all() and torch.isfinite(lse[:, :, 200:]).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 333, 200, -133), (1, 1, 300, 77, -223)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
+def test_negative_q_offset_gradients(shape):
+    _grad_check(generated_module("fmha_train_gqa_causal"), *shape, seed=sum(shape))

@@ -32,7 +32,8 @@ CASES = [
     (good(), {"scale": -1.0}, "scale must be a positive finite float, got -1.0"),
     (good(), {"scale": float("nan")}, "scale must be a positive finite float, got nan"),
     (good(), {"scale": "0.1"}, "scale must be a positive float or None, got '0.1'"),
-    (good(), {"q_offset": -1}, "q_offset must be in [0, 2**31 - seq_q), got -1"),
+    (good(), {"q_offset": -(2**30) - 1}, "q_offset must be in [-2**30, 2**31 - seq_q), got -1073741825"),
+    (good(), {"q_offset": 2**31 - 16}, "q_offset must be in [-2**30, 2**31 - seq_q), got 2147483632"),
     (good(), {"q_offset": 1.5}, "q_offset must be an int, got 1.5"),
     (good(), {"q_offset": True}, "q_offset must be an int, got True"),
     (good(), {}, "q, k and v must be CUDA tensors, got q on cpu"),
@@ -152,3 +153,25 @@ def test_decode_float8_cache_aims_for_two_split_ctas_per_sm(monkeypatch):
         got = tuple(dec.launch_plan(b, 8, length, device)[1]
                     for b, length in ((1, 8192), (8, 8192), (64, 4096), (1, 512)))
         assert got == want, name
+
+
+@pytest.mark.parametrize("q_offset", [-1, -100, -(2**30)])
+def test_a_negative_q_offset_reaches_the_launch(q_offset, monkeypatch):
+    """FlashAttention's bottom-right alignment for Sq > Skv: q_offset = Skv - Sq < 0 is
+    accepted and passed to the kernel as is (the CPU stops at the device check, so the
+    launch is reached through a CUDA-looking stand-in)."""
+    launched = []
+
+    def record(stream, grid, kernel, args, **kw):
+        launched.append(args)
+
+    q, k = _t(1, 8, 40, 128), _t(1, 2, 16, 128)
+    monkeypatch.setattr(mod.ct, "launch", record)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(mod.torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(mod.torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(mod.torch.cuda, "current_device", lambda: 0)
+    mod.attention(q, k, k, q_offset=q_offset)
+    assert launched, "not launched"
+    ints = [a for a in launched[0] if type(a) is int]
+    assert q_offset in ints, ints

@@ -197,3 +197,23 @@ def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset)
         assert list(range(lo, hi + 1)) == expected
     pairs = visible_pairs(seq_q, seq_k, causal, window, q_offset=q_offset)
     assert pairs == int(mask.sum())
+
+
+def test_negative_q_offset_rows_before_the_first_key_are_zero_with_lse_minus_inf():
+    """Sq > Skv aligned bottom-right (q_offset = Skv - Sq): the first Sq - Skv rows see
+    no key, give zeros and an LSE of -inf, and nothing is NaN; the rest match SDPA's
+    bottom-right causal mask."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    out, lse = attention_reference(q, k, v, causal=True, q_offset=5 - 12, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[:, :, :7] == 0).all() and torch.isneginf(lse[:, :, :7]).all()
+    mask = torch.ones(12, 5, dtype=torch.bool).tril(diagonal=5 - 12)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double()[:, :, 7:], k.double(), v.double(), attn_mask=mask[7:])
+    assert torch.allclose(out[:, :, 7:], want, atol=1e-12)
+    # Gradients through the empty rows are zero, not NaN.
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    attention_reference(q64, k64, v64, causal=True, q_offset=-7).sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q64, k64, v64))
+    assert (q64.grad[:, :, :7] == 0).all()

@@ -98,15 +98,19 @@ def _template_location(exc: BaseException) -> str:
     return f"{name}:{lineno}" if lineno else "template"
 
 
-def render_body(plan: Plan) -> str:
-    """The module without its header: rendered, then black-formatted."""
-    path = templates_dir()
-    env = _environment(str(path))
-    name = TEMPLATE_BY_FAMILY[plan.spec.family]
+def render_raw(plan: Plan) -> str:
+    """The family template's output for ``plan``, before black."""
+    env = _environment(str(templates_dir()))
     try:
-        raw = env.get_template(name).render(plan=plan)
+        return env.get_template(TEMPLATE_BY_FAMILY[plan.spec.family]).render(plan=plan)
     except jinja2.TemplateError as exc:
         raise RenderError(f"{_template_location(exc)}: {exc}") from exc
+
+
+def render_body(plan: Plan) -> str:
+    """The module without its header: rendered, then black-formatted."""
+    raw = render_raw(plan)
+    name = TEMPLATE_BY_FAMILY[plan.spec.family]
     try:
         return black.format_str(raw, mode=BLACK_MODE)
     except black.InvalidInput as exc:

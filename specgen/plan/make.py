@@ -182,10 +182,12 @@ class Plan:
 
     @property
     def rows_may_be_empty(self) -> bool:
-        """A left window or a mask_mod can leave a row with no visible key in a tile,
-        or at all: the softmax takes its exponents against 0 there and the division
-        guards l = 0."""
-        return self.window_left is not None or self.mask_mod is not None or self.varlen
+        """A window, a mask_mod, or a causal row before the first key (q_offset < 0,
+        or a varlen sequence with more queries than keys) can leave a row with no
+        visible key in a tile, or at all: the softmax takes its exponents against 0
+        there and the division guards l = 0."""
+        return (self.window_left is not None or self.window_right is not None
+                or self.mask_mod is not None or self.varlen or self.causal)
 
     @property
     def hooks(self) -> tuple[Hook, ...]:

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _isolated_cubin_cache(tmp_path_factory, monkeypatch):
-    """Tests compile into one per-session cache, never the user's."""
-    if "SPECGEN_TEST_CACHE" not in os.environ:
-        os.environ["SPECGEN_TEST_CACHE"] = str(tmp_path_factory.getbasetemp() / "cubins")
-    monkeypatch.setenv("SPECGEN_CACHE_DIR", os.environ["SPECGEN_TEST_CACHE"])
+def _test_caches() -> Path:
+    """One cubin cache for the whole run, shared by the xdist workers and the
+    subprocesses the tests start, and never the user's: specgen's cubins and cuTile's
+    own disk cache under the system temp folder. A cubin's key holds the source, the
+    signatures and the toolchain, so entries of an earlier run are reused, never wrong."""
+    return Path(tempfile.gettempdir()) / f"specgen-test-caches-{os.getuid()}"
+
+
+def pytest_configure(config):
+    caches = _test_caches()
+    os.environ.setdefault("SPECGEN_TEST_CACHE", str(caches / "cubins"))
+    os.environ["SPECGEN_CACHE_DIR"] = os.environ["SPECGEN_TEST_CACHE"]
+    os.environ.setdefault("CUDA_TILE_CACHE_DIR", str(caches / "cutile"))

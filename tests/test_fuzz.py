@@ -32,10 +32,10 @@ from specgen.plan.make import make_plan  # noqa: E402
 from specgen.emit.render import BLACK_MODE, render, render_raw  # noqa: E402
 from specgen.spec import Spec, validate_spec  # noqa: E402
 
-# 150 random specs in the default run (about a minute on one core); a deep run:
+# 80 random specs in the default run (under a minute on one core); a deep run:
 # SPECGEN_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py. derandomize=True
 # makes every run draw the same specs, so a failure reproduces.
-EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "80"))
 COMPILE_EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_COMPILE", "4"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -211,9 +211,16 @@ def test_a_sample_of_random_specs_compiles_for_sm_90(data):
     spec = _validated(data)
     assume(spec is not None)
     plan = make_plan(spec)
+    before = os.environ.get("SPECGEN_CACHE_DIR")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["SPECGEN_CACHE_DIR"] = cache
-        result = compile_target(plan, render(plan, "specs/fuzz.yaml").text, "<fuzz>", "sm_90")
+        try:
+            result = compile_target(plan, render(plan, "specs/fuzz.yaml").text, "<fuzz>", "sm_90")
+        finally:
+            if before is None:
+                os.environ.pop("SPECGEN_CACHE_DIR", None)
+            else:
+                os.environ["SPECGEN_CACHE_DIR"] = before
     assert result.size > 0
 
 

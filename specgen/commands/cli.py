@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from specgen import __version__
@@ -28,8 +29,9 @@ def _parser() -> argparse.ArgumentParser:
         "failure or drift (--check), 2 bad input.",
     )
     build.add_argument("paths", nargs="+", metavar="PATH", help="spec file or folder of specs")
-    build.add_argument("--out", default="generated", metavar="DIR",
-                       help="folder of generated modules (default: generated)")
+    build.add_argument("--gen", "--out", dest="gen", default="generated", metavar="DIR",
+                       help="folder of generated modules (default: generated); --out is the "
+                       "same option")
     build.add_argument("--targets", metavar="LIST",
                        help="comma-separated targets overriding each spec's compile_for, "
                        "e.g. sm_90,sm_100")
@@ -58,8 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                       "shuffled page tables); a failure prints the --fuzz-case that replays it")
     test.add_argument("--fuzz-case", metavar="SEED:I",
                       help="replay one fuzz case (as a failure prints it)")
-    test.add_argument("--out", default="generated", metavar="DIR",
-                      help="folder of generated modules (default: generated)")
+    test.add_argument("--gen", "--out", dest="gen", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated); --out is the "
+                      "same option")
 
     tune = sub.add_parser(
         "tune",
@@ -83,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
                       "those; 0 chooses by the search's means (default: 4)")
     tune.add_argument("--dry-run", action="store_true",
                       help="search and report, but leave the spec and module unchanged")
-    tune.add_argument("--out", default="bench/results", metavar="DIR",
-                      help="the tuning report goes to DIR/<gpu>/tune-<spec>-<target>.json")
+    tune.add_argument("--results", default="bench/results", metavar="DIR",
+                      help="results folder: the tuning report goes to "
+                      "DIR/<gpu>/tune-<spec>-<target>.json (default: bench/results)")
     tune.add_argument("--gen", default="generated", metavar="DIR",
                       help="folder of generated modules (default: generated)")
 
@@ -107,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
                        help="comma-separated names from cudnn,flash,flex,fa3,tilegym (default: "
                        "cudnn,flash,flex; fa3 and tilegym where installed, else the row says why)")
-    bench.add_argument("--out", default="bench/results", metavar="DIR",
+    bench.add_argument("--results", default="bench/results", metavar="DIR",
                        help="results folder; files go to DIR/<gpu>/ (default: bench/results)")
     bench.add_argument("--gen", default="generated", metavar="DIR",
                        help="folder of generated modules (default: generated)")
@@ -137,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="folder of generated modules (default: generated)")
 
     schema = sub.add_parser("schema", help="print the spec's JSON Schema")
-    schema.add_argument("--out", metavar="FILE", help="write it to FILE instead of stdout")
+    schema.add_argument("--file", metavar="FILE", help="write it to FILE instead of stdout")
 
     docs = sub.add_parser(
         "docs",
@@ -158,6 +162,8 @@ def schema_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns at import when NumPy is not installed; specgen needs no NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = _parser().parse_args(argv)
     try:
         if args.command == "build":
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_build(
                 args.paths,
-                Path(args.out),
+                Path(args.gen),
                 targets=args.targets,
                 no_compile=args.no_compile,
                 check=args.check,
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.fuzz < 0 or args.fuzz > 100000:
                 raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
             case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
-            return run_test(args.paths, Path(args.out), quick=args.quick, seed=args.seed,
+            return run_test(args.paths, Path(args.gen), quick=args.quick, seed=args.seed,
                             fuzz=args.fuzz, fuzz_case_seed=case)
         if args.command == "tune":
             from specgen.bench import parse_suite
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
             if not args.confirm.isdigit() or int(args.confirm) > 64:
                 raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
-            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)), Path(args.out),
+            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)), Path(args.results),
                             Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
                             confirm=int(args.confirm))
         if args.command == "bench":
@@ -204,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 if args.paths:
                     raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
-                run_variants(Path(args.variants), Path(args.out))
+                run_variants(Path(args.variants), Path(args.results))
                 return 0
             if not args.paths:
                 raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
-            run_suite(parse_suite(args.suite), args.paths, results=Path(args.out), gen=Path(args.gen),
+            run_suite(parse_suite(args.suite), args.paths, results=Path(args.results), gen=Path(args.gen),
                       baselines=parse_baselines(args.baselines))
             return 0
         if args.command == "diff":
@@ -230,10 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             return 1 if args.check and changed else 0
         if args.command == "schema":
             text = schema_text()
-            if args.out:
+            if args.file:
                 from specgen.compile.export import atomic_write
 
-                atomic_write(Path(args.out), text.encode())
+                atomic_write(Path(args.file), text.encode())
             else:
                 sys.stdout.write(text)
             return 0

@@ -131,11 +131,21 @@ def target_configs(plan: Plan, target: str) -> list[ConfigPlan]:
     return configs
 
 
+@lru_cache(maxsize=None)
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write through a temporary file in the same folder and os.replace it in."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        # mkstemp makes the file 0600; give it the mode open() would (0644 under
+        # the usual umask 022).
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

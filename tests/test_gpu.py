@@ -640,3 +640,10 @@ def test_negative_q_offset_rows_are_zero_with_lse_minus_inf():
                          ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_negative_q_offset_gradients(shape):
     _grad_check(generated_module("fmha_train_gqa_causal"), *shape, seed=sum(shape))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_negative_q_offset_template_variants(variant):
+    """Every structural variant (subtiles, no loop split, block remap, loads...) with
+    the first rows before any key."""
+    _check(_variant_module(variant, VARIANTS[variant]), 1, 2, 333, 200, -133, seed=7)

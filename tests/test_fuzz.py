@@ -32,10 +32,10 @@ from specgen.plan.make import make_plan  # noqa: E402
 from specgen.emit.render import BLACK_MODE, render, render_raw  # noqa: E402
 from specgen.spec import Spec, validate_spec  # noqa: E402
 
-# 80 random specs in the default run (under a minute on one core); a deep run:
+# 50 random specs in the default run (about 30 s on one core); a deep run:
 # SPECGEN_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py. derandomize=True
 # makes every run draw the same specs, so a failure reproduces.
-EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "50"))
 COMPILE_EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_COMPILE", "4"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

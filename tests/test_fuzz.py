@@ -32,10 +32,10 @@ from specgen.plan.make import make_plan  # noqa: E402
 from specgen.emit.render import BLACK_MODE, render, render_raw  # noqa: E402
 from specgen.spec import Spec, validate_spec  # noqa: E402
 
-# 50 random specs in the default run (about 30 s on one core); a deep run:
+# 30 random specs of each family in the default run (about 20 s each on one core); a deep run:
 # SPECGEN_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py. derandomize=True
 # makes every run draw the same specs, so a failure reproduces.
-EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "50"))
+EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "30"))
 COMPILE_EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_COMPILE", "4"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
@@ -170,9 +170,20 @@ def _check_module_text(text: str, spec_dict: dict) -> None:
     assert ast.literal_eval(spec_nodes[0].value) == spec_dict
 
 
+# One test per family, so the two halves of the examples run on two workers.
 @FUZZ
-@given(st.one_of(prefill_specs(), decode_specs()))
-def test_random_valid_specs_render_clean_importable_modules(data):
+@given(prefill_specs())
+def test_random_valid_prefill_specs_render_clean_importable_modules(data):
+    _render_clean_importable(data)
+
+
+@FUZZ
+@given(decode_specs())
+def test_random_valid_decode_specs_render_clean_importable_modules(data):
+    _render_clean_importable(data)
+
+
+def _render_clean_importable(data):
     spec = _validated(data)
     assume(spec is not None)
     event(f"family {spec.family}")

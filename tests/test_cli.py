@@ -30,6 +30,7 @@ def project(tmp_path):
 
 
 def test_bad_spec_exits_2_with_one_line_and_overwrites_nothing(project):
+    _keep(project)
     assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
     target = project / "generated" / "fmha_gqa_causal.py"
     before = target.read_bytes()

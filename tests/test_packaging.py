@@ -1,6 +1,7 @@
 """A wheel of specgen builds modules from any folder: the templates and the table of
 measured configs ship inside it."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -81,8 +82,11 @@ def test_a_decode_spec_without_targets_builds_the_same_from_the_wheel_and_the_ch
     spec.write_text(DECODE_WITHOUT_TARGETS)
     run(python, "-m", "specgen", "build", "specs", "--no-compile", "--out", "from_wheel",
         cwd=tmp_path)
-    run(sys.executable, "-m", "specgen", "build", "specs", "--no-compile", "--out",
-        "from_checkout", cwd=tmp_path)
+    checkout = subprocess.run(
+        [sys.executable, "-m", "specgen", "build", "specs", "--no-compile", "--out", "from_checkout"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert checkout.returncode == 0, checkout.stderr
     from_wheel = (tmp_path / "from_wheel" / "llama3_70b_decode.py").read_text()
     assert from_wheel == (tmp_path / "from_checkout" / "llama3_70b_decode.py").read_text()
     assert '"tile_m": 16' in from_wheel

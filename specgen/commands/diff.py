@@ -353,6 +353,12 @@ def format_text(report: dict, stat: bool, colour: bool) -> str:
     lines += ["", f"3. Source: +{src['added']} -{src['removed']} lines in {src['hunks']} hunk(s)"]
     if not stat and src["diff"]:
         lines.append((_colour(src["diff"]) if colour else src["diff"]).rstrip("\n"))
+    return "\n".join(lines) + "\n" + format_tail(report)
+
+
+def format_tail(report: dict) -> str:
+    """Sections 4 (compiled, when present) and 5 (performance), or nothing."""
+    lines = []
     if report.get("compiled") is not None:
         lines += ["", "4. Compiled"]
         for row in report["compiled"]:
@@ -391,7 +397,7 @@ def format_text(report: dict, stat: bool, colour: bool) -> str:
                 a_t = f"{row['a_tflops']:.0f}" if row["a_tflops"] else "n/a"
                 b_t = f"{row['b_tflops']:.0f}" if row["b_tflops"] else "n/a"
                 lines.append(f"    S={row['seq']}: {a_t} {ARROW} {b_t} ({ratio})")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def build_report(a: Side, b: Side, compiled: bool, results_dir: Path) -> dict:
@@ -436,6 +442,20 @@ def run_diff(
             raise UsageError("diff: give two specs or modules (A B), or one with --set key=value")
         data_a, side_a = load_side(paths[0])
         side_b = variant_side(data_a, side_a, sets) if sets else load_side(paths[1])[1]
+        if compiled and not as_json:
+            # The spec, plan and source sections need no compile: print them at once,
+            # then the compiled and performance sections when the cubins are built.
+            report = build_report(side_a, side_b, False, results_dir)
+            colour = sys.stdout.isatty()
+            head = format_text({**report, "performance": None}, stat, colour)
+            sys.stdout.write(head + "\n4. Compiled\n")
+            sys.stdout.flush()
+            print("diff: compiling a and b for their targets (cached cubins are instant)...",
+                  file=sys.stderr, flush=True)
+            report["compiled"] = compiled_section(side_a, side_b)
+            tail = format_tail(report).split("\n4. Compiled\n", 1)[-1]
+            sys.stdout.write(tail)
+            return 1 if differs(report) else 0
         reports = [build_report(side_a, side_b, compiled, results_dir)]
     colour = sys.stdout.isatty() and not as_json
     if as_json:

@@ -202,6 +202,9 @@ DESCRIPTIONS: dict[str, str] = {
     "compiler's choice).",
     "autotune.<target>.opt_level": "`opt_level` values to try (`null`: 3).",
     "autotune.<target>.tile_order": "`tile_order` values to try.",
+    "autotune.<target>.v_transposed": "`v_transposed` values to try (`null`: the default, "
+    "true for float8 prefill). One kernel takes both layouts; the transposing copy is made "
+    "outside the timing.",
     "autotune.<target>.seq_buckets": "Keep a separate winner for a shorter length of the "
     "suite where it beats the longest length's winner by `min_gain` (written as "
     "`by_seq_k`); `false` keeps one config for every length.",

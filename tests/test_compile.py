@@ -107,6 +107,37 @@ def test_global_tile_order_is_a_kernel_constant_compiled_per_config():
     assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).tile_order_param
 
 
+def test_v_transposed_is_a_kernel_constant_compiled_per_config():
+    data = yaml.safe_load(SPECS[0].read_text())
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2, "v_transposed": True,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}],
+    }}
+    plan = make_plan(validate_spec(data))
+    assert plan.v_layout_param and plan.kernel_constants[-1] == "V_TRANSPOSED"
+    configs = target_configs(plan, "sm_90")
+    assert [c.v_transposed for c in configs] == [False, True]
+    # The transposed V's last axis is the key axis: no head-dim divisibility assumed.
+    sig_v = [s.parameters[2] for c in configs for s in signatures(plan, "sm_90", c)]
+    assert {v.shape_divisible_by[-1] for v in sig_v[:2]} == {16}
+    assert {v.shape_divisible_by[-1] for v in sig_v[2:]} == {1}
+    source = render(plan, "specs/vt.yaml").text
+    assert "order=(0, 1, 3, 2)" in source.split("if V_TRANSPOSED:")[1].split("else:")[0]
+    assert len({cache_key(plan, source, "sm_90", c) for c in configs}) == 2
+    result = compile_target(plan, source, "generated/vt.py", "sm_90")
+    assert len(result.paths) == 2 and all(p.stat().st_size > 0 for p in result.paths)
+
+
+def test_float8_prefill_reads_v_transposed_by_default():
+    fp8 = next(p for p in SPECS if p.stem == "fmha_fp8_llama")
+    plan, source = _plan_and_source(fp8)
+    assert plan.v_layout_param
+    assert all(c.v_transposed for t in plan.targets for c in t.configs)
+    assert '"v_transposed": True' in source and "v_arg.copy_(v.transpose(2, 3))" in source
+    # 16-bit specs keep V as given, and their kernels have no V_TRANSPOSED argument.
+    assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).v_layout_param
+
+
 @pytest.mark.parametrize("pdl,target,expected", [
     ("auto", "sm_90", True),  # auto: Hopper, where PDL was measured
     ("auto", "sm_100", False),

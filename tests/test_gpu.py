@@ -102,6 +102,19 @@ VARIANTS = {
         "loads": {"check_bounds": "masked"},
         "targets": {"default": {"tile_m": 64, "tile_n": 32, "occupancy": 2}},
     },
+    # V handed to the kernel transposed ([B, Hkv, D, Skv], key rows padded to 16):
+    # every length's own config transposes, 77 (a bucket) does not; padded D too.
+    "v_transposed_buckets_d80": {
+        "head_dim": 80,
+        "targets": {"default": {
+            "tile_m": 64, "tile_n": 64, "v_transposed": True,
+            "by_seq_k": [{"max_seq_k": 100, "tile_m": 32, "tile_n": 32, "v_transposed": False}],
+        }},
+    },
+    "v_transposed_fp8_non_causal": {
+        "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False, "block_remap": None,
+        "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64}},
+    },
     # Key-length buckets: 77 and 128 run the first config, 1000 the target's own.
     "seq_buckets": {
         "targets": {"default": {

@@ -90,6 +90,8 @@ def describe(config: dict) -> str:
             text += f" {short}{config[name]}"
     if config.get("tile_order") == "global":
         text += " global"
+    if config.get("v_transposed") is not None:
+        text += " vT" if config["v_transposed"] else " vN"
     return text
 
 
@@ -229,7 +231,7 @@ def run_tune(
     )
     from specgen.compile.export import atomic_write, load_module_from_source
     from specgen.check.gpu import device_info, device_slug, require_cuda
-    from specgen.plan.make import make_plan
+    from specgen.plan.make import default_v_transposed, make_plan
     from specgen.emit.render import render
 
     spec: Spec = load_spec(path)
@@ -266,7 +268,11 @@ def run_tune(
         f"{len(configs)} configs x {len(seqs)} lengths (B={batch}, Hq={heads})")
 
     # One kernel for both tile orders when the space has "global".
-    plan = make_plan(spec, tile_order_param=space.tile_order != ["per_head"])
+    # And one kernel for both V layouts when the space asks for a transposed V.
+    v_default = default_v_transposed(spec)
+    v_choices = {v_default if v is None else v for v in space.v_transposed}
+    plan = make_plan(spec, tile_order_param=space.tile_order != ["per_head"],
+                     v_layout_param=True in v_choices)
     source = render(plan, path.as_posix()).text
     module = load_module_from_source(f"{spec.name}_tune", source, f"{spec.name}_tune.py")
     kernel = getattr(module, plan.kernel_name)
@@ -278,7 +284,15 @@ def run_tune(
     def kernel_args(q, k, v, out, config, extra, q_offset=0):
         """The launch arguments, in the order of the plan's parameter list;
         ``extra``: sinks and hook tensors (feature_inputs)."""
-        values = {"q": q, "k": k, "v": v, "out": out, "scale": scale, "q_offset": q_offset,
+        v_t = v_default if config.get("v_transposed") is None else config["v_transposed"]
+        if v_t:  # as the launcher passes it: [B, Hkv, D, Skv], key rows padded to 16
+            padded = (v.shape[2] + 15) // 16 * 16
+            v_arg = v.new_empty((v.shape[0], v.shape[1], v.shape[3], padded))[..., :v.shape[2]]
+            v_arg.copy_(v.transpose(2, 3))
+        else:
+            v_arg = v
+        values = {"q": q, "k": k, "v": v_arg, "out": out, "scale": scale,
+                  "q_offset": q_offset, "v_transposed": v_t,
                   "tile_m": config["tile_m"], "tile_n": config["tile_n"],
                   "even_n": k.shape[2] % config["tile_n"] == 0,
                   "tiles_outer": config["tile_order"] == "global"}

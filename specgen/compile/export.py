@@ -94,6 +94,7 @@ def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = 
         "tiles": [config.tile_m, config.tile_n],
         "hints": config.extra_hints,
         "tile_order": config.tile_order,
+        **({"v_transposed": True} if config.v_transposed else {}),
         **toolchain_versions(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
@@ -124,7 +125,8 @@ def target_configs(plan: Plan, target: str) -> list[ConfigPlan]:
     seen, configs = set(), []
     for config in plan.target(target).configs:
         key = (config.tile_m, config.tile_n, tuple(config.extra_hints.items()),
-               config.tile_order if plan.tile_order_param else None)
+               config.tile_order if plan.tile_order_param else None,
+               config.v_transposed if plan.v_layout_param else None)
         if key not in seen:
             seen.add(key)
             configs.append(config)
@@ -274,14 +276,16 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
 
     cfg = config or plan.target(target).configs[-1]
     constants = {"TILE_M": [cfg.tile_m], "TILE_N": [cfg.tile_n], "EVEN_N": [True, False],
-                 "TILES_OUTER": [cfg.tiles_outer]}
+                 "TILES_OUTER": [cfg.tiles_outer], "V_TRANSPOSED": [cfg.v_transposed]}
     fixed = []
     for param in plan.params:
         if param.kind == "array":
             io = param.layout == "io"
             elem_bytes = 1 if param.dtype == "float8_e4m3fn" else 2 if io else 4
+            # A transposed V's last axis is the (padded-stride) key axis, of any length.
+            last_dim = None if param.name == "V" and cfg.v_transposed else param.last_dim
             fixed.append(_array_constraint(getattr(ct, param.dtype), param.ndim, elem_bytes, io,
-                                           last_dim=param.last_dim))
+                                           last_dim=last_dim))
         elif param.kind == "scalar":
             fixed.append(ScalarConstraint(getattr(ct, param.dtype)))
         else:

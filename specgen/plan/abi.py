@@ -38,7 +38,7 @@ def prefill_params(plan) -> tuple[Param, ...]:
     params = [
         Param("Q", "array", "q", plan.dtype, io_ndim, "io", plan.head_dim, role="q"),
         Param("K", "array", "k", plan.dtype, io_ndim, "io", plan.head_dim, role="k"),
-        Param("V", "array", "v", plan.dtype, io_ndim, "io", plan.v_head_dim, role="v"),
+        Param("V", "array", "v_arg" if plan.v_layout_param else "v", plan.dtype, io_ndim, "io", plan.v_head_dim, role="v"),
         Param("Out", "array", "out", plan.out_dtype, io_ndim, "io", plan.v_head_dim, role="out"),
     ]
     if plan.sinks:
@@ -72,4 +72,7 @@ def prefill_params(plan) -> tuple[Param, ...]:
     if plan.tile_order_param:
         params.append(Param("TILES_OUTER", "constant", "tiles_outer", annotation="ConstBool",
                             role="tiles_outer"))
+    if plan.v_layout_param:
+        params.append(Param("V_TRANSPOSED", "constant", "v_transposed", annotation="ConstBool",
+                            role="v_transposed"))
     return tuple(params)

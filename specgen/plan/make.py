@@ -38,6 +38,7 @@ class ConfigPlan:
     # replace_hints variant of the kernel for them. Empty for the target's config.
     extra_hints: dict
     tile_order: str = "per_head"  # "global": query tiles on the grid's slow axis
+    v_transposed: bool = False  # the launcher passes V as [B, Hkv, D, Skv]
 
     @property
     def tiles_outer(self) -> bool:
@@ -48,7 +49,8 @@ class ConfigPlan:
         text = ", ".join([f"{self.tile_m}x{self.tile_n}"]
                          + [f"{k.replace('_', ' ') if k == 'opt_level' else k} {v}"
                             for k, v in self.hints.items()]
-                         + (["global tile order"] if self.tiles_outer else []))
+                         + (["global tile order"] if self.tiles_outer else [])
+                         + (["V transposed"] if self.v_transposed else []))
         return text + (f" (seq_k <= {self.max_seq_k})" if self.max_seq_k else "")
 
     def as_dict(self) -> dict:
@@ -56,6 +58,8 @@ class ConfigPlan:
         data.update(self.hints)
         if self.tiles_outer:
             data["tile_order"] = self.tile_order
+        if self.v_transposed:
+            data["v_transposed"] = True
         if self.extra_hints:
             data["hints"] = dict(self.extra_hints)
         return data
@@ -104,6 +108,8 @@ class Plan:
     # TILES_OUTER is a ct.Constant[bool] kernel argument only where some config
     # launches with tile_order "global" (query tiles on the grid's y axis).
     tile_order_param: bool
+    # V_TRANSPOSED likewise, where some config reads V as [B, Hkv, D, Skv].
+    v_layout_param: bool
     k_transposed: bool
     exp2: bool
     flush_to_zero: bool
@@ -256,7 +262,8 @@ class Plan:
             return ("TILE_N", "SINGLE_SPLIT", "PDL")
         names = ("TILE_M", "TILE_N")
         names += ("EVEN_N",) if self.even_n_param else ()
-        return names + (("TILES_OUTER",) if self.tile_order_param else ())
+        names += ("TILES_OUTER",) if self.tile_order_param else ()
+        return names + (("V_TRANSPOSED",) if self.v_layout_param else ())
 
 
 def _arch_key(name: str) -> tuple:
@@ -285,7 +292,14 @@ def _kwargs(**values) -> str:
     return "".join(", " + part for part in parts)
 
 
-def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict) -> ConfigPlan:
+def default_v_transposed(spec: Spec) -> bool:
+    """What v_transposed: null means: float8 prefill reads V transposed (Hopper's
+    float8 MMA takes its B operand K-major only)."""
+    return spec.family == "prefill" and spec.dtype == "float8_e4m3fn" and not spec.varlen
+
+
+def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict,
+                 v_default: bool = False) -> ConfigPlan:
     hints = cfg.hints()
     extra = {}
     if hints != own_hints:
@@ -293,16 +307,19 @@ def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict) -> C
         # (an option the bucket leaves out is reset to its default).
         extra = {k: hints.get(k, HINT_DEFAULTS[k]) for k in HINT_FIELDS
                  if k in hints or k in own_hints}
-    return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra, cfg.tile_order)
+    v_transposed = v_default if cfg.v_transposed is None else cfg.v_transposed
+    return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra, cfg.tile_order,
+                      v_transposed)
 
 
-def _target_plans(targets: dict[str, TargetConfig]) -> tuple[TargetPlan, ...]:
+def _target_plans(targets: dict[str, TargetConfig], v_default: bool = False
+                  ) -> tuple[TargetPlan, ...]:
     ordered = sorted(targets.items(), key=lambda item: _arch_key(item[0]))
     plans = []
     for name, cfg in ordered:
         own = cfg.hints()
-        configs = [_config_plan(b, b.max_seq_k, own) for b in cfg.by_seq_k]
-        configs.append(_config_plan(cfg, None, own))
+        configs = [_config_plan(b, b.max_seq_k, own, v_default) for b in cfg.by_seq_k]
+        configs.append(_config_plan(cfg, None, own, v_default))
         plans.append(TargetPlan(name, cfg.tile_m, cfg.tile_n, cfg.occupancy, tuple(configs)))
     return tuple(plans)
 
@@ -358,6 +375,12 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
                      "before any head's tile t - 1")
     if loads.k_transposed:
         lines.append("K^T loaded directly with order=(0, 1, 3, 2)")
+    configs = [c for t in spec.targets.values() for c in [t, *t.by_seq_k]]
+    v_default = default_v_transposed(spec)
+    v_t = [v_default if c.v_transposed is None else c.v_transposed for c in configs]
+    if any(v_t):
+        lines.append(("V" if all(v_t) else "V (some configs)") + " passed transposed, [B, Hkv, D, Skv], "
+                     "so the P @ V MMA reads it K-major")
     if loads.k_latency is not None or loads.v_latency is not None:
         lines.append(f"latency hints: K={loads.k_latency}, V={loads.v_latency}")
     if loads.check_bounds == "masked":
@@ -427,13 +450,15 @@ def _hooks(spec: Spec) -> dict:
     return dict(**hooks, extra_tensors=extra)
 
 
-def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
+def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
+              v_layout_param: bool | None = None) -> Plan:
     """The plan of ``spec``. ``tile_order_param`` forces the TILES_OUTER kernel
     argument on or off (``specgen tune`` searches both orders with one kernel);
-    None: present where a config of the spec uses tile_order "global"."""
+    None: present where a config of the spec uses tile_order "global".
+    ``v_layout_param`` does the same for V_TRANSPOSED (configs with v_transposed)."""
     fm = spec.fast_math
     block_remap = spec.use_block_remap
-    targets = _target_plans(spec.targets)
+    targets = _target_plans(spec.targets, default_v_transposed(spec))
     loads = spec.loads
     row_mask = _row_mask(spec)
     return Plan(
@@ -455,6 +480,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None) -> Plan:
         even_n_param=bool(row_mask) and spec.loop_split and not spec.varlen,
         tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
                           if tile_order_param is None else tile_order_param),
+        v_layout_param=(any(c.v_transposed for t in targets for c in t.configs)
+                        if v_layout_param is None else v_layout_param),
         k_transposed=spec.loads.k_transposed,
         exp2=fm.exp2,
         flush_to_zero=fm.flush_to_zero,

@@ -248,6 +248,14 @@ class LaunchConfig(_Strict):
         "before any head's next tile, so with block remap the heaviest tiles of all "
         "heads run first (wins on short causal sequences).",
     )
+    v_transposed: Optional[bool] = Field(
+        None,
+        description="Prefill: the launcher hands the kernel V as [B, Hkv, D, Skv] (one "
+        "transposing copy per call, counted in its time), so the P @ V MMA reads its "
+        "B operand K-major, the layout Hopper's float8 MMA needs (with V as given, "
+        "the kernel transposes every V tile through shared memory byte by byte). "
+        "null: true for float8 prefill, false otherwise. Not for varlen or decode.",
+    )
 
     def hints(self) -> dict[str, int]:
         """The kernel options this config sets (the ones left null are auto)."""
@@ -287,6 +295,7 @@ class TargetConfig(LaunchConfig):
 
 TUNABLE_FIELDS = (
     "tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level", "tile_order",
+    "v_transposed",
 )
 
 
@@ -323,6 +332,9 @@ class AutotuneSpace(_Strict):
     )
     tile_order: _choices(TileOrder) = Field(
         default_factory=lambda: ["per_head"], min_length=1
+    )
+    v_transposed: _choices(Optional[bool]) = Field(
+        default_factory=lambda: [None], min_length=1
     )
     seq_buckets: bool = Field(
         True,

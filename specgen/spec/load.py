@@ -226,6 +226,9 @@ def spec_to_dict(spec: Spec) -> dict:
     data["targets"] = {name: _target_dict(cfg) for name, cfg in spec.targets.items()}
     if not data["autotune"]:
         del data["autotune"]
+    for space in data.get("autotune", {}).values():
+        if space["v_transposed"] == [None]:  # the default: null (auto) only
+            del space["v_transposed"]
     return data
 
 

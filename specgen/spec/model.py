@@ -325,6 +325,14 @@ class Spec(_Strict):
                                           "(a float8 cache is kv_dtype: float8_e4m3fn)"))
             if self.window is not None and self.window.right not in (None, 0):
                 problems.append(("window.right", f"family decode takes null or 0, got {self.window.right}"))
+        if self.family == "decode" or self.varlen:
+            what = "family decode" if self.family == "decode" else "varlen"
+            for name, cfg in self.targets.items():
+                for where, bucket in [(f"targets.{name}", cfg)] + [
+                        (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
+                    if bucket.v_transposed:
+                        problems.append((f"{where}.v_transposed",
+                                         f"{what} reads V as given; use null or false, got true"))
         if self.family != "decode":
             return problems
         if self.cache_dtype == "float8_e4m3fn" and self.head_dim % 16:

@@ -133,7 +133,8 @@ def test_float8_prefill_reads_v_transposed_by_default():
     plan, source = _plan_and_source(fp8)
     assert plan.v_layout_param
     assert all(c.v_transposed for t in plan.targets for c in t.configs)
-    assert '"v_transposed": True' in source and "v_arg.copy_(v.transpose(2, 3))" in source
+    assert '"v_transposed": True' in source and "return v_t.copy_(v.transpose(2, 3))" in source
+    assert "v_arg = transposed_v(v) if v_transposed else v" in source
     # 16-bit specs keep V as given, and their kernels have no V_TRANSPOSED argument.
     assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).v_layout_param
 

@@ -285,12 +285,7 @@ def run_tune(
         """The launch arguments, in the order of the plan's parameter list;
         ``extra``: sinks and hook tensors (feature_inputs)."""
         v_t = v_default if config.get("v_transposed") is None else config["v_transposed"]
-        if v_t:  # as the launcher passes it: [B, Hkv, D, Skv], key rows padded to 16
-            padded = (v.shape[2] + 15) // 16 * 16
-            v_arg = v.new_empty((v.shape[0], v.shape[1], v.shape[3], padded))[..., :v.shape[2]]
-            v_arg.copy_(v.transpose(2, 3))
-        else:
-            v_arg = v
+        v_arg = module.transposed_v(v) if v_t else v  # as the launcher passes it
         values = {"q": q, "k": k, "v": v_arg, "out": out, "scale": scale,
                   "q_offset": q_offset, "v_transposed": v_t,
                   "tile_m": config["tile_m"], "tile_n": config["tile_n"],

@@ -248,7 +248,8 @@ def test_layouts_say_how_the_inputs_were_laid_out():
     assert "bfloat16 copies of the float8 inputs" in prefill.layout(plan_of("fmha_fp8_llama"))
     assert decode.layout(plan_of("fmha_decode_gqa8_bf16")) == "contiguous KV cache [B, L, Hkv, D]"
     assert decode.layout(plan_of("fmha_decode_gqa8_fp8kv")) == (
-        "contiguous KV cache [B, L, Hkv, D], float8_e4m3fn (baselines: the cache dequantised to bfloat16)")
+        "contiguous KV cache [B, L, Hkv, D], V stored keys last, float8_e4m3fn (baselines: the cache "
+        "dequantised to bfloat16)")
     assert decode.layout(plan_of("fmha_decode_mha_paged_f16")).startswith("paged KV cache, page_size ")
 
 

@@ -363,6 +363,13 @@ DECODE_VARIANTS = {
         "window": {"left": 500}, "sinks": True, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     "fp8kv_f16_mha_d64": {"dtype": "float16", "kv_dtype": "float8_e4m3fn", "gqa_ratio": 1, "head_dim": 64,
                           "targets": {"default": {"tile_m": 16, "tile_n": 128}}},
+    # V stored keys last: paged float8 with the features above, contiguous 16-bit.
+    "fp8kv_vt_gqa4_q4_paged64_window_sinks": {
+        "gqa_ratio": 4, "max_q_len": 4, "kv_dtype": "float8_e4m3fn", "paged": {"page_size": 64},
+        "v_cache_transposed": True, "window": {"left": 500}, "sinks": True,
+        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "vt_f16_gqa8_q2": {"dtype": "float16", "gqa_ratio": 8, "max_q_len": 2, "v_cache_transposed": True,
+                       "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
 }
 
 
@@ -520,6 +527,71 @@ def test_decode_float8_descales_are_read_by_the_kernel_and_checked():
         with pytest.raises(ValueError) as info:
             mod.attention(*args, **kwargs)
         assert message in str(info.value), (message, str(info.value))
+
+
+def test_decode_float8_queries_beyond_float16_range():
+    """The float8-cache kernel runs its MMAs in float16 with each bfloat16 query row
+    scaled into float16's range: rows far above 65504 and far below float16's
+    smallest normal give the reference's result."""
+    from specgen.check.cases import decode_reference, random_decode
+
+    mod = generated_module("fmha_decode_gqa8_fp8kv")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    batch = random_decode(mod.SPEC, [700, 1500, 64, 3000], 2, 1, gen)
+    q = batch.q.clone()
+    q[0] *= 1e6  # |q| up to ~4e6: far past float16's 65504
+    q[1] *= 1e-7  # far below float16's smallest normal (6e-5)
+    q[2, :, :3] = 0.0  # all-zero rows
+    q[3, :, 5, :64] *= 3e5  # one head with half its dims huge
+    scale = 1e-6  # keeps the huge rows' logits finite and varied
+    extra = {"k_descale": 0.5, "v_descale": 0.25}
+    batch = type(batch)(q, batch.k_cache, batch.v_cache, batch.seq_lens, None, batch.v_transposed)
+    for s in (None, scale):
+        out = mod.attention(*batch.args(), scale=s, **extra)
+        ref = decode_reference(mod.SPEC, batch, extra, scale=s)
+        assert compare(out, ref, "bfloat16").ok, s
+
+
+def test_decode_transposed_v_cache_conversion_and_checks():
+    """transposed_v_cache() turns a [B, L, Hkv, D] V cache into the layout the
+    module reads (key axis padded to 16); wrong layouts raise ValueError first."""
+    from specgen.check.cases import decode_reference, random_decode
+
+    mod = generated_module("fmha_decode_gqa8_fp8kv")
+    plain = dict(mod.SPEC, v_cache_transposed=False)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batch = random_decode(plain, [700, 1501, 64, 3001], 2, 1, gen)  # max_len 3001: not a multiple of 16
+    v_t = mod.transposed_v_cache(batch.v_cache)
+    assert v_t.shape == (4, 2, 128, 3008) and v_t.dtype == torch.float8_e4m3fn
+    extra = {"k_descale": 0.75, "v_descale": 1.5}
+    out = mod.attention(batch.q, batch.k_cache, v_t, batch.seq_lens, **extra)
+    assert compare(out, decode_reference(plain, batch, extra), "bfloat16").ok
+    # A new token written keys-last lands where the kernel reads it.
+    v_t2 = v_t.clone()
+    lens = batch.seq_lens.clone()
+    lens[0] += 1
+    new = torch.randn(2, 128, device="cuda").to(torch.float8_e4m3fn)
+    v_t2[0, :, :, 700] = new
+    k2 = batch.k_cache.clone()
+    k2[0, 700] = torch.randn(2, 128, device="cuda").to(torch.float8_e4m3fn)
+    v_plain = batch.v_cache.clone()
+    v_plain[0, 700] = new
+    grown = type(batch)(batch.q, k2, v_plain, lens, None, False)
+    out = mod.attention(batch.q, k2, v_t2, lens, **extra)
+    assert compare(out, decode_reference(plain, grown, extra), "bfloat16").ok
+    bad = [
+        (batch.v_cache, "v_cache is stored transposed (keys last): it must be a torch.float8_e4m3fn tensor "
+                        "[4, 2, 128, L] with L >= 3001, keys contiguous"),
+        (v_t[..., :3000], "[4, 2, 128, L] with L >= 3001"),
+        (v_t[..., :3001].contiguous(), "rows 16-byte aligned"),
+        (v_t.to(torch.bfloat16), "v_cache is stored transposed"),
+    ]
+    for v_bad, message in bad:
+        with pytest.raises(ValueError) as info:
+            mod.attention(batch.q, batch.k_cache, v_bad, batch.seq_lens, **extra)
+        assert message in str(info.value), (message, str(info.value))
+    with pytest.raises(ValueError, match=r"v_cache must be a 4-D \[B, max_len, Hkv, 128\] tensor"):
+        mod.transposed_v_cache(v_t[0])
 
 
 def test_decode_arguments_are_checked_before_launch():

@@ -104,6 +104,10 @@ BAD = [
      "specs/bad.yaml: kv_dtype: float8_e4m3fn needs head_dim a multiple of 16 (16-byte aligned cache rows), "
      "got head_dim 72"),
     ({"kv_dtype": "float8_e4m3fn"}, "specs/bad.yaml: kv_dtype: a decode field, not supported by family prefill"),
+    ({"v_cache_transposed": True},
+     "specs/bad.yaml: v_cache_transposed: a decode field, not supported by family prefill"),
+    ({"family": "decode", "v_cache_transposed": "keys_last"},
+     "specs/bad.yaml: v_cache_transposed: must be true or false, got \"keys_last\""),
     ({"backward": True, "window": {"left": 8}},
      "specs/bad.yaml: backward: true does not support window yet; the backward kernels cover "
      "causal/non-causal, GQA and power-of-two head dims, got true"),
@@ -121,7 +125,7 @@ BAD = [
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, splits, pdl, backward, compile_for, autotune"),
+     "q_subtiles, splits, pdl, v_cache_transposed, backward, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, by_seq_k"),

@@ -175,6 +175,7 @@ class Decode(Suite):
     def layout(self, plan) -> str:
         return (("paged KV cache, page_size %d" % plan.page_size if plan.page_size
                  else "contiguous KV cache [B, L, Hkv, D]")
+                + (", V stored keys last" if plan.v_cache_transposed else "")
                 + (f", {plan.kv_dtype} (baselines: the cache dequantised to {plan.dtype})"
                    if plan.kv_dtype != plan.dtype else ""))
 

@@ -250,13 +250,16 @@ def smoke_case(spec: dict, generator=None) -> SmokeCase:
 @dataclass(frozen=True)
 class DecodeBatch:
     """A decode call: q [B, q_len, Hq, D], the caches (contiguous [B, max_len, Hkv, D]
-    or pages [num_pages, page_size, Hkv, D] with a page table) and seq_lens [B]."""
+    or pages [num_pages, page_size, Hkv, D] with a page table) and seq_lens [B]. A
+    spec with v_cache_transposed stores V keys last: [B, Hkv, D, L] or pages
+    [num_pages, Hkv, D, page_size]."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     seq_lens: torch.Tensor
     page_table: torch.Tensor | None
+    v_transposed: bool = False
 
     def args(self) -> tuple:
         return ((self.q, self.k_cache, self.v_cache, self.seq_lens)
@@ -265,13 +268,15 @@ class DecodeBatch:
     def keys(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's cached K and V, [Hkv, seq_len, D] each."""
         n = int(self.seq_lens[b])
+        # V in the usual layout ([B, L, Hkv, D] or [num_pages, page_size, Hkv, D]).
+        v_cache = self.v_cache.permute(0, 3, 1, 2) if self.v_transposed else self.v_cache
         if self.page_table is None:
-            return self.k_cache[b, :n].transpose(0, 1), self.v_cache[b, :n].transpose(0, 1)
+            return self.k_cache[b, :n].transpose(0, 1), v_cache[b, :n].transpose(0, 1)
         size = self.k_cache.shape[1]
         pos = torch.arange(n, device=self.q.device)
         pages = self.page_table[b, pos // size].long()
         return (self.k_cache[pages, pos % size].transpose(0, 1),
-                self.v_cache[pages, pos % size].transpose(0, 1))
+                v_cache[pages, pos % size].transpose(0, 1))
 
 
 def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
@@ -279,7 +284,9 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
     """Random q and caches for ``seq_lens``; every cache slot past a sequence's
     length holds NaN, so a kernel that reads one into its result fails the check.
     A paged cache gets its pages in a shuffled order (and one spare page). A
-    float8 cache (``kv_dtype``) holds N(0, 1) values / FP8_DESCALES' k and v descales."""
+    float8 cache (``kv_dtype``) holds N(0, 1) values / FP8_DESCALES' k and v descales.
+    With ``v_cache_transposed`` V is stored keys last, a contiguous cache's key axis
+    padded to a multiple of 16 (with NaN)."""
     dtype = getattr(torch, spec["dtype"])
     kv_dtype = getattr(torch, spec.get("kv_dtype") or spec["dtype"])
     d, batch = spec["head_dim"], len(seq_lens)
@@ -300,13 +307,19 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
     q = rand(batch, q_len, heads, d)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     paged = spec.get("paged")
+    transposed = bool(spec.get("v_cache_transposed"))
     if not paged:
         max_len = max(seq_lens)
         k, v = rand_k(batch, max_len, kv_heads, d), rand_v(batch, max_len, kv_heads, d)
         for b, n in enumerate(seq_lens):
             k[b, n:] = float("nan")
             v[b, n:] = float("nan")
-        return DecodeBatch(q, k, v, lens, None)
+        if transposed:
+            padded = torch.full((batch, kv_heads, d, -(-max_len // 16) * 16), float("nan"),
+                                dtype=kv_dtype, device="cuda")
+            padded[..., :max_len] = v.permute(0, 2, 3, 1)
+            v = padded
+        return DecodeBatch(q, k, v, lens, None, transposed)
     size = paged["page_size"]
     per_seq = [-(-n // size) for n in seq_lens]
     num_pages = sum(per_seq) + 1
@@ -322,7 +335,9 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
         pages = table[b, pos // size].long()
         k[pages, pos % size] = rand_k(n, kv_heads, d)
         v[pages, pos % size] = rand_v(n, kv_heads, d)
-    return DecodeBatch(q, k, v, lens, table)
+    if transposed:
+        v = v.permute(0, 2, 3, 1).contiguous()
+    return DecodeBatch(q, k, v, lens, table, transposed)
 
 
 def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) -> torch.Tensor:

@@ -159,7 +159,8 @@ class Plan:
     pdl: str | bool = False  # decode: programmatic dependent launch
     decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
     kv_dtype: str = ""  # decode: the KV cache's element type ("float8_e4m3fn", or the dtype)
-    kv_fp8: bool = False  # decode: a float8 cache, with k/v descales, cast to dtype for the MMAs
+    kv_fp8: bool = False  # decode: a float8 cache, with k/v descales, cast to float16 for the MMAs
+    v_cache_transposed: bool = False  # decode: V cache [B, Hkv, D, L] / pages [P, Hkv, D, page_size]
     split_ctas_per_sm: int = 1  # decode: CTAs per SM the auto split count aims for (float8 cache: 2)
     # Decode: the key tiles after the last one every row sees (keys past the sequence,
     # or after a query token) are at most 1 (q_len 1) or 2 (q_len <= 8 < 16 <= tile_n)
@@ -281,7 +282,8 @@ def procedural_name(spec: Spec) -> str:
         name += f"_kv{DTYPE_SHORT[spec.kv_dtype]}" if spec.cache_dtype != spec.dtype else ""
         name += f"_d{spec.head_dim}"
         name += f"_q{spec.max_q_len}" if spec.max_q_len > 1 else ""
-        return name + (f"_paged{spec.paged.page_size}" if spec.paged else "")
+        name += f"_paged{spec.paged.page_size}" if spec.paged else ""
+        return name + ("_vt" if spec.v_cache_transposed else "")
     mask = "causal" if spec.causal else "full"
     dims = f"d{spec.head_dim}" + (f"_dv{spec.v_head_dim}" if spec.v_head_dim else "")
     return f"fmha_{spec.family}_{mask}_{heads}_{DTYPE_SHORT[spec.dtype]}_{dims}"
@@ -543,6 +545,7 @@ def _decode(spec: Spec) -> dict:
     return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
                 splits=spec.splits, pdl=spec.pdl, decode_tile_m=rows,
                 kv_dtype=spec.cache_dtype, kv_fp8=spec.cache_dtype == "float8_e4m3fn",
+                v_cache_transposed=spec.v_cache_transposed,
                 split_ctas_per_sm=2 if spec.cache_dtype == "float8_e4m3fn" else 1,
                 # (max_q_len - 1) < 16 <= tile_n keys: the masked keys span at most 2 tiles.
                 tail_tiles=1 if spec.max_q_len == 1 else 2,

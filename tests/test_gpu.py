@@ -618,25 +618,52 @@ BACKWARD_VARIANTS = {
     "causal_gqa8_f16_d64_no_exp2": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "prescale_q": False,
                                     "fast_math": {"exp2": False, "flush_to_zero": False,
                                                   "approx_div": False}},
+    # Gemma-2: soft-cap and a sliding window.
+    "softcap_window_gqa2": {"backward": True, "gqa_ratio": 2, "softcap": 30.0, "window": {"left": 100},
+                            "prescale_q": True},
+    "non_causal_window_left_right_f16_d64": {"backward": True, "causal": False, "block_remap": None,
+                                             "dtype": "float16", "head_dim": 64,
+                                             "window": {"left": 50, "right": 20}},
+    # ALiBi: a score_mod whose derivative in the score is 1; slopes read, not learned.
+    "alibi_mha": {"backward": True, "gqa_ratio": 1, "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+                  "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+    # A score_mod with a non-trivial derivative (tanh, a position-dependent branch).
+    "score_mod_nonlinear": {"backward": True,
+                            "score_mod": "tanh(score / 5.0) * 5.0 + where(q_idx > kv_idx + 8, -0.5 * score, 0.0)"},
+    "document_mask_mod": {"backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                          "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+    # gpt-oss: sinks (with their gradient) and a window.
+    "sinks_window_gqa8_d64": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "sinks": True,
+                              "window": {"left": 127}, "return_lse": True},
 }
 
 
 def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
-    from specgen.check.reference import attention_reference
+    """Output and gradients (q, k, v, and sinks where the spec has them) against
+    fp64 autograd of the reference, with the spec's window, soft-cap, hooks."""
+    from specgen.check.cases import feature_inputs, shape_dims
 
     spec = mod.SPEC
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (t.requires_grad_() for t in random_qkv(spec, batch, kv_heads, seq_q, seq_k, generator=gen))
+    extra = feature_inputs(spec, shape_dims(q, k), gen)
+    if "sinks" in extra:
+        extra["sinks"].requires_grad_()
     dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
-    out = mod.attention(q, k, v, q_offset=q_offset)
+    out = mod.attention(q, k, v, q_offset=q_offset, **extra)
     out = out[0] if isinstance(out, tuple) else out
     out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attention_reference(q64, k64, v64, causal=spec["causal"], q_offset=q_offset)
+    extra64 = dict(extra)
+    if "sinks" in extra:
+        extra64["sinks"] = extra["sinks"].detach().double().requires_grad_()
+    ref, _ = reference_for(spec, q64, k64, v64, extra64, q_offset=q_offset)
     ref.backward(dout.double())
     tol = 2e-2 if spec["dtype"] == "bfloat16" else 1e-2
-    for name, got, want in (("out", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad),
-                            ("dv", v.grad, v64.grad)):
+    checks = [("out", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]
+    if "sinks" in extra:
+        checks.append(("dsinks", extra["sinks"].grad, extra64["sinks"].grad))
+    for name, got, want in checks:
         # (a floor of 1e-2: with one key, dq is 0 up to rounding)
         err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
         assert torch.isfinite(got).all() and err <= tol, (name, err)
@@ -652,6 +679,16 @@ def test_backward_matches_fp64_autograd(variant, shape):
 
 def test_shipped_training_spec_gradients():
     _grad_check(generated_module("fmha_train_gqa_causal"), 2, 2, 1000, 1000, 0, seed=1)
+
+
+def test_backward_refuses_learnable_hook_tensors():
+    mod = _variant_module("alibi_mha", BACKWARD_VARIANTS["alibi_mha"])
+    q = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    slope = torch.ones(2, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match=r"slope requires grad, but the backward does not differentiate"):
+        mod.attention(q, q, q, slope=slope)
+    with pytest.raises(ValueError, match="slope must be a torch.Tensor, got list"):
+        mod.attention(q, q, q, slope=[1.0, 1.0])
 
 
 def test_backward_refuses_out_with_grad():

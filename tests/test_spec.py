@@ -108,9 +108,14 @@ BAD = [
      "specs/bad.yaml: v_cache_transposed: a decode field, not supported by family prefill"),
     ({"family": "decode", "v_cache_transposed": "keys_last"},
      "specs/bad.yaml: v_cache_transposed: must be true or false, got \"keys_last\""),
-    ({"backward": True, "window": {"left": 8}},
-     "specs/bad.yaml: backward: true does not support window yet; the backward kernels cover "
-     "causal/non-causal, GQA and power-of-two head dims, got true"),
+    ({"backward": True, "dropout": True},
+     "specs/bad.yaml: backward: true does not support dropout yet; the backward kernels cover "
+     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, GQA and power-of-two "
+     "head dims, got true"),
+    ({"backward": True, "head_dim": 80},
+     "specs/bad.yaml: backward: true does not support head_dim 80 yet; the backward kernels cover "
+     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, GQA and power-of-two "
+     "head dims, got true"),
     ({"family": "decode", "backward": True},
      "specs/bad.yaml: backward: a prefill field, not supported by family decode"),
     ({"block_remap": True},

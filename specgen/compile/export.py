@@ -230,11 +230,14 @@ def backward_signatures(plan: Plan) -> dict:
     tile_m, tile_n = plan.bwd_tile
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), tile_m, tile_n]
     convention = CallingConvention.cutile_python_v1()
+    # The hook tensors the dK/dV and dQ kernels gather from (small, any alignment).
+    hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
+             for _, _, dtype, dims in plan.extra_tensors]
     delta, dkdv, dq = plan.bwd_names
     return {
         delta: [KernelSignature([qkv, qkv, rows, tile_m], convention)],
-        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + scalars, convention)],
-        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + scalars, convention)],
+        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars, convention)],
+        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + scalars, convention)],
     }
 
 

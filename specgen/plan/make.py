@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specgen.spec.hooks import Gather, Hook, compile_hook
+from specgen.spec.derive import score_derivative
 from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
 from specgen.spec import (
@@ -174,6 +175,22 @@ class Plan:
     bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
+    # d(score_mod)/d(score) for the backward, derived from the hook (None: no
+    # score_mod, or a bias whose derivative is 1).
+    score_mod_grad: Hook | None = None
+
+    @property
+    def bwd_masked(self) -> bool:
+        """The backward's scores need more than causal/bounds masking and scaling:
+        windows, soft-cap, hooks or sinks."""
+        return bool(self.window_left is not None or self.window_right is not None
+                    or self.softcap is not None or self.hooks or self.sinks)
+
+    @property
+    def bwd_gathers(self) -> tuple[Gather, ...]:
+        """The hook operands the backward's key steps gather (hooks and derivative)."""
+        hooks = self.hooks + ((self.score_mod_grad,) if self.score_mod_grad else ())
+        return tuple(g for h in hooks for g in h.gathers)
 
     @property
     def params(self) -> tuple[Param, ...]:
@@ -526,7 +543,24 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         optimizations=_optimizations(spec, block_remap),
         **_decode(spec),
         **_backward(spec),
+        score_mod_grad=_score_mod_grad(spec),
     )
+
+
+def _score_mod_grad(spec: Spec) -> Hook | None:
+    """The score_mod's derivative in the score, compiled like a hook (its gathered
+    locals numbered after the hooks' own), or None where it is 1."""
+    if not (spec.backward and spec.score_mod):
+        return None
+    tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
+    counter: dict = {}
+    for which in ("score_mod", "mask_mod"):  # the forward hooks' numbering, then on
+        if getattr(spec, which):
+            compile_hook(getattr(spec, which), which, tensors, counter)
+    text = score_derivative(spec.score_mod)
+    if text == "1.0":
+        return None
+    return compile_hook(text, "score_mod", tensors, counter, check_size=False)
 
 
 def _backward(spec: Spec) -> dict:

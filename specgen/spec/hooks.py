@@ -275,19 +275,22 @@ class _Compiler:
         return gather.local, TENSOR_KINDS[dtype]
 
 
-def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = None) -> Hook:
+def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = None,
+                 check_size: bool = True) -> Hook:
     """Check ``text`` (a score_mod or mask_mod) and print it for the kernel.
 
-    ``tensors`` maps each declared tensor to (dtype, ndim). Raises ExprError."""
+    ``tensors`` maps each declared tensor to (dtype, ndim). ``check_size`` False
+    lifts the length and node limits (a derivative specgen derived from a hook
+    that was within them). Raises ExprError."""
     if not isinstance(text, str) or not text.strip():
         raise ExprError("must be a non-empty expression")
-    if len(text) > MAX_LENGTH:
+    if check_size and len(text) > MAX_LENGTH:
         raise ExprError(f"is longer than {MAX_LENGTH} characters")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
         raise ExprError(f"is not a Python expression ({exc.msg})") from None
-    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+    if check_size and sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise ExprError(f"has more than {MAX_NODES} syntax nodes")
     compiler = _Compiler(which, tensors, {} if counter is None else counter)
     kernel, kind = compiler.compile(tree.body)

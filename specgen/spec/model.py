@@ -371,8 +371,7 @@ class Spec(_Strict):
     def _backward_features(cls, value: bool, info) -> bool:
         if not value:
             return value
-        used = [n for n in ("window", "softcap", "tensors", "score_mod", "mask_mod", "dropout",
-                            "varlen", "sinks", "v_head_dim", "out_dtype") if info.data.get(n)]
+        used = [n for n in ("dropout", "varlen", "v_head_dim", "out_dtype") if info.data.get(n)]
         if info.data.get("dtype") == "float8_e4m3fn":
             used.append("dtype float8_e4m3fn")
         if info.data.get("q_subtiles", 1) > 1:
@@ -382,7 +381,17 @@ class Spec(_Strict):
             used.append(f"head_dim {d}")
         if used:
             raise ValueError(f"true does not support {', '.join(used)} yet; the backward kernels "
-                             "cover causal/non-causal, GQA and power-of-two head dims")
+                             "cover causal/non-causal, windows, soft-cap, score_mod/mask_mod "
+                             "hooks, sinks, GQA and power-of-two head dims")
+        score_mod = info.data.get("score_mod")
+        if score_mod:
+            from specgen.spec.derive import score_derivative
+            from specgen.spec.hooks import ExprError
+
+            try:
+                score_derivative(score_mod)
+            except ExprError as exc:
+                raise ValueError(f"true needs a score_mod with a derivative in score: {exc}") from None
         return value
 
     @field_validator("varlen")

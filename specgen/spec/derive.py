@@ -1,0 +1,188 @@
+"""The derivative of a ``score_mod`` with respect to ``score``, for the backward.
+
+The hook's checked tree is turned into a sympy expression. Every subtree that does
+not depend on ``score`` (positions, integer arithmetic, tensor subscripts,
+conditions on indices) stands as an opaque symbol that prints back as its own
+source. sympy differentiates the rest, and the result is printed back in the
+hook language (``where``, ``min``, ``max``, ``abs``, ``exp``, ``log``, ``sqrt``,
+``tanh``, arithmetic and comparisons; no ``**``), so it compiles to cuTile and
+evaluates with torch exactly as a hook does.
+
+Derivatives that exist only almost everywhere follow the usual subgradient
+conventions: ``abs`` has slope 0 at 0, ``min``/``max`` and ``where`` take the
+slope of the branch they select (at a tie ``max(score, c)`` takes c's, 0).
+"""
+
+from __future__ import annotations
+
+import ast
+
+import sympy as sp
+
+from specgen.spec.hooks import ExprError
+
+_SCORE = sp.Symbol("score", real=True)
+_FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs}
+_ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+          ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_REL = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp.Eq,
+        ast.NotEq: sp.Ne}
+
+
+def _uses_score(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == "score" for n in ast.walk(node))
+
+
+class _ToSympy:
+    """Hook tree -> sympy, with score-free subtrees as opaque symbols."""
+
+    def __init__(self):
+        self.opaque: dict[sp.Symbol, str] = {}
+
+    def leaf(self, node: ast.AST, boolean: bool = False):
+        text = ast.unparse(node)
+        for symbol, source in self.opaque.items():
+            if source == text:
+                return symbol
+        symbol = sp.Symbol(f"_o{len(self.opaque)}") if boolean else sp.Symbol(f"_o{len(self.opaque)}", real=True)
+        self.opaque[symbol] = text
+        return symbol
+
+    def convert(self, node: ast.AST):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return sp.Integer(node.value) if isinstance(node.value, int) else sp.Float(node.value)
+        if not _uses_score(node):
+            return self.leaf(node, boolean=_is_condition(node))
+        if isinstance(node, ast.Name):  # score
+            return _SCORE
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            parts = (self.convert(node.left), self.convert(node.right))
+            return (sp.And if isinstance(node.op, ast.BitAnd) else sp.Or)(*parts)
+        if isinstance(node, ast.BinOp):
+            if type(node.op) not in _ARITH:
+                raise ExprError(f"{ast.unparse(node)}: '//' and '%' of the score have no "
+                                "derivative (a backward needs one)")
+            return _ARITH[type(node.op)](self.convert(node.left), self.convert(node.right))
+        if isinstance(node, ast.UnaryOp):
+            operand = self.convert(node.operand)
+            if isinstance(node.op, ast.USub):
+                return -operand
+            if isinstance(node.op, ast.UAdd):
+                return operand
+            return sp.Not(operand)  # not, ~
+        if isinstance(node, ast.Call):
+            name = node.func.id
+            args = [self.convert(a) for a in node.args]
+            if name == "where":
+                return sp.Piecewise((args[1], args[0]), (args[2], True))
+            if name in ("min", "max"):
+                return (sp.Min if name == "min" else sp.Max)(*args)
+            return _FUNCS[name](*args)
+        if isinstance(node, ast.IfExp):
+            return sp.Piecewise((self.convert(node.body), self.convert(node.test)),
+                                (self.convert(node.orelse), True))
+        if isinstance(node, ast.Compare):
+            terms, left = [], self.convert(node.left)
+            for op, right_node in zip(node.ops, node.comparators):
+                right = self.convert(right_node)
+                terms.append(_REL[type(op)](left, right))
+                left = right
+            return sp.And(*terms)
+        if isinstance(node, ast.BoolOp):
+            parts = [self.convert(v) for v in node.values]
+            return (sp.And if isinstance(node.op, ast.And) else sp.Or)(*parts)
+        raise ExprError(f"{ast.unparse(node)}: no derivative for this construct")
+
+
+def _is_condition(node: ast.AST) -> bool:
+    if isinstance(node, (ast.Compare, ast.BoolOp)):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.Invert)):
+        return True
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+        return True
+    return isinstance(node, ast.Constant) and isinstance(node.value, bool)
+
+
+class _Printer:
+    """sympy -> hook text."""
+
+    def __init__(self, opaque: dict):
+        self.opaque = opaque
+
+    def __call__(self, e) -> str:
+        if e is sp.true or e == sp.true:
+            return "True"
+        if e is sp.false or e == sp.false:
+            return "False"
+        if isinstance(e, sp.Symbol):
+            return "score" if e == _SCORE else f"({self.opaque[e]})"
+        if e.is_Number:
+            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo):
+                raise ExprError("the derivative is not finite")
+            return repr(float(e))
+        if isinstance(e, sp.Add):
+            return "(" + " + ".join(self(a) for a in e.args) + ")"
+        if isinstance(e, sp.Mul):
+            return "(" + " * ".join(self(a) for a in e.args) + ")"
+        if isinstance(e, sp.Pow):
+            return self.power(*e.args)
+        if isinstance(e, (sp.exp, sp.log, sp.tanh)):
+            return f"{type(e).__name__}({self(e.args[0])})"
+        if isinstance(e, sp.Abs):
+            return f"abs({self(e.args[0])})"
+        if isinstance(e, sp.sign):
+            x = self(e.args[0])
+            return f"where({x} > 0.0, 1.0, where({x} < 0.0, -1.0, 0.0))"
+        if isinstance(e, sp.Heaviside):
+            return f"where({self(e.args[0])} > 0.0, 1.0, 0.0)"
+        if isinstance(e, sp.DiracDelta):
+            return "0.0"
+        if isinstance(e, (sp.Min, sp.Max)):
+            name = "min" if isinstance(e, sp.Min) else "max"
+            text = self(e.args[-1])
+            for a in reversed(e.args[:-1]):
+                text = f"{name}({self(a)}, {text})"
+            return text
+        if isinstance(e, sp.Piecewise):
+            text = None
+            for value, cond in reversed(e.args):
+                if text is None:
+                    text = self(value) if cond == sp.true else "0.0"
+                    if cond == sp.true:
+                        continue
+                text = f"where({self(cond)}, {self(value)}, {text})"
+            return text
+        if isinstance(e, sp.core.relational.Relational):
+            op = {sp.StrictLessThan: "<", sp.LessThan: "<=", sp.StrictGreaterThan: ">",
+                  sp.GreaterThan: ">=", sp.Equality: "==", sp.Unequality: "!="}[type(e)]
+            return f"({self(e.lhs)} {op} {self(e.rhs)})"
+        if isinstance(e, (sp.And, sp.Or)):
+            op = " & " if isinstance(e, sp.And) else " | "
+            return "(" + op.join(self(a) for a in e.args) + ")"
+        if isinstance(e, sp.Not):
+            return f"(~{self(e.args[0])})"
+        raise ExprError(f"the derivative has {type(e).__name__}, which no hook can express")
+
+    def power(self, base, exponent) -> str:
+        b = self(base)
+        if exponent == sp.Rational(1, 2):
+            return f"sqrt({b})"
+        if exponent == sp.Rational(-1, 2):
+            return f"(1.0 / sqrt({b}))"
+        if exponent.is_Integer and 0 < abs(int(exponent)) <= 8:
+            product = "(" + " * ".join([b] * abs(int(exponent))) + ")"
+            return product if exponent > 0 else f"(1.0 / {product})"
+        return f"exp({self(exponent)} * log({b}))"
+
+
+def score_derivative(text: str) -> str:
+    """d(score_mod)/d(score) of the checked hook ``text``, as hook text ("1.0" for
+    score + bias). Raises ExprError where the hook has no derivative."""
+    tree = ast.parse(text.strip(), mode="eval")
+    converter = _ToSympy()
+    expr = converter.convert(tree.body)
+    derivative = sp.diff(expr, _SCORE)
+    if derivative.has(sp.Subs, sp.Derivative):
+        raise ExprError(f"{text}: sympy left an unevaluated derivative ({derivative})")
+    return _Printer(converter.opaque)(derivative)

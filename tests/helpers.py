@@ -11,6 +11,7 @@ SPEC_NAMES = [p.stem for p in SPECS]
 DECODE_SPEC_NAMES = [p.stem for p in SPECS if "\nfamily: decode" in p.read_text()]
 VARLEN_SPEC_NAMES = [p.stem for p in SPECS if "\nvarlen: true" in p.read_text()]
 DENSE_SPEC_NAMES = [n for n in SPEC_NAMES if n not in DECODE_SPEC_NAMES + VARLEN_SPEC_NAMES]
+TRAINING_SPEC_NAMES = [p.stem for p in SPECS if "\nbackward: true" in p.read_text()]
 
 
 def generated_module(name: str):

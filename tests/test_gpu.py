@@ -14,7 +14,7 @@ from specgen.check.cases import (
 )
 from specgen.check.runner import Case, run_case
 
-from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
+from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, TRAINING_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
 
 pytestmark = pytest.mark.gpu
 
@@ -677,8 +677,11 @@ def test_backward_matches_fp64_autograd(variant, shape):
     _grad_check(_variant_module(variant, BACKWARD_VARIANTS[variant]), *shape, seed=sum(shape))
 
 
-def test_shipped_training_spec_gradients():
-    _grad_check(generated_module("fmha_train_gqa_causal"), 2, 2, 1000, 1000, 0, seed=1)
+@pytest.mark.parametrize("name", TRAINING_SPEC_NAMES)
+@pytest.mark.parametrize("shape", [(2, 2, 1000, 1000, 0), (1, 1, 333, 500, 167)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
+def test_shipped_training_spec_gradients(name, shape):
+    _grad_check(generated_module(name), *shape, seed=1)
 
 
 def test_backward_refuses_learnable_hook_tensors():

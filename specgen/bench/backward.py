@@ -67,7 +67,7 @@ class Backward(Suite):
         return [(BATCH, HEADS, seq) for seq in SEQS]
 
     def case(self, ctx: Context, module, plan, shape) -> Case:
-        from specgen.check.cases import random_qkv
+        from specgen.check.cases import feature_inputs, random_qkv, shape_dims
 
         torch = ctx.torch
         batch, heads, seq = shape
@@ -77,19 +77,21 @@ class Backward(Suite):
         q, k, v = (t.requires_grad_() for t in random_qkv(plan.spec_dict, batch, kv_heads, seq, seq,
                                                            generator=gen))
         dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+        # The spec's sinks and hook tensors (document ids, slopes), as the prefill suite draws them.
+        extra = feature_inputs(plan.spec_dict, shape_dims(q, k), gen)
         # Expanded K/V leaves for the baselines that expand, made outside the timing.
         k_full, v_full = (t.detach().repeat_interleave(ratio, 1).requires_grad_() if ratio > 1
                           else t.detach().clone().requires_grad_() for t in (k, v))
         row = dict(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
                    head_dim=plan.head_dim, dtype=plan.dtype, causal=plan.causal,
                    flops=backward_flops(plan, batch, heads, seq, seq))
-        return Case(f"backward S={seq}", row, inputs=(k_full, v_full, ratio),
-                    kernel=(q, k, v, dout))
+        return Case(f"backward S={seq}", row, inputs=(k_full, v_full, ratio, extra),
+                    kernel=(q, k, v, dout, extra))
 
     def time_kernel(self, ctx: Context, module, case: Case) -> Timing:
         torch = ctx.torch
-        q, k, v, dout = case.kernel
-        ms, case.ours = _grad_timer(torch, ctx.do_bench, lambda: module.attention(q, k, v),
+        q, k, v, dout, extra = case.kernel
+        ms, case.ours = _grad_timer(torch, ctx.do_bench, lambda: module.attention(q, k, v, **extra),
                                     (q, k, v), dout)
         timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"])
         if not all(torch.isfinite(g).all() for g in case.ours):
@@ -97,12 +99,12 @@ class Backward(Suite):
         return timing
 
     def time_baseline(self, ctx: Context, case: Case, baseline, fn) -> Timing:
-        q, k, v, dout = case.kernel
-        k_full, v_full, ratio = case.inputs
+        q, k, v, dout, _ = case.kernel
+        k_full, v_full, ratio, extra = case.inputs
         # Fresh leaves per baseline: each builds its own graph on the same values.
         qb = q.detach().clone().requires_grad_()
         kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
-        inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full)
+        inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full, extra=extra)
         leaves = (qb, k_full, v_full) if baseline.expands_kv else (qb, kb, vb)
         ms, (dq, dk, dv) = _grad_timer(ctx.torch, ctx.do_bench, lambda: fn(inputs), leaves, dout)
         if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only

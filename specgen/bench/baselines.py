@@ -190,7 +190,7 @@ def _flex(torch, suite: str, plan) -> Runner:
     block mask, the soft-cap and score_mod as its score_mod (both evaluated from
     the spec's checked expressions); varlen as one packed sequence whose block mask
     keeps each query in its own sequence. Decode: its decoding path. Backward: the
-    causal block mask."""
+    prefill's block mask and score_mod, differentiated by Flex."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from specgen.bench.flops import window_of
@@ -394,7 +394,7 @@ REGISTRY: dict[str, Baseline] = {
                  default=True),
         Baseline("flex", "FlexAttention",
                  {"prefill": frozenset({"window", "softcap", "score_mod", "mask_mod", "varlen"}),
-                  "decode": _NONE, "backward": _NONE},
+                  "decode": _NONE, "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"})},
                  _flex, default=True),
         Baseline("fa3", "FA3",
                  {"prefill": frozenset({"softcap"}), "decode": frozenset({"softcap"})},

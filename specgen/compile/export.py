@@ -220,7 +220,7 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
 
 def backward_signatures(plan: Plan) -> dict:
     """The backward kernels (delta, dK/dV, dQ): {kernel name: its signatures}, at the
-    module's BWD_TILE_M x BWD_TILE_N (plan.bwd_tile)."""
+    module's tiles (plan.bwd_tile; the dQ kernel's plan.bwd_dq_tile)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
@@ -229,6 +229,7 @@ def backward_signatures(plan: Plan) -> dict:
     rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
     tile_m, tile_n = plan.bwd_tile
     scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), tile_m, tile_n]
+    dq_scalars = scalars[:2] + list(plan.bwd_dq_tile)
     convention = CallingConvention.cutile_python_v1()
     # The hook tensors the dK/dV and dQ kernels gather from (small, any alignment).
     hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
@@ -237,7 +238,7 @@ def backward_signatures(plan: Plan) -> dict:
     return {
         delta: [KernelSignature([qkv, qkv, rows, tile_m], convention)],
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars, convention)],
-        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + scalars, convention)],
+        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + dq_scalars, convention)],
     }
 
 

@@ -175,6 +175,7 @@ class Plan:
     bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
+    bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
     # d(score_mod)/d(score) for the backward, derived from the hook (None: no
     # score_mod, or a bias whose derivative is 1).
     score_mod_grad: Hook | None = None

@@ -684,6 +684,37 @@ def test_shipped_training_spec_gradients(name, shape):
     _grad_check(generated_module(name), *shape, seed=1)
 
 
+def test_gradient_check_catches_a_wrong_gradient():
+    """specgen test's gradient check (FlashAttention's rule) passes the kernel and
+    fails the same kernel with dq scaled by 1.1."""
+    from specgen.check.runner import check_gradients
+
+    mod = generated_module("fmha_train_gqa_causal")
+
+    class ScaleGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1.1
+
+    class Wrong:
+        SPEC = mod.SPEC
+
+        @staticmethod
+        def attention(q, k, v, **kwargs):
+            return mod.attention(ScaleGrad.apply(q), k, v, **kwargs)
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = random_qkv(mod.SPEC, 1, 2, 200, 300, generator=gen)
+    good = check_gradients(torch, mod, q, k, v, {}, 100, gen)
+    assert good["grad_ok"], good
+    bad = check_gradients(torch, Wrong, q, k, v, {}, 100, gen)
+    assert not bad["grad_ok"] and bad["grad_ratio"] > 1.0, bad
+
+
 def test_backward_refuses_learnable_hook_tensors():
     mod = _variant_module("alibi_mha", BACKWARD_VARIANTS["alibi_mha"])
     q = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

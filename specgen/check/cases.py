@@ -194,7 +194,7 @@ def call_kernel(module, q, k, v, extra: dict, **kwargs):
 
 
 def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None,
-                  p_dtype=None):
+                  p_dtype=None, compute_dtype=torch.float64):
     """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse).
     ``p_dtype``: the P-rounding model of attention_reference (see p_rounding)."""
     from specgen.check.reference import attention_reference
@@ -210,6 +210,7 @@ def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=
         softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
         score_mod=spec.get("score_mod"), mask_mod=spec.get("mask_mod"), tensors=tensors,
         dropout_p=extra.get("dropout_p", 0.0), seed=extra.get("seed", 0), p_dtype=p_dtype,
+        compute_dtype=compute_dtype,
     )
 
 

@@ -98,6 +98,7 @@ def attention_reference(
     dropout_p: float = 0.0,
     seed: int = 0,
     p_dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype = torch.float64,
 ):
     """softmax(scale * q k^T + mask) v in float64, for q [B, Hq, Sq, D] and k/v
     [B, Hkv, Skv, D] with Hq a multiple of Hkv (query head h reads KV head h // ratio).
@@ -112,13 +113,16 @@ def attention_reference(
     the weights exp(score - row max) to that type before the product with v (the
     normaliser stays unrounded), as float8 kernels round P for the P @ V MMA: a
     model of the error that rounding alone causes, not the exact result. A row
-    with no visible key gives zeros and an LSE of -inf (or the sink alone). With
+    with no visible key gives zeros and an LSE of -inf (or the sink alone).
+    ``compute_dtype`` (float64 by default) is the type all of it is computed in:
+    the input dtype gives "the same math in the input dtype" of FlashAttention's
+    gradient rule. With
     ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     ratio = q.shape[1] // k.shape[1]
-    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    q64, k64, v64 = (t.to(compute_dtype) for t in (q, k, v))
     if ratio > 1:
         k64 = k64.repeat_interleave(ratio, dim=1)
         v64 = v64.repeat_interleave(ratio, dim=1)
@@ -139,7 +143,7 @@ def attention_reference(
         }
         if score_mod:
             scores = torch.broadcast_to(evaluate(score_mod, env, tensors or {}), scores.shape)
-            scores = scores.to(torch.float64)
+            scores = scores.to(compute_dtype)
         if mask_mod:
             allowed = torch.broadcast_to(evaluate(mask_mod, env, tensors or {}), scores.shape)
             scores = scores.masked_fill(~allowed, -math.inf)
@@ -148,7 +152,7 @@ def attention_reference(
                                window=window, device=q.device)
         scores = scores.masked_fill(~visible, -math.inf)
     if sinks is not None:
-        sink = sinks.to(torch.float64).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        sink = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sink], dim=-1)
     # Row max over visible keys (and the sink); 0 for a row that sees nothing.
     top = scores.amax(dim=-1, keepdim=True)
@@ -158,7 +162,7 @@ def attention_reference(
     if sinks is not None:
         weights = weights[..., :-1]
     if p_dtype is not None:
-        weights = weights.to(torch.float32).to(p_dtype).to(torch.float64)
+        weights = weights.to(torch.float32).to(p_dtype).to(compute_dtype)
     if dropout_p:
         keep = dropout_keep(*weights.shape, q_offset=q_offset, seed=seed, dropout_p=dropout_p,
                             device=q.device)

@@ -180,7 +180,50 @@ def run_case(torch, module, case: Case, generator) -> dict:
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
     model = _p_model(spec, lambda **kw: reference_for(spec, q, k, v, extra,
                                                       q_offset=case.q_offset, **kw))
-    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
+    row = _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
+    if spec.get("backward"):
+        row.update(check_gradients(torch, module, q, k, v, extra, case.q_offset, generator))
+        row["ok"] = row["ok"] and row["grad_ok"]
+    return row
+
+
+def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generator) -> dict:
+    """The gradients of a ``backward: true`` kernel (q, k, v, and sinks) for a random
+    upstream gradient, by FlashAttention's rule: each one's largest error against
+    fp64 autograd of the reference is at most twice that of the same reference
+    computed in the input dtype, plus 1e-5. Returns grad_ratio (the worst error
+    over its allowance, <= 1 passes) and grad_ok."""
+    spec = module.SPEC
+    dtype = q.dtype
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    extra = dict(extra)
+    if "sinks" in extra:
+        extra["sinks"] = extra["sinks"].detach().requires_grad_()
+        leaves.append(extra["sinks"])
+    dout = torch.randn(q.shape, generator=generator, device="cuda").to(dtype)
+    out = module.attention(*leaves[:3], q_offset=q_offset, **extra)
+    out = out[0] if isinstance(out, tuple) else out
+    got = torch.autograd.grad(out, leaves, dout)
+
+    def reference_grads(compute_dtype):
+        refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
+                for i, t in enumerate(leaves)]
+        ref_extra = dict(extra, **({"sinks": refs[3]} if "sinks" in extra else {}))
+        ref, _ = reference_for(spec, *refs[:3], ref_extra, q_offset=q_offset,
+                               compute_dtype=compute_dtype)
+        return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
+
+    exact = reference_grads(torch.float64)
+    rough = reference_grads(dtype)
+    worst, finite = 0.0, True
+    for g, e, r in zip(got, exact, rough):
+        e = torch.zeros_like(g, dtype=torch.float64) if e is None else e
+        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
+        finite = finite and bool(torch.isfinite(g).all())
+        err = (g.double() - e).abs().max().item() if g.numel() else 0.0
+        allowed = 2 * ((r.double() - e).abs().max().item() if g.numel() else 0.0) + 1e-5
+        worst = max(worst, err / allowed)
+    return {"grad_ratio": worst, "grad_ok": finite and worst <= 1.0}
 
 
 def format_table(name: str, dtype: str, rows: list[dict]) -> str:
@@ -195,6 +238,8 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
     ]
     for r in rows:
         note = f"  ({r['nonfinite']} non-finite)" if r.get("nonfinite") else ""
+        if "grad_ratio" in r:
+            note += f"  grads {r['grad_ratio']:.2f} of FA's allowance"
         if "lse_err" in r:
             note += f"  lse err {r['lse_err']:.1e}" + (
                 f" ({r['lse_mismatch']} -inf/NaN mismatches)" if r["lse_mismatch"] else "")

@@ -632,6 +632,9 @@ BACKWARD_VARIANTS = {
                             "score_mod": "tanh(score / 5.0) * 5.0 + where(q_idx > kv_idx + 8, -0.5 * score, 0.0)"},
     "document_mask_mod": {"backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
                           "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+    # Padded head dims: Phi-2's 80 (tiles of 128), DeepSeek MLA's 192 / 128.
+    "phi2_d80_f16_mha": {"backward": True, "dtype": "float16", "head_dim": 80, "gqa_ratio": 1},
+    "mla_d192_dv128_mha": {"backward": True, "head_dim": 192, "v_head_dim": 128, "gqa_ratio": 1},
     # gpt-oss: sinks (with their gradient) and a window.
     "sinks_window_gqa8_d64": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "sinks": True,
                               "window": {"left": 127}, "return_lse": True},

@@ -12,7 +12,7 @@ from specgen.check.cases import (
     reference_for,
     shape_dims,
 )
-from specgen.check.runner import Case, run_case
+from specgen.check.runner import Case, learnable_tensors, run_case
 
 from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, TRAINING_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
 
@@ -635,6 +635,26 @@ BACKWARD_VARIANTS = {
     # Padded head dims: Phi-2's 80 (tiles of 128), DeepSeek MLA's 192 / 128.
     "phi2_d80_f16_mha": {"backward": True, "dtype": "float16", "head_dim": 80, "gqa_ratio": 1},
     "mla_d192_dv128_mha": {"backward": True, "head_dim": 192, "v_head_dim": 128, "gqa_ratio": 1},
+    # Dropout: the backward regenerates the forward's mask from the seed.
+    "dropout_gqa4_bf16": {"backward": True, "dropout": True},
+    "dropout_softcap_window_f16_d64": {"backward": True, "dropout": True, "dtype": "float16", "head_dim": 64,
+                                       "softcap": 20.0, "window": {"left": 90}, "gqa_ratio": 2},
+    # Learnable hook tensors: ALiBi slopes, a relative-position bias table, a
+    # per-key bias and a per-row temperature through tanh (every reduction shape).
+    "learnable_bias_tables": {
+        "backward": True, "gqa_ratio": 2, "head_dim": 64,
+        "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True},
+                    "rel": {"dtype": "float32", "shape": ["heads", 1024], "learnable": True},
+                    "colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True},
+                    "rowb": {"dtype": "float32", "shape": ["batch", "seq_q"], "learnable": True}},
+        # (a per-row term must scale the score: an added one cancels in the softmax)
+        "score_mod": "score * (1.0 + 0.5 * tanh(rowb[b, q_idx])) - slope[h] * (q_idx - kv_idx) "
+                     "+ rel[h, q_idx - kv_idx] + colb[kv_idx] * 0.5"},
+    "learnable_scale_non_causal": {
+        "backward": True, "causal": False, "block_remap": None, "gqa_ratio": 1, "dtype": "float16",
+        "tensors": {"temp": {"dtype": "float32", "shape": ["heads"], "learnable": True},
+                    "rel": {"dtype": "float32", "shape": [2048], "learnable": True}},
+        "score_mod": "score * temp[h] + rel[q_idx - kv_idx + 1024]"},
     # gpt-oss: sinks (with their gradient) and a window.
     "sinks_window_gqa8_d64": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "sinks": True,
                               "window": {"left": 127}, "return_lse": True},
@@ -650,24 +670,32 @@ def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (t.requires_grad_() for t in random_qkv(spec, batch, kv_heads, seq_q, seq_k, generator=gen))
     extra = feature_inputs(spec, shape_dims(q, k), gen)
-    if "sinks" in extra:
-        extra["sinks"].requires_grad_()
-    dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    learned = (["sinks"] if "sinks" in extra else []) + learnable_tensors(spec)
+    for name in learned:
+        extra[name].requires_grad_()
     out = mod.attention(q, k, v, q_offset=q_offset, **extra)
     out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(q.dtype)  # v_head_dim wide
     out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     extra64 = dict(extra)
-    if "sinks" in extra:
-        extra64["sinks"] = extra["sinks"].detach().double().requires_grad_()
+    for name in learned:
+        extra64[name] = extra[name].detach().double().requires_grad_()
     ref, _ = reference_for(spec, q64, k64, v64, extra64, q_offset=q_offset)
     ref.backward(dout.double())
     tol = 2e-2 if spec["dtype"] == "bfloat16" else 1e-2
     checks = [("out", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]
-    if "sinks" in extra:
-        checks.append(("dsinks", extra["sinks"].grad, extra64["sinks"].grad))
+    checks += [("d" + name, extra[name].grad, extra64[name].grad) for name in learned]
     for name, got, want in checks:
-        # (a floor of 1e-2: with one key, dq is 0 up to rounding)
+        # With one key (and no sink), dq and dk are exactly 0, and the kernel's are the rounding of
+        # D = rowsum(dO * O) from the stored output (FlashAttention's too): about
+        # eps * sqrt(D) * |dO| * |O| * |K| * scale, which dropout's 1 / (1 - p)
+        # enlarges. It is judged against that bound; everything else relatively
+        # (a floor of 1e-2).
+        if name in ("dq", "dk") and seq_k == 1 and "sinks" not in extra:
+            bound = 4 * tol * 2**-6 * dout.abs().max().item() * out.abs().max().item() * k.abs().max().item()
+            assert torch.isfinite(got).all() and got.abs().max().item() <= bound, (name, bound)
+            continue
         err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
         assert torch.isfinite(got).all() and err <= tol, (name, err)
 
@@ -685,6 +713,68 @@ def test_backward_matches_fp64_autograd(variant, shape):
                          ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_shipped_training_spec_gradients(name, shape):
     _grad_check(generated_module(name), *shape, seed=1)
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gemma2", "fmha_train_gptoss_sinks"])
+def test_backward_is_bitwise_deterministic(name):
+    """The kernels own their output tiles (no atomics): two backward passes give
+    the same bits."""
+    mod = generated_module(name)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = random_qkv(mod.SPEC, 2, 2, 777, 777, generator=gen)
+    extra = feature_inputs(mod.SPEC, shape_dims(q, k), gen)
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = mod.attention(*leaves, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+        runs.append(torch.autograd.grad(out, leaves, dout))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_backward_refuses_a_wrong_output_gradient():
+    mod = generated_module("fmha_train_gqa_causal")
+    q, k, v = random_qkv(mod.SPEC, 1, 2, 100, 100)
+    out, lse = mod._forward(q, k, v, scale=0.1)
+    with pytest.raises(ValueError, match=r"the output gradient must be a torch.bfloat16 tensor of shape "
+                                         r"\(1, 8, 100, 128\) on cuda:0, got torch.bfloat16 \(1, 8, 99, 128\)"):
+        mod._backward(q, k, v, out, lse, out[:, :, :99], 0.1, 0)
+    with pytest.raises(ValueError, match="got torch.float32"):
+        mod._backward(q, k, v, out, lse, out.float(), 0.1, 0)
+
+
+def test_training_step_replays_in_a_cuda_graph():
+    """Forward and backward captured together in one CUDA graph, replayed on new
+    inputs, match eager autograd."""
+    mod = generated_module("fmha_train_gqa_causal")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (t.requires_grad_() for t in random_qkv(mod.SPEC, 1, 2, 300, 300, generator=gen))
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (JIT, allocator) off the capture
+        for _ in range(2):
+            q.grad = k.grad = v.grad = None
+            mod.attention(q, k, v).backward(dout)
+    torch.cuda.current_stream().wait_stream(stream)
+    q.grad = k.grad = v.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mod.attention(q, k, v)
+        out.backward(dout)
+    with torch.no_grad():
+        for t in (q, k, v, dout):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda").to(t.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [out.clone()] + [t.grad.clone() for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want_out = mod.attention(*leaves)
+    want = [want_out] + list(torch.autograd.grad(want_out, leaves, dout))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_gradient_check_catches_a_wrong_gradient():
@@ -722,7 +812,7 @@ def test_backward_refuses_learnable_hook_tensors():
     mod = _variant_module("alibi_mha", BACKWARD_VARIANTS["alibi_mha"])
     q = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     slope = torch.ones(2, device="cuda", requires_grad=True)
-    with pytest.raises(ValueError, match=r"slope requires grad, but the backward does not differentiate"):
+    with pytest.raises(ValueError, match=r"slope requires grad, but it is not learnable: pass slope.detach\(\), or declare it learnable: true"):
         mod.attention(q, q, q, slope=slope)
     with pytest.raises(ValueError, match="slope must be a torch.Tensor, got list"):
         mod.attention(q, q, q, slope=[1.0, 1.0])

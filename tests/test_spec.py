@@ -108,14 +108,29 @@ BAD = [
      "specs/bad.yaml: v_cache_transposed: a decode field, not supported by family prefill"),
     ({"family": "decode", "v_cache_transposed": "keys_last"},
      "specs/bad.yaml: v_cache_transposed: must be true or false, got \"keys_last\""),
-    ({"backward": True, "dropout": True},
-     "specs/bad.yaml: backward: true does not support dropout yet; the backward kernels cover "
-     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, GQA, any head_dim and "
-     "v_head_dim, got true"),
     ({"backward": True, "varlen": True},
      "specs/bad.yaml: backward: true does not support varlen yet; the backward kernels cover "
-     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, GQA, any head_dim and "
+     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, dropout, GQA, any head_dim and "
      "v_head_dim, got true"),
+    ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+      "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+     "specs/bad.yaml: tensors.slope.learnable: true needs backward: true (a gradient comes from the "
+     "backward kernels)"),
+    ({"backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"], "learnable": True}},
+      "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+     "specs/bad.yaml: tensors.doc.learnable: true needs dtype float32 (an int32 tensor has no gradient)"),
+    ({"backward": True, "tensors": {"w": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+      "mask_mod": "w[h] > 0.5"},
+     "specs/bad.yaml: tensors.w.learnable: true needs the tensor in score_mod (a mask_mod gives it no "
+     "gradient)"),
+    ({"backward": True, "deterministic": True,
+      "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+      "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+     "specs/bad.yaml: tensors.slope.learnable: true cannot be combined with deterministic: true (its "
+     "gradient is accumulated with atomic adds)"),
+    ({"deterministic": True}, "specs/bad.yaml: deterministic: true needs backward: true"),
+    ({"family": "decode", "deterministic": True},
+     "specs/bad.yaml: deterministic: a prefill field, not supported by family decode"),
     ({"family": "decode", "backward": True},
      "specs/bad.yaml: backward: a prefill field, not supported by family decode"),
     ({"block_remap": True},
@@ -130,7 +145,7 @@ BAD = [
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, splits, pdl, v_cache_transposed, backward, compile_for, autotune"),
+     "q_subtiles, splits, pdl, v_cache_transposed, backward, deterministic, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, by_seq_k"),

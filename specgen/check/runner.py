@@ -187,8 +187,14 @@ def run_case(torch, module, case: Case, generator) -> dict:
     return row
 
 
+def learnable_tensors(spec: dict) -> list[str]:
+    """The hook tensors of ``spec`` that take gradients (learnable: true)."""
+    return [n for n, t in (spec.get("tensors") or {}).items() if t.get("learnable")]
+
+
 def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generator) -> dict:
-    """The gradients of a ``backward: true`` kernel (q, k, v, and sinks) for a random
+    """The gradients of a ``backward: true`` kernel (q, k, v, sinks and learnable
+    hook tensors) for a random
     upstream gradient, by FlashAttention's rule: each one's largest error against
     fp64 autograd of the reference is at most twice that of the same reference
     computed in the input dtype, plus 1e-5. Returns grad_ratio (the worst error
@@ -197,18 +203,22 @@ def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generato
     dtype = q.dtype
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     extra = dict(extra)
-    if "sinks" in extra:
-        extra["sinks"] = extra["sinks"].detach().requires_grad_()
-        leaves.append(extra["sinks"])
-    dout = torch.randn(q.shape, generator=generator, device="cuda").to(dtype)
+    # sinks and the learnable hook tensors are differentiated too (kept in fp64 by
+    # both references: the kernel keeps them in float32)
+    learned = (["sinks"] if "sinks" in extra else []) + learnable_tensors(spec)
+    for name in learned:
+        extra[name] = extra[name].detach().requires_grad_()
+        leaves.append(extra[name])
     out = module.attention(*leaves[:3], q_offset=q_offset, **extra)
     out = out[0] if isinstance(out, tuple) else out
+    # out's shape, not q's: v_head_dim may differ from head_dim
+    dout = torch.randn(out.shape, generator=generator, device="cuda").to(dtype)
     got = torch.autograd.grad(out, leaves, dout)
 
     def reference_grads(compute_dtype):
         refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
                 for i, t in enumerate(leaves)]
-        ref_extra = dict(extra, **({"sinks": refs[3]} if "sinks" in extra else {}))
+        ref_extra = dict(extra, **dict(zip(learned, refs[3:])))
         ref, _ = reference_for(spec, *refs[:3], ref_extra, q_offset=q_offset,
                                compute_dtype=compute_dtype)
         return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)

@@ -228,17 +228,24 @@ def backward_signatures(plan: Plan) -> dict:
     qkv = _array_constraint(io, 4, 2, True)
     rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
     tile_m, tile_n = plan.bwd_tile
-    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), tile_m, tile_n]
-    dq_scalars = scalars[:2] + list(plan.bwd_dq_tile)
+    # qk_scale, q_offset; dropout: seed, keep threshold, 1 / (1 - dropout_p)
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
+    if plan.dropout:
+        scalars += [ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.float32)]
     convention = CallingConvention.cutile_python_v1()
-    # The hook tensors the dK/dV and dQ kernels gather from (small, any alignment).
+    # The hook tensors the dK/dV and dQ kernels gather from (small, any alignment),
+    # and the float32 gradients of the learnable ones, which the dQ kernel adds to.
     hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
              for _, _, dtype, dims in plan.extra_tensors]
+    ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
+    grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
     delta, dkdv, dq = plan.bwd_names
     return {
         delta: [KernelSignature([qkv, qkv, rows, tile_m], convention)],
-        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars, convention)],
-        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + dq_scalars, convention)],
+        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + [tile_m, tile_n],
+                               convention)],
+        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + grads + scalars
+                             + list(plan.bwd_dq_tile), convention)],
     }
 
 

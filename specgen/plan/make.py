@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from specgen.spec.hooks import Gather, Hook, compile_hook
-from specgen.spec.derive import score_derivative
+from specgen.spec.derive import score_derivative, tensor_derivatives
 from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
 from specgen.spec import (
@@ -25,6 +25,21 @@ from specgen.spec import (
 )
 
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
+
+
+@dataclass(frozen=True)
+class TensorGrad:
+    """The gradient of a learnable hook tensor through one of its subscripts in
+    score_mod: dL/dtensor[indices] += dS * derivative, accumulated by the dQ kernel."""
+
+    tensor: str  # "slope"
+    param: str  # the kernel parameter of its float32 gradient buffer: "DSlope"
+    local: str  # the kernel variable of this subscript's accumulated contribution
+    indices: tuple[str, ...]  # kernel expressions of the subscript's indices
+    where: str  # "head" | "rows" | "keys", as the subscript's Gather
+    uses_rows: bool  # an index reads q_idx
+    derivative: Hook  # d(score_mod)/d(subscript), compiled like a hook
+    source: str  # the subscript as written
 
 
 @dataclass(frozen=True)
@@ -176,6 +191,7 @@ class Plan:
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
     bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
+    tensor_grads: tuple[TensorGrad, ...] = ()  # learnable hook tensors' gradients
     # d(score_mod)/d(score) for the backward, derived from the hook (None: no
     # score_mod, or a bias whose derivative is 1).
     score_mod_grad: Hook | None = None
@@ -192,6 +208,19 @@ class Plan:
         """The hook operands the backward's key steps gather (hooks and derivative)."""
         hooks = self.hooks + ((self.score_mod_grad,) if self.score_mod_grad else ())
         return tuple(g for h in hooks for g in h.gathers)
+
+    @property
+    def dq_gathers(self) -> tuple[Gather, ...]:
+        """What the dQ kernel gathers besides: the tensor derivatives' operands."""
+        return tuple(g for t in self.tensor_grads for g in t.derivative.gathers)
+
+    @property
+    def learnable(self) -> tuple[tuple[str, str], ...]:
+        """(tensor, gradient parameter) of each learnable tensor, in declaration order."""
+        seen = {}
+        for t in self.tensor_grads:
+            seen.setdefault(t.tensor, t.param)
+        return tuple(seen.items())
 
     @property
     def params(self) -> tuple[Param, ...]:
@@ -545,6 +574,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         **_decode(spec),
         **_backward(spec),
         score_mod_grad=_score_mod_grad(spec),
+        tensor_grads=_tensor_grads(spec),
     )
 
 
@@ -562,6 +592,33 @@ def _score_mod_grad(spec: Spec) -> Hook | None:
     if text == "1.0":
         return None
     return compile_hook(text, "score_mod", tensors, counter, check_size=False)
+
+
+def _tensor_grads(spec: Spec) -> tuple[TensorGrad, ...]:
+    """The gradients of the learnable tensors, one per distinct subscript of theirs
+    in score_mod (gathered locals numbered after the hooks' and the score
+    derivative's)."""
+    learnable = [n for n, t in spec.tensors.items() if t.learnable]
+    if not (spec.backward and learnable and spec.score_mod):
+        return ()
+    tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
+    counter: dict = {}
+    for which in ("score_mod", "mask_mod"):
+        if getattr(spec, which):
+            compile_hook(getattr(spec, which), which, tensors, counter)
+    derivative = score_derivative(spec.score_mod)
+    if derivative != "1.0":
+        compile_hook(derivative, "score_mod", tensors, counter, check_size=False)
+    grads = []
+    for number, (source, text) in enumerate(tensor_derivatives(spec.score_mod, learnable)):
+        subscript = compile_hook(source, "score_mod", tensors, {}, check_size=False)
+        gather = subscript.gathers[0]
+        grads.append(TensorGrad(
+            tensor=gather.tensor, param="D" + tensor_param(gather.tensor), local=f"dsum_{number}",
+            indices=gather.indices, where=gather.where, uses_rows="q_idx" in subscript.uses,
+            derivative=compile_hook(text, "score_mod", tensors, counter, check_size=False),
+            source=source))
+    return tuple(grads)
 
 
 def _backward(spec: Spec) -> dict:

@@ -29,15 +29,31 @@ _REL = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp
         ast.NotEq: sp.Ne}
 
 
-def _uses_score(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == "score" for n in ast.walk(node))
-
-
 class _ToSympy:
-    """Hook tree -> sympy, with score-free subtrees as opaque symbols."""
+    """Hook tree -> sympy, with score-free subtrees as opaque symbols. Subscripts of
+    the ``learnable`` tensors are variables too (their own symbols), so the
+    expression can be differentiated in them."""
 
-    def __init__(self):
+    def __init__(self, learnable: frozenset = frozenset()):
         self.opaque: dict[sp.Symbol, str] = {}
+        self.learnable = learnable
+        self.variables: dict[str, sp.Symbol] = {}
+
+    def is_variable(self, node: ast.AST) -> bool:
+        return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and node.value.id in self.learnable)
+
+    def uses_variable(self, node: ast.AST) -> bool:
+        return any((isinstance(n, ast.Name) and n.id == "score") or self.is_variable(n)
+                   for n in ast.walk(node))
+
+    def variable(self, node: ast.AST):
+        text = ast.unparse(node)
+        if text not in self.variables:
+            symbol = sp.Symbol(f"_v{len(self.variables)}", real=True)
+            self.variables[text] = symbol
+            self.opaque[symbol] = text
+        return self.variables[text]
 
     def leaf(self, node: ast.AST, boolean: bool = False):
         text = ast.unparse(node)
@@ -51,8 +67,10 @@ class _ToSympy:
     def convert(self, node: ast.AST):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return sp.Integer(node.value) if isinstance(node.value, int) else sp.Float(node.value)
-        if not _uses_score(node):
+        if not self.uses_variable(node):
             return self.leaf(node, boolean=_is_condition(node))
+        if self.is_variable(node):
+            return self.variable(node)
         if isinstance(node, ast.Name):  # score
             return _SCORE
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
@@ -60,8 +78,8 @@ class _ToSympy:
             return (sp.And if isinstance(node.op, ast.BitAnd) else sp.Or)(*parts)
         if isinstance(node, ast.BinOp):
             if type(node.op) not in _ARITH:
-                raise ExprError(f"{ast.unparse(node)}: '//' and '%' of the score have no "
-                                "derivative (a backward needs one)")
+                raise ExprError(f"{ast.unparse(node)}: '//' and '%' of the score or of a "
+                                "learnable tensor have no derivative (a backward needs one)")
             return _ARITH[type(node.op)](self.convert(node.left), self.convert(node.right))
         if isinstance(node, ast.UnaryOp):
             operand = self.convert(node.operand)
@@ -186,3 +204,22 @@ def score_derivative(text: str) -> str:
     if derivative.has(sp.Subs, sp.Derivative):
         raise ExprError(f"{text}: sympy left an unevaluated derivative ({derivative})")
     return _Printer(converter.opaque)(derivative)
+
+
+def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
+    """(subscript, d(score_mod)/d(subscript)) for each distinct subscript of the
+    ``learnable`` tensors in the checked hook ``text``, as hook text, in order of
+    first appearance: ``score - slope[h] * (q_idx - kv_idx)`` gives
+    ``[("slope[h]", "(-1.0 * (q_idx - kv_idx))")]``-like text. Raises ExprError
+    where the hook has no derivative in one of them."""
+    tree = ast.parse(text.strip(), mode="eval")
+    converter = _ToSympy(frozenset(learnable))
+    expr = converter.convert(tree.body)
+    printer = _Printer(converter.opaque)
+    result = []
+    for source, symbol in converter.variables.items():
+        derivative = sp.diff(expr, symbol)
+        if derivative.has(sp.Subs, sp.Derivative):
+            raise ExprError(f"{text}: sympy left an unevaluated derivative in {source} ({derivative})")
+        result.append((source, printer(derivative)))
+    return result

@@ -201,6 +201,13 @@ class ExtraTensor(_Strict):
         description="Sizes: batch, heads, kv_heads, seq_q, seq_k or a number each; the "
         "launcher checks them before the launch.",
     )
+    learnable: bool = Field(
+        False,
+        description="backward: true only: the tensor gets a gradient (a learnable ALiBi "
+        "slope, a relative-position bias table). The dQ kernel accumulates dL/dtensor "
+        "with float32 atomic adds, through the derivative of score_mod in each of the "
+        "tensor's subscripts. float32 tensors read by score_mod only.",
+    )
 
 
 class Paged(_Strict):

@@ -202,7 +202,16 @@ class Spec(_Strict):
         False,
         description="Also generate the backward kernels (D = rowsum(dO * O), dK/dV with "
         "GQA reduction, dQ); attention becomes differentiable through a torch.library "
-        "custom op. Causal or not, any gqa_ratio, power-of-two head_dim.",
+        "custom op. Covers causal or not, windows, soft-cap, score_mod/mask_mod hooks "
+        "(learnable tensors too), sinks, dropout, any gqa_ratio and head_dim, and "
+        "v_head_dim.",
+    )
+    deterministic: bool = Field(
+        False,
+        description="backward: bitwise-reproducible gradients. The dK/dV and dQ kernels "
+        "own their output tiles and sum in a fixed order (GQA heads inside the dK/dV "
+        "kernel), so they are deterministic as generated; true also refuses what "
+        "would not be: learnable tensors, whose gradients are accumulated with atomics.",
     )
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],
@@ -308,7 +317,7 @@ class Spec(_Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         """The checks that relate fields of the whole spec, all reported together."""
-        problems = self._family_problems() + self._tensor_problems()
+        problems = self._family_problems() + self._tensor_problems() + self._learnable_problems()
         if problems:
             raise Problems(problems)
         return self
@@ -318,7 +327,7 @@ class Spec(_Strict):
         decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
                         "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
-                        "loop_split", "prescale_q", "q_subtiles", "backward")
+                        "loop_split", "prescale_q", "q_subtiles", "backward", "deterministic")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default
@@ -366,12 +375,34 @@ class Spec(_Strict):
         return [(f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
                 for name in self.tensors if not re.search(rf"\b{name}\s*\[", used)]
 
+    def _learnable_problems(self) -> list[tuple[str, str]]:
+        problems = []
+        for name, t in self.tensors.items():
+            if not t.learnable:
+                continue
+            where = f"tensors.{name}.learnable"
+            if not self.backward:
+                problems.append((where, "true needs backward: true (a gradient comes from the "
+                                        "backward kernels)"))
+            elif t.dtype != "float32":
+                problems.append((where, f"true needs dtype float32 (an {t.dtype} tensor has no "
+                                        "gradient)"))
+            elif not (self.score_mod and re.search(rf"\b{name}\s*\[", self.score_mod)):
+                problems.append((where, "true needs the tensor in score_mod (a mask_mod "
+                                        "gives it no gradient)"))
+            elif self.deterministic:
+                problems.append((where, "true cannot be combined with deterministic: true (its "
+                                        "gradient is accumulated with atomic adds)"))
+        if self.deterministic and not self.backward and self.family == "prefill":
+            problems.append(("deterministic", "true needs backward: true"))
+        return problems
+
     @field_validator("backward")
     @classmethod
     def _backward_features(cls, value: bool, info) -> bool:
         if not value:
             return value
-        used = [n for n in ("dropout", "varlen", "out_dtype") if info.data.get(n)]
+        used = [n for n in ("varlen", "out_dtype") if info.data.get(n)]
         if info.data.get("dtype") == "float8_e4m3fn":
             used.append("dtype float8_e4m3fn")
         if info.data.get("q_subtiles", 1) > 1:
@@ -379,7 +410,7 @@ class Spec(_Strict):
         if used:
             raise ValueError(f"true does not support {', '.join(used)} yet; the backward kernels "
                              "cover causal/non-causal, windows, soft-cap, score_mod/mask_mod "
-                             "hooks, sinks, GQA, any head_dim and v_head_dim")
+                             "hooks, sinks, dropout, GQA, any head_dim and v_head_dim")
         score_mod = info.data.get("score_mod")
         if score_mod:
             from specgen.spec.derive import score_derivative

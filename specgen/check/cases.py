@@ -119,7 +119,8 @@ def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, gen
                   tuple(tuple(pair) for pair in lengths))
 
 
-def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None, p_dtype=None):
+def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None, p_dtype=None,
+                     compute_dtype=torch.float64):
     """The fp64 reference of a varlen batch, one sequence at a time (its queries
     are its last seq_q positions): out [total_q, Hq, Dv] and lse [Hq, total_q]."""
     outs, lses = [], []
@@ -129,7 +130,7 @@ def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None, p_dtype
         k = batch.k[ck[i]:ck[i + 1]].transpose(0, 1)[None]
         v = batch.v[ck[i]:ck[i + 1]].transpose(0, 1)[None]
         out, lse = reference_for(spec, q, k, v, extra, q_offset=len_k - len_q, scale=scale,
-                                 p_dtype=p_dtype)
+                                 p_dtype=p_dtype, compute_dtype=compute_dtype)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)

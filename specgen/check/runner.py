@@ -126,7 +126,55 @@ def run_packed_case(torch, module, case: Case, generator) -> dict:
     torch.cuda.synchronize()
     ref, ref_lse = packed_reference(spec, batch, extra)
     model = _p_model(spec, lambda **kw: packed_reference(spec, batch, extra, **kw))
-    return _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
+    row = _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
+    if spec.get("backward"):
+        row.update(check_packed_gradients(torch, module, batch, extra, generator))
+        row["ok"] = row["ok"] and row["grad_ok"]
+    return row
+
+
+def check_packed_gradients(torch, module, batch, extra: dict, generator) -> dict:
+    """check_gradients for a varlen batch: the kernel's gradients of the packed q,
+    k, v (and sinks) against fp64 autograd of the per-sequence reference, by
+    FlashAttention's rule."""
+    import dataclasses
+
+    spec = module.SPEC
+    dtype = batch.q.dtype
+    leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
+    extra = dict(extra)
+    learned = ["sinks"] if "sinks" in extra else []
+    for name in learned:
+        extra[name] = extra[name].detach().requires_grad_()
+        leaves.append(extra[name])
+    out, _ = call_kernel(module, *leaves[:3], extra, **batch.kwargs())
+    dout = torch.randn(out.shape, generator=generator, device="cuda").to(dtype)
+    got = torch.autograd.grad(out, leaves, dout)
+
+    def reference_grads(compute_dtype):
+        refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
+                for i, t in enumerate(leaves)]
+        packed = dataclasses.replace(batch, q=refs[0], k=refs[1], v=refs[2])
+        ref, _ = packed_reference(spec, packed, dict(extra, **dict(zip(learned, refs[3:]))),
+                                  compute_dtype=compute_dtype)
+        return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
+
+    return _fa_rule(torch, got, reference_grads(torch.float64), reference_grads(dtype))
+
+
+def _fa_rule(torch, got, exact, rough) -> dict:
+    """FlashAttention's rule over gradients: each one's largest error against the
+    fp64 ``exact`` is at most twice that of ``rough`` (the same math in the input
+    dtype) plus 1e-5. grad_ratio: the worst error over its allowance."""
+    worst, finite = 0.0, True
+    for g, e, r in zip(got, exact, rough):
+        e = torch.zeros_like(g, dtype=torch.float64) if e is None else e
+        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
+        finite = finite and bool(torch.isfinite(g).all())
+        err = (g.double() - e).abs().max().item() if g.numel() else 0.0
+        allowed = 2 * ((r.double() - e).abs().max().item() if g.numel() else 0.0) + 1e-5
+        worst = max(worst, err / allowed)
+    return {"grad_ratio": worst, "grad_ok": finite and worst <= 1.0}
 
 
 def _p_model(spec: dict, reference):
@@ -223,17 +271,7 @@ def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generato
                                compute_dtype=compute_dtype)
         return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
 
-    exact = reference_grads(torch.float64)
-    rough = reference_grads(dtype)
-    worst, finite = 0.0, True
-    for g, e, r in zip(got, exact, rough):
-        e = torch.zeros_like(g, dtype=torch.float64) if e is None else e
-        r = torch.zeros_like(g, dtype=torch.float64) if r is None else r
-        finite = finite and bool(torch.isfinite(g).all())
-        err = (g.double() - e).abs().max().item() if g.numel() else 0.0
-        allowed = 2 * ((r.double() - e).abs().max().item() if g.numel() else 0.0) + 1e-5
-        worst = max(worst, err / allowed)
-    return {"grad_ratio": worst, "grad_ok": finite and worst <= 1.0}
+    return _fa_rule(torch, got, reference_grads(torch.float64), reference_grads(dtype))
 
 
 def format_table(name: str, dtype: str, rows: list[dict]) -> str:

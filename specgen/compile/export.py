@@ -225,11 +225,19 @@ def backward_signatures(plan: Plan) -> dict:
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     io = getattr(ct, plan.dtype)
-    qkv = _array_constraint(io, 4, 2, True)
-    rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
     tile_m, tile_n = plan.bwd_tile
-    # qk_scale, q_offset; dropout: seed, keep threshold, 1 / (1 - dropout_p)
-    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]
+    if plan.varlen:
+        # packed [total, H, D] arrays, Lse and Delta [H, total_q], cu_seqlens q and k
+        qkv = _array_constraint(io, 3, 2, True)
+        rows = _array_constraint(ct.float32, 2, 4, False)
+        cu = [_array_constraint(ct.int32, 1, 4, False)]
+        scalars = cu * 2 + [ScalarConstraint(ct.float32)]  # and qk_scale
+    else:
+        qkv = _array_constraint(io, 4, 2, True)
+        rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
+        cu = []
+        scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]  # qk_scale, q_offset
+    # dropout: seed, keep threshold, 1 / (1 - dropout_p)
     if plan.dropout:
         scalars += [ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.float32)]
     convention = CallingConvention.cutile_python_v1()
@@ -241,7 +249,7 @@ def backward_signatures(plan: Plan) -> dict:
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
     delta, dkdv, dq = plan.bwd_names
     return {
-        delta: [KernelSignature([qkv, qkv, rows, tile_m], convention)],
+        delta: [KernelSignature([qkv, qkv, rows] + cu + [tile_m], convention)],
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + grads + scalars

@@ -402,7 +402,7 @@ class Spec(_Strict):
     def _backward_features(cls, value: bool, info) -> bool:
         if not value:
             return value
-        used = [n for n in ("varlen", "out_dtype") if info.data.get(n)]
+        used = [n for n in ("out_dtype",) if info.data.get(n)]
         if info.data.get("dtype") == "float8_e4m3fn":
             used.append("dtype float8_e4m3fn")
         if info.data.get("q_subtiles", 1) > 1:
@@ -410,7 +410,7 @@ class Spec(_Strict):
         if used:
             raise ValueError(f"true does not support {', '.join(used)} yet; the backward kernels "
                              "cover causal/non-causal, windows, soft-cap, score_mod/mask_mod "
-                             "hooks, sinks, dropout, GQA, any head_dim and v_head_dim")
+                             "hooks, sinks, dropout, varlen, GQA, any head_dim and v_head_dim")
         score_mod = info.data.get("score_mod")
         if score_mod:
             from specgen.spec.derive import score_derivative

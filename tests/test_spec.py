@@ -108,10 +108,10 @@ BAD = [
      "specs/bad.yaml: v_cache_transposed: a decode field, not supported by family prefill"),
     ({"family": "decode", "v_cache_transposed": "keys_last"},
      "specs/bad.yaml: v_cache_transposed: must be true or false, got \"keys_last\""),
-    ({"backward": True, "varlen": True},
-     "specs/bad.yaml: backward: true does not support varlen yet; the backward kernels cover "
-     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, dropout, GQA, any head_dim and "
-     "v_head_dim, got true"),
+    ({"backward": True, "dtype": "float8_e4m3fn"},
+     "specs/bad.yaml: backward: true does not support dtype float8_e4m3fn yet; the backward kernels cover "
+     "causal/non-causal, windows, soft-cap, score_mod/mask_mod hooks, sinks, dropout, varlen, GQA, any "
+     "head_dim and v_head_dim, got true"),
     ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
       "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
      "specs/bad.yaml: tensors.slope.learnable: true needs backward: true (a gradient comes from the "

@@ -128,6 +128,7 @@ def run_packed_case(torch, module, case: Case, generator) -> dict:
     model = _p_model(spec, lambda **kw: packed_reference(spec, batch, extra, **kw))
     row = _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
     if spec.get("backward"):
+        row["out_ok"] = row["ok"]
         row.update(check_packed_gradients(torch, module, batch, extra, generator))
         row["ok"] = row["ok"] and row["grad_ok"]
     return row
@@ -230,6 +231,7 @@ def run_case(torch, module, case: Case, generator) -> dict:
                                                       q_offset=case.q_offset, **kw))
     row = _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
     if spec.get("backward"):
+        row["out_ok"] = row["ok"]
         row.update(check_gradients(torch, module, q, k, v, extra, case.q_offset, generator))
         row["ok"] = row["ok"] and row["grad_ok"]
     return row

@@ -135,29 +135,45 @@ def run_packed_case(torch, module, case: Case, generator) -> dict:
 
 
 def check_packed_gradients(torch, module, batch, extra: dict, generator) -> dict:
-    """check_gradients for a varlen batch: the kernel's gradients of the packed q,
-    k, v (and sinks) against fp64 autograd of the per-sequence reference, by
-    FlashAttention's rule."""
+    """check_gradients for a varlen batch: the gradients of the packed q, k, v (and
+    sinks) against fp64 autograd of the per-sequence reference."""
     import dataclasses
 
     spec = module.SPEC
-    dtype = batch.q.dtype
-    leaves = [t.detach().requires_grad_() for t in (batch.q, batch.k, batch.v)]
-    extra = dict(extra)
+
+    def call(q, k, v, extra):
+        return call_kernel(module, q, k, v, extra, **batch.kwargs())[0]
+
+    def reference(q, k, v, extra, compute_dtype):
+        packed = dataclasses.replace(batch, q=q, k=k, v=v)
+        return packed_reference(spec, packed, extra, compute_dtype=compute_dtype)[0]
+
     learned = ["sinks"] if "sinks" in extra else []
+    return _gradient_check(torch, (batch.q, batch.k, batch.v), extra, learned, call, reference,
+                           generator)
+
+
+def _gradient_check(torch, inputs, extra: dict, learned: list, call, reference, generator) -> dict:
+    """The gradients of ``call(q, k, v, extra) -> out`` in q, k, v and the ``learned``
+    entries of ``extra``, for a random upstream gradient, against those of
+    ``reference(q, k, v, extra, compute_dtype) -> out`` in fp64 and in the inputs'
+    dtype, by FlashAttention's rule (_fa_rule). The learned entries stay fp64 in
+    both references (the kernels keep them in float32)."""
+    dtype = inputs[0].dtype
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    extra = dict(extra)
     for name in learned:
         extra[name] = extra[name].detach().requires_grad_()
         leaves.append(extra[name])
-    out, _ = call_kernel(module, *leaves[:3], extra, **batch.kwargs())
+    out = call(*leaves[:3], extra)
+    # out's shape, not q's: v_head_dim may differ from head_dim
     dout = torch.randn(out.shape, generator=generator, device="cuda").to(dtype)
     got = torch.autograd.grad(out, leaves, dout)
 
     def reference_grads(compute_dtype):
         refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
                 for i, t in enumerate(leaves)]
-        packed = dataclasses.replace(batch, q=refs[0], k=refs[1], v=refs[2])
-        ref, _ = packed_reference(spec, packed, dict(extra, **dict(zip(learned, refs[3:]))),
-                                  compute_dtype=compute_dtype)
+        ref = reference(*refs[:3], dict(extra, **dict(zip(learned, refs[3:]))), compute_dtype)
         return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
 
     return _fa_rule(torch, got, reference_grads(torch.float64), reference_grads(dtype))
@@ -244,36 +260,21 @@ def learnable_tensors(spec: dict) -> list[str]:
 
 def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generator) -> dict:
     """The gradients of a ``backward: true`` kernel (q, k, v, sinks and learnable
-    hook tensors) for a random
-    upstream gradient, by FlashAttention's rule: each one's largest error against
-    fp64 autograd of the reference is at most twice that of the same reference
-    computed in the input dtype, plus 1e-5. Returns grad_ratio (the worst error
-    over its allowance, <= 1 passes) and grad_ok."""
+    hook tensors) for a random upstream gradient, by FlashAttention's rule: each
+    one's largest error against fp64 autograd of the reference is at most twice that
+    of the same reference computed in the input dtype, plus 1e-5. Returns grad_ratio
+    (the worst error over its allowance, <= 1 passes) and grad_ok."""
     spec = module.SPEC
-    dtype = q.dtype
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    extra = dict(extra)
-    # sinks and the learnable hook tensors are differentiated too (kept in fp64 by
-    # both references: the kernel keeps them in float32)
+
+    def call(q, k, v, extra):
+        out = module.attention(q, k, v, q_offset=q_offset, **extra)
+        return out[0] if isinstance(out, tuple) else out
+
+    def reference(q, k, v, extra, compute_dtype):
+        return reference_for(spec, q, k, v, extra, q_offset=q_offset, compute_dtype=compute_dtype)[0]
+
     learned = (["sinks"] if "sinks" in extra else []) + learnable_tensors(spec)
-    for name in learned:
-        extra[name] = extra[name].detach().requires_grad_()
-        leaves.append(extra[name])
-    out = module.attention(*leaves[:3], q_offset=q_offset, **extra)
-    out = out[0] if isinstance(out, tuple) else out
-    # out's shape, not q's: v_head_dim may differ from head_dim
-    dout = torch.randn(out.shape, generator=generator, device="cuda").to(dtype)
-    got = torch.autograd.grad(out, leaves, dout)
-
-    def reference_grads(compute_dtype):
-        refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
-                for i, t in enumerate(leaves)]
-        ref_extra = dict(extra, **dict(zip(learned, refs[3:])))
-        ref, _ = reference_for(spec, *refs[:3], ref_extra, q_offset=q_offset,
-                               compute_dtype=compute_dtype)
-        return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
-
-    return _fa_rule(torch, got, reference_grads(torch.float64), reference_grads(dtype))
+    return _gradient_check(torch, (q, k, v), extra, learned, call, reference, generator)
 
 
 def format_table(name: str, dtype: str, rows: list[dict]) -> str:

@@ -41,6 +41,11 @@ class TensorGrad:
     derivative: Hook  # d(score_mod)/d(subscript), compiled like a hook
     source: str  # the subscript as written
 
+    @property
+    def index(self) -> str:
+        """The indices as the tuple ct.atomic_add takes: "(head,)"."""
+        return "(" + ", ".join(self.indices) + ("," if len(self.indices) == 1 else "") + ")"
+
 
 @dataclass(frozen=True)
 class ConfigPlan:
@@ -216,7 +221,8 @@ class Plan:
 
     @property
     def learnable(self) -> tuple[tuple[str, str], ...]:
-        """(tensor, gradient parameter) of each learnable tensor, in declaration order."""
+        """(tensor, gradient parameter) of each learnable tensor, in the order
+        score_mod first reads them."""
         seen = {}
         for t in self.tensor_grads:
             seen.setdefault(t.tensor, t.param)
@@ -573,42 +579,26 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         optimizations=_optimizations(spec, block_remap),
         **_decode(spec),
         **_backward(spec),
-        score_mod_grad=_score_mod_grad(spec),
-        tensor_grads=_tensor_grads(spec),
+        **_backward_hooks(spec),
     )
 
 
-def _score_mod_grad(spec: Spec) -> Hook | None:
-    """The score_mod's derivative in the score, compiled like a hook (its gathered
-    locals numbered after the hooks' own), or None where it is 1."""
+def _backward_hooks(spec: Spec) -> dict:
+    """What the backward kernels compute from the hooks, compiled like hooks, their
+    gathered locals numbered after the forward hooks' own: score_mod_grad, the
+    score_mod's derivative in the score (None where it is 1, a bias), and
+    tensor_grads, one per distinct subscript of a learnable tensor in score_mod."""
     if not (spec.backward and spec.score_mod):
-        return None
+        return {}
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
     counter: dict = {}
     for which in ("score_mod", "mask_mod"):  # the forward hooks' numbering, then on
         if getattr(spec, which):
             compile_hook(getattr(spec, which), which, tensors, counter)
     text = score_derivative(spec.score_mod)
-    if text == "1.0":
-        return None
-    return compile_hook(text, "score_mod", tensors, counter, check_size=False)
-
-
-def _tensor_grads(spec: Spec) -> tuple[TensorGrad, ...]:
-    """The gradients of the learnable tensors, one per distinct subscript of theirs
-    in score_mod (gathered locals numbered after the hooks' and the score
-    derivative's)."""
+    score_mod_grad = (None if text == "1.0" else
+                      compile_hook(text, "score_mod", tensors, counter, check_size=False))
     learnable = [n for n, t in spec.tensors.items() if t.learnable]
-    if not (spec.backward and learnable and spec.score_mod):
-        return ()
-    tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
-    counter: dict = {}
-    for which in ("score_mod", "mask_mod"):
-        if getattr(spec, which):
-            compile_hook(getattr(spec, which), which, tensors, counter)
-    derivative = score_derivative(spec.score_mod)
-    if derivative != "1.0":
-        compile_hook(derivative, "score_mod", tensors, counter, check_size=False)
     grads = []
     for number, (source, text) in enumerate(tensor_derivatives(spec.score_mod, learnable)):
         subscript = compile_hook(source, "score_mod", tensors, {}, check_size=False)
@@ -618,7 +608,7 @@ def _tensor_grads(spec: Spec) -> tuple[TensorGrad, ...]:
             indices=gather.indices, where=gather.where, uses_rows="q_idx" in subscript.uses,
             derivative=compile_hook(text, "score_mod", tensors, counter, check_size=False),
             source=source))
-    return tuple(grads)
+    return dict(score_mod_grad=score_mod_grad, tensor_grads=tuple(grads))
 
 
 def _backward(spec: Spec) -> dict:

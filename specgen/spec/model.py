@@ -34,6 +34,11 @@ from specgen.spec.fields import (
 )
 
 
+def _indexes(expression: str, tensor: str) -> bool:
+    """The hook expression subscripts the tensor (tensor[...])."""
+    return re.search(rf"\b{tensor}\s*\[", expression) is not None
+
+
 class Spec(_Strict):
     """An attention kernel: what it computes and how it is built, per GPU target."""
 
@@ -373,7 +378,7 @@ class Spec(_Strict):
     def _tensor_problems(self) -> list[tuple[str, str]]:
         used = " ".join(filter(None, (self.score_mod, self.mask_mod)))
         return [(f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
-                for name in self.tensors if not re.search(rf"\b{name}\s*\[", used)]
+                for name in self.tensors if not _indexes(used, name)]
 
     def _learnable_problems(self) -> list[tuple[str, str]]:
         problems = []
@@ -387,7 +392,7 @@ class Spec(_Strict):
             elif t.dtype != "float32":
                 problems.append((where, f"true needs dtype float32 (an {t.dtype} tensor has no "
                                         "gradient)"))
-            elif not (self.score_mod and re.search(rf"\b{name}\s*\[", self.score_mod)):
+            elif not _indexes(self.score_mod or "", name):
                 problems.append((where, "true needs the tensor in score_mod (a mask_mod "
                                         "gives it no gradient)"))
             elif self.deterministic:

@@ -6,7 +6,14 @@ tile of TILE_M rows, a loop over key tiles doing S = Q K^T and acc += P V, with
   - ``exp``: P = exp2(S - 8) (the exponentials, no running max, no rescale),
   - ``softmax``: the full online softmax of a specgen kernel (max, exp2, rescale),
   - ``softmax_mma_rowsum``: the same with the row sums taken by a second MMA,
-    P @ ones[TILE_N, 16], instead of a reduction across threads.
+    P @ ones[TILE_N, 16], instead of a reduction across threads;
+  - ``softmax_lazy``: the full online softmax, but acc, l and m are rescaled only when
+    some row's max grew by more than 8 (log2 units; P then stays below 2**8), one
+    branch per tile on a CTA-wide test;
+  - ``softmax_poly``: the full online softmax over two key half-tiles, the second
+    half's exponentials computed by a cubic polynomial on the FMA units instead of
+    the MUFU ex2 unit (the two units then work side by side);
+  - ``softmax_lazy_poly``: both.
 Non-causal, [B, H, S, D] inputs, B4 H32 D128, the same tiles and hints as the shipped
 sm_90 configs (128x128, occupancy 1, two warp groups). ``mma`` is an upper bound on
 any attention kernel cuTile builds with this loop: whatever the softmax costs comes
@@ -28,7 +35,87 @@ from triton.testing import do_bench
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
-KINDS = ("mma", "exp", "softmax", "softmax_mma_rowsum")
+KINDS = (
+    "mma",
+    "exp",
+    "softmax",
+    "softmax_mma_rowsum",
+    "softmax_lazy",
+    "softmax_poly",
+    "softmax_lazy_poly",
+)
+# 2**f on [0, 1) to 8.6e-5 relative (weighted least squares; p(0) = 1 exactly).
+POLY = (0.69511545, 0.22765097, 0.07706157)
+
+
+def exp2_poly(x):
+    """2**x for x <= 0 on the FMA pipe: 2**floor(x) from the exponent bits times a
+    cubic in the fraction. Below -127 it returns 0 (exponent field 0)."""
+    x = ct.maximum(x, -127.0)
+    xi = ct.floor(x)
+    f = x - xi
+    p = (f * POLY[2] + POLY[1]) * f + POLY[0]
+    p = p * f + 1.0
+    bits = ct.bitcast(p, ct.int32) + ct.bitwise_lshift(ct.astype(xi, ct.int32), 23)
+    return ct.bitcast(bits, ct.float32)
+
+
+def _half_tiles(K, V, b, h, j, HALF, D, V_T):
+    """K^T [D, HALF] and V [HALF, D] of key half-tile j."""
+    k_t = ct.load(
+        K, index=(b, h, 0, j), shape=(1, 1, D, HALF), order=(0, 1, 3, 2), latency=2
+    ).reshape((D, HALF))
+    if V_T:
+        v = ct.load(
+            V, index=(b, h, j, 0), shape=(1, 1, HALF, D), order=(0, 1, 3, 2), latency=4
+        ).reshape((HALF, D))
+    else:
+        v = ct.load(V, index=(b, h, j, 0), shape=(1, 1, HALF, D), latency=4).reshape(
+            (HALF, D)
+        )
+    return k_t, v
+
+
+def split_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND):
+    """The KIND >= 4 loops: TILE_N keys per step as two half-tiles."""
+    HALF = TILE_N // 2
+    M = q.shape[0]
+    lazy = KIND == 4 or KIND == 6
+    poly = KIND == 5 or KIND == 6
+    for j in range(ct.cdiv(K.shape[2], TILE_N)):
+        ka, va = _half_tiles(K, V, b, h, 2 * j, HALF, D, V_T)
+        kb, vb = _half_tiles(K, V, b, h, 2 * j + 1, HALF, D, V_T)
+        sa = ct.mma(q, ka, ct.full((M, HALF), 0.0, dtype=ct.float32))
+        sb = ct.mma(q, kb, ct.full((M, HALF), 0.0, dtype=ct.float32))
+        m_tile = max(
+            ct.max(sa, axis=-1, keepdims=True), ct.max(sb, axis=-1, keepdims=True)
+        )
+        m_new = max(m_i, m_tile * qk_scale)
+        if lazy:
+            # Rescale only when a row's max grew by more than 8: P <= 2**8 otherwise.
+            if ct.max(m_new - m_i) > 8.0:
+                alpha = ct.exp2(m_i - m_new, flush_to_zero=True)
+                acc = acc * alpha
+                l_i = l_i * alpha
+                m_i = m_new
+        else:
+            alpha = ct.exp2(m_i - m_new, flush_to_zero=True)
+            acc = acc * alpha
+            l_i = l_i * alpha
+            m_i = m_new
+        pa = ct.exp2(sa * qk_scale - m_i, flush_to_zero=True)
+        if poly:
+            pb = exp2_poly(sb * qk_scale - m_i)
+        else:
+            pb = ct.exp2(sb * qk_scale - m_i, flush_to_zero=True)
+        l_i = (
+            l_i
+            + ct.sum(pa, axis=-1, keepdims=True)
+            + ct.sum(pb, axis=-1, keepdims=True)
+        )
+        acc = ct.mma(pa.astype(Q.dtype), va, acc)
+        acc = ct.mma(pb.astype(Q.dtype), vb, acc)
+    return acc, l_i
 
 
 def ceiling_loop(
@@ -52,7 +139,11 @@ def ceiling_loop(
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     l_acc = ct.full((TILE_M, 16), 0.0, dtype=ct.float32)  # KIND 3: row sums by an MMA
     ones = ct.full((TILE_N, 16), 1.0, dtype=Q.dtype)
-    for j in range(ct.cdiv(K.shape[2], TILE_N)):
+    if KIND >= 4:
+        acc, l_i = split_loop(
+            Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND
+        )
+    for j in range(ct.cdiv(K.shape[2], TILE_N) if KIND < 4 else 0):
         k_t = ct.load(
             K,
             index=(b, h, 0, j),
@@ -118,11 +209,16 @@ def _kernel(occupancy: int, warps):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="4096,8192")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.manual_seed(0)
     B, H, D = 4, 32, 128
-    configs = [("bfloat16", 128, 128, 1, 8), ("float8_e4m3fn", 128, 128, 1, 8)]
+    configs = [
+        ("bfloat16", 128, 128, 1, 8),
+        ("float8_e4m3fn", 128, 128, 1, 8),
+        ("float8_e4m3fn", 128, 256, 1, 8),
+    ]
     try:
         import sys
 
@@ -137,13 +233,19 @@ def main() -> None:
         flops = 4 * B * H * seq * seq * D
         base = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
         kb, vb = torch.randn_like(base), torch.randn_like(base)
+        # Keys grow along the sequence, so row maxima keep rising (the lazy rescale's
+        # branch is taken, not only skipped).
+        kb = kb * (1 + 2 * torch.arange(seq, device="cuda")[:, None] / seq).to(kb.dtype)
         for dtype, tm, tn, occ, ww in configs:
             tdt = getattr(torch, dtype)
             q, k, v = (t.to(tdt) for t in (base, kb, vb))
             out = torch.empty(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
             vt = v.transpose(2, 3).contiguous()
             kern = _kernel(occ, ww)
+            outs = {}
             for kind_id, kind in enumerate(KINDS):
+                if kind not in args.kinds.split(","):
+                    continue
                 for v_t in (dtype != "bfloat16",):
                     grid = (seq // tm, B * H, 1)
                     call = (
@@ -170,11 +272,17 @@ def main() -> None:
                     ) as exc:  # noqa: BLE001 - reported, the rest still runs
                         print(f"{dtype} {kind} S={seq}: {type(exc).__name__}: {exc}")
                         continue
+                    # The softmax variants must agree with the plain online softmax.
+                    outs[kind] = out.float()
+                    diff = None
+                    if kind.startswith("softmax_") and "softmax" in outs:
+                        diff = (outs[kind] - outs["softmax"]).abs().max().item()
                     rows.append(
                         {
                             "seq": seq,
                             "dtype": dtype,
                             "kind": kind,
+                            "max_diff_vs_softmax": diff,
                             "v_transposed": v_t,
                             "tiles": f"{tm}x{tn} occ{occ} ww{ww}",
                             "ms": ms,

@@ -205,6 +205,8 @@ DESCRIPTIONS: dict[str, str] = {
     "autotune.<target>.v_transposed": "`v_transposed` values to try (`null`: the default, "
     "true for float8 prefill). One kernel takes both layouts; the transposing copy is made "
     "outside the timing.",
+    "autotune.<target>.persistent": "`persistent` values to try (`null`: false). With "
+    "`true` in the list, one kernel in the work-item loop form serves every config.",
     "autotune.<target>.seq_buckets": "Keep a separate winner for a shorter length of the "
     "suite where it beats the longest length's winner by `min_gain` (written as "
     "`by_seq_k`); `false` keeps one config for every length.",

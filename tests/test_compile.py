@@ -128,6 +128,30 @@ def test_v_transposed_is_a_kernel_constant_compiled_per_config():
     assert len(result.paths) == 2 and all(p.stat().st_size > 0 for p in result.paths)
 
 
+def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
+    data = yaml.safe_load(SPECS[0].read_text())
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2, "persistent": True,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}],
+    }}
+    plan = make_plan(validate_spec(data))
+    assert plan.persistent_loop
+    assert [c.persistent for c in plan.target("sm_90").configs] == [False, True]
+    # The launch differs, the kernel does not: one build serves both configs.
+    configs = target_configs(plan, "sm_90")
+    assert len(configs) == 1
+    source = render(plan, "specs/persistent.yaml").text
+    assert "for work in range(ct.bid(0), num_tiles * batch_heads, ct.num_blocks(0)):" in source
+    assert "grid = (min(work, _sm_count(q.device) * config[\"occupancy\"]), 1, 1)" in source
+    assert '"persistent": True' in source
+    result = compile_target(plan, source, "generated/persistent.py", "sm_90")
+    assert len(result.paths) == 1 and result.paths[0].stat().st_size > 0
+    # A spec with no persistent config keeps the 2-D grid and one item per CTA.
+    plain = make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text())))
+    assert not plain.persistent_loop
+    assert "for work in range" not in render(plain, "specs/x.yaml").text
+
+
 def test_float8_prefill_reads_v_transposed_by_default():
     fp8 = next(p for p in SPECS if p.stem == "fmha_fp8_llama")
     plan, source = _plan_and_source(fp8)

@@ -115,6 +115,24 @@ VARIANTS = {
         "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False, "block_remap": None,
         "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64}},
     },
+    # Persistent launches: one wave of CTAs looping over the work items, in both
+    # tile orders, and a bucket that launches one CTA per item with the same kernel.
+    "persistent_buckets": {
+        "targets": {"default": {
+            "tile_m": 64, "tile_n": 64, "occupancy": 2, "persistent": True,
+            "by_seq_k": [{"max_seq_k": 100, "tile_m": 32, "tile_n": 32},
+                         {"max_seq_k": 500, "tile_m": 64, "tile_n": 64, "tile_order": "global",
+                          "persistent": True}],
+        }},
+    },
+    "persistent_fp8_non_causal": {
+        "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False, "block_remap": None,
+        "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}},
+    },
+    "persistent_window_sinks_lse": {
+        "window": {"left": 100}, "sinks": True, "return_lse": True,
+        "targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}},
+    },
     # Key-length buckets: 77 and 128 run the first config, 1000 the target's own.
     "seq_buckets": {
         "targets": {"default": {

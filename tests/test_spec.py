@@ -148,7 +148,7 @@ BAD = [
      "q_subtiles, splits, pdl, v_cache_transposed, backward, deterministic, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
-     "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, by_seq_k"),
+     "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, persistent, by_seq_k"),
     ({"compile_for": []}, "specs/bad.yaml: compile_for: must not be empty, got []"),
     ({"compile_for": ["sm_90", "sm_90"]},
      "specs/bad.yaml: compile_for: lists sm_90 twice, got [\"sm_90\", \"sm_90\"]"),
@@ -249,6 +249,17 @@ NEW_FIELDS_BAD = [
      "specs/bad.yaml: targets.sm_90.v_transposed: varlen reads V as given; use null or false, got true"),
     ({"family": "decode", "targets": {"sm_90": {"tile_m": 16, "tile_n": 64, "v_transposed": True}}},
      "specs/bad.yaml: targets.sm_90.v_transposed: family decode reads V as given; use null or false, got true"),
+    ({"varlen": True, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "persistent": True}}},
+     "specs/bad.yaml: targets.sm_90.persistent: varlen launches one CTA per work item; use null or false, got true"),
+    ({"family": "decode", "targets": {"sm_90": {"tile_m": 16, "tile_n": 64, "persistent": True}}},
+     "specs/bad.yaml: targets.sm_90.persistent: family decode launches one CTA per work item; "
+     "use null or false, got true"),
+    ({"varlen": True, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "by_seq_k": [
+        {"max_seq_k": 64, "tile_m": 32, "tile_n": 32, "persistent": True}]}}},
+     "specs/bad.yaml: targets.sm_90.by_seq_k[0].persistent: varlen launches one CTA per work item; "
+     "use null or false, got true"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "persistent": 1}}},
+     "specs/bad.yaml: targets.sm_90.persistent: must be true or false, got 1"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "v_transposed": "yes"}}},
      "specs/bad.yaml: targets.sm_90.v_transposed: must be true or false, got \"yes\""),
     ({"window": {}}, "specs/bad.yaml: window: set left or right (or both); without either, drop window"),

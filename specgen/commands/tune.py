@@ -92,6 +92,8 @@ def describe(config: dict) -> str:
         text += " global"
     if config.get("v_transposed") is not None:
         text += " vT" if config["v_transposed"] else " vN"
+    if config.get("persistent"):
+        text += " persistent"
     return text
 
 
@@ -271,8 +273,10 @@ def run_tune(
     # And one kernel for both V layouts when the space asks for a transposed V.
     v_default = default_v_transposed(spec)
     v_choices = {v_default if v is None else v for v in space.v_transposed}
+    # And one kernel in the work-item loop form when the space has persistent launches.
     plan = make_plan(spec, tile_order_param=space.tile_order != ["per_head"],
-                     v_layout_param=True in v_choices)
+                     v_layout_param=True in v_choices,
+                     persistent_loop=True in space.persistent)
     source = render(plan, path.as_posix()).text
     module = load_module_from_source(f"{spec.name}_tune", source, f"{spec.name}_tune.py")
     kernel = getattr(module, plan.kernel_name)
@@ -306,8 +310,14 @@ def run_tune(
                           seed=extra["seed"])
         return tuple(values[param.role] for param in plan.params)
 
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
     def grid(config, seq_q, batch_heads):
+        """As the generated launcher computes it."""
         tiles = math.ceil(seq_q / config["tile_m"])
+        if plan.persistent_loop:
+            work = tiles * batch_heads
+            return (min(work, sm_count * config["occupancy"]) if config["persistent"] else work, 1, 1)
         if config["tile_order"] == "global":
             return (batch_heads, tiles, 1)
         return (tiles, batch_heads, 1)

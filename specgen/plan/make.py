@@ -60,6 +60,7 @@ class ConfigPlan:
     extra_hints: dict
     tile_order: str = "per_head"  # "global": query tiles on the grid's slow axis
     v_transposed: bool = False  # the launcher passes V as [B, Hkv, D, Skv]
+    persistent: bool = False  # one wave of CTAs loops over the work items
 
     @property
     def tiles_outer(self) -> bool:
@@ -71,7 +72,8 @@ class ConfigPlan:
                          + [f"{k.replace('_', ' ') if k == 'opt_level' else k} {v}"
                             for k, v in self.hints.items()]
                          + (["global tile order"] if self.tiles_outer else [])
-                         + (["V transposed"] if self.v_transposed else []))
+                         + (["V transposed"] if self.v_transposed else [])
+                         + (["persistent"] if self.persistent else []))
         return text + (f" (seq_k <= {self.max_seq_k})" if self.max_seq_k else "")
 
     def as_dict(self) -> dict:
@@ -81,6 +83,8 @@ class ConfigPlan:
             data["tile_order"] = self.tile_order
         if self.v_transposed:
             data["v_transposed"] = True
+        if self.persistent:
+            data["persistent"] = True
         if self.extra_hints:
             data["hints"] = dict(self.extra_hints)
         return data
@@ -131,6 +135,9 @@ class Plan:
     tile_order_param: bool
     # V_TRANSPOSED likewise, where some config reads V as [B, Hkv, D, Skv].
     v_layout_param: bool
+    # The kernel loops over work items from ct.bid(0) in steps of the grid (a 1-D
+    # grid), where some config launches persistent: one item per CTA otherwise.
+    persistent_loop: bool
     k_transposed: bool
     exp2: bool
     flush_to_zero: bool
@@ -364,7 +371,7 @@ def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict,
                  if k in hints or k in own_hints}
     v_transposed = v_default if cfg.v_transposed is None else cfg.v_transposed
     return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra, cfg.tile_order,
-                      v_transposed)
+                      v_transposed, bool(cfg.persistent))
 
 
 def _target_plans(targets: dict[str, TargetConfig], v_default: bool = False
@@ -448,6 +455,10 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
         lines.append("sliding window: key tiles wholly outside it are skipped, its edge tiles masked")
     if spec.q_subtiles == 2:
         lines.append("two query half-tiles per CTA share each K/V tile (ping-pong)")
+    persistent = [bool(c.persistent) for c in configs]
+    if any(persistent):
+        lines.append(("persistent" if all(persistent) else "persistent (some configs)")
+                     + ": one wave of CTAs loops over the work items in the tile order")
     return tuple(lines) or ("none (baseline)",)
 
 
@@ -506,11 +517,12 @@ def _hooks(spec: Spec) -> dict:
 
 
 def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
-              v_layout_param: bool | None = None) -> Plan:
+              v_layout_param: bool | None = None, persistent_loop: bool | None = None) -> Plan:
     """The plan of ``spec``. ``tile_order_param`` forces the TILES_OUTER kernel
     argument on or off (``specgen tune`` searches both orders with one kernel);
     None: present where a config of the spec uses tile_order "global".
-    ``v_layout_param`` does the same for V_TRANSPOSED (configs with v_transposed)."""
+    ``v_layout_param`` does the same for V_TRANSPOSED (configs with v_transposed),
+    ``persistent_loop`` for the work-item loop (configs with persistent)."""
     fm = spec.fast_math
     block_remap = spec.use_block_remap
     targets = _target_plans(spec.targets, default_v_transposed(spec))
@@ -537,6 +549,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
                           if tile_order_param is None else tile_order_param),
         v_layout_param=(any(c.v_transposed for t in targets for c in t.configs)
                         if v_layout_param is None else v_layout_param),
+        persistent_loop=(any(c.persistent for t in targets for c in t.configs)
+                         if persistent_loop is None else persistent_loop),
         k_transposed=spec.loads.k_transposed,
         exp2=fm.exp2,
         flush_to_zero=fm.flush_to_zero,

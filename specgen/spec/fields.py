@@ -263,6 +263,12 @@ class LaunchConfig(_Strict):
         "the kernel transposes every V tile through shared memory byte by byte). "
         "null: true for float8 prefill, false otherwise. Not for varlen or decode.",
     )
+    persistent: Optional[bool] = Field(
+        None,
+        description="Prefill: launch one wave of CTAs (SMs x occupancy) that loop over "
+        "the (query tile, batch, head) work items in the tile order, heaviest causal "
+        "tiles first, instead of one CTA per item. null: false. Not for varlen or decode.",
+    )
 
     def hints(self) -> dict[str, int]:
         """The kernel options this config sets (the ones left null are auto)."""
@@ -302,7 +308,7 @@ class TargetConfig(LaunchConfig):
 
 TUNABLE_FIELDS = (
     "tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level", "tile_order",
-    "v_transposed",
+    "v_transposed", "persistent",
 )
 
 
@@ -341,6 +347,9 @@ class AutotuneSpace(_Strict):
         default_factory=lambda: ["per_head"], min_length=1
     )
     v_transposed: _choices(Optional[bool]) = Field(
+        default_factory=lambda: [None], min_length=1
+    )
+    persistent: _choices(Optional[bool]) = Field(
         default_factory=lambda: [None], min_length=1
     )
     seq_buckets: bool = Field(

@@ -227,8 +227,9 @@ def spec_to_dict(spec: Spec) -> dict:
     if not data["autotune"]:
         del data["autotune"]
     for space in data.get("autotune", {}).values():
-        if space["v_transposed"] == [None]:  # the default: null (auto) only
-            del space["v_transposed"]
+        for name in ("v_transposed", "persistent"):
+            if space[name] == [None]:  # the default: null (auto) only
+                del space[name]
     return data
 
 

@@ -355,6 +355,10 @@ class Spec(_Strict):
                     if bucket.v_transposed:
                         problems.append((f"{where}.v_transposed",
                                          f"{what} reads V as given; use null or false, got true"))
+                    if bucket.persistent:
+                        problems.append((f"{where}.persistent",
+                                         f"{what} launches one CTA per work item; use null or "
+                                         "false, got true"))
         if self.family != "decode":
             return problems
         if self.cache_dtype == "float8_e4m3fn" and self.head_dim % 16:

@@ -1,0 +1,96 @@
+"""Backward tiles of a generated training module, timed beside cuDNN in one process.
+
+The launcher reads its tiles from the module's BWD_TILE_M / BWD_TILE_N (delta and
+dK/dV kernels) and BWD_DQ_TILE_M / BWD_DQ_TILE_N (dQ kernel) at each call, so this
+script sets them per variant (the JIT compiles each once) and times the backward
+alone: autograd.grad of the module's output, B4 Hq32, causal, the spec's GQA ratio.
+Each variant's gradients are checked against cuDNN's before it is timed.
+
+Usage:  python bench/bwd_tiles.py generated/fmha_train_d256.py --tiles 64x64/128x64,32x64/64x64
+        [--seqs 2048,8192] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("module")
+    parser.add_argument("--tiles", required=True, help="dKdV MxN/dQ MxN, comma-separated")
+    parser.add_argument("--seqs", default="2048,8192")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location(Path(args.module).stem, args.module)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ratio, d = mod.GROUP_SIZE, mod.HEAD_DIM
+    B, HQ = 4, 32
+    torch.manual_seed(0)
+    rows = []
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        flops = 2.5 * 4 * B * HQ * seq * seq * d / 2  # FlashAttention's count, causal
+        q = torch.randn(B, HQ, seq, d, device="cuda", dtype=mod.DTYPE, requires_grad=True)
+        k, v = (
+            torch.randn(B, HQ // ratio, seq, d, device="cuda", dtype=mod.DTYPE, requires_grad=True)
+            for _ in range(2)
+        )
+        do = torch.randn(B, HQ, seq, d, device="cuda", dtype=mod.DTYPE)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            ref_out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+            ref = torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True)
+            ms = do_bench(lambda: torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True))
+        rows.append({"seq": seq, "kernel": "cudnn", "ms": ms, "tflops": flops / ms / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+        out = mod.attention(q, k, v)
+        for variant in args.tiles.split(","):
+            kv_tile, dq_tile = variant.split("/")
+            mod.BWD_TILE_M, mod.BWD_TILE_N = map(int, kv_tile.split("x"))
+            mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N = map(int, dq_tile.split("x"))
+            try:
+                grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                err = max(
+                    ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                    for g, r in zip(grads, ref)
+                )
+                ms = do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+            except Exception as exc:  # noqa: BLE001 - reported, the rest still runs
+                print(f"{variant} S={seq}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            rows.append(
+                {
+                    "seq": seq,
+                    "kernel": variant,
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "max_rel_diff_vs_cudnn": err,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "module": args.module,
+                    "batch": B,
+                    "heads_q": HQ,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()

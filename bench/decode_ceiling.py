@@ -1,0 +1,145 @@
+"""The ceiling of a cuTile decode over a float8 KV cache against a bf16 one.
+
+The smallest kernel with the decode's data movement: per (batch, KV head) and split
+of the cache, a loop over key tiles of TILE_N that loads K^T [D, TILE_N] and V
+[TILE_N, D] exactly as ``fmha_decode_gqa8_fp8kv`` does (K as [B, L, Hkv, D], V keys
+last as [B, Hkv, D, L]; float8 tiles cast to float16), with the two MMAs of a
+16-row query tile and no softmax: S = Q K^T, acc += S V. Whatever the softmax, the
+masks and the split combine cost comes on top, so the float8 / bf16 speed ratio of
+these two kernels bounds the ratio any decode of this shape reaches in cuTile.
+Beside them, in the same process and timed the same way: the shipped decode
+modules (float8 and bf16 caches) and a torch copy of the float8 cache's bytes.
+
+Timing: CUDA graphs of 20 launches over 4 copies of the inputs (more than L2
+holds), steady state, median of do_bench over graph replays, per launch.
+
+Usage:  python bench/decode_ceiling.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import cuda.tile as ct
+import torch
+from triton.testing import do_bench
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+SHAPES = ((1, 8192), (1, 32768), (8, 8192), (64, 4096))  # (batch, cache length)
+HQ, HKV, D, TILE_M, TILE_N = 64, 8, 128, 16, 128
+COPIES, CALLS = 4, 20
+
+
+def stream_kernel(Q, K, V, Out, CHUNK: ConstInt, D: ConstInt, TILE_N: ConstInt, FP8: ConstBool):
+    split, bh = ct.bid(0), ct.bid(1)
+    num_kv = K.shape[2]
+    b, kv = bh // num_kv, bh % num_kv
+    q = ct.load(Q, index=(b, kv, 0, 0), shape=(1, 1, 16, D)).reshape((16, D))
+    acc = ct.full((16, D), 0.0, dtype=ct.float32)
+    start = split * (CHUNK // TILE_N)
+    for j in range(start, start + CHUNK // TILE_N):
+        k_t = ct.load(
+            K, index=(b, 0, kv, j), shape=(1, D, 1, TILE_N), order=(0, 3, 2, 1), latency=2
+        ).reshape((D, TILE_N))
+        v = ct.load(
+            V, index=(b, kv, j, 0), shape=(1, 1, TILE_N, D), order=(0, 1, 3, 2), latency=4
+        ).reshape((TILE_N, D))
+        if FP8:
+            k_t = k_t.astype(ct.float16)
+            v = v.astype(ct.float16)
+        s = ct.mma(q, k_t, ct.full((16, TILE_N), 0.0, dtype=ct.float32))
+        acc = ct.mma(s.astype(q.dtype), v, acc)
+    ct.store(Out, index=(b, kv, split, 0, 0), tile=acc.reshape((1, 1, 1, 16, D)))
+
+
+def per_call_us(fn_for_copy) -> float:
+    """Steady-state time of one call: a CUDA graph of CALLS calls cycling over the
+    COPIES input sets, replayed under do_bench."""
+    for i in range(COPIES):
+        fn_for_copy(i)  # JIT and warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in range(CALLS):
+            fn_for_copy(c % COPIES)
+    ms = do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+    return ms * 1000 / CALLS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    kernel = ct.kernel(stream_kernel, occupancy=2)
+    stream = torch.cuda.current_stream()
+    try:
+        import generated.fmha_decode_gqa8_bf16 as bf16_mod
+        import generated.fmha_decode_gqa8_fp8kv as fp8_mod
+    except Exception as exc:  # noqa: BLE001 - the ceiling still runs
+        print(f"shipped modules not importable: {type(exc).__name__}: {exc}")
+        bf16_mod = fp8_mod = None
+    rows = []
+    for batch, length in SHAPES:
+        # Splits so that about two CTAs per SM run (132 SMs on an H100/H200).
+        splits = max(1, math.ceil(2 * 132 / (batch * HKV)))
+        chunk = math.ceil(length / splits / TILE_N) * TILE_N
+        padded = chunk * splits
+        row = {"batch": batch, "length": length, "splits": splits}
+        for name, fp8 in (("bf16", False), ("fp8", True)):
+            cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+            sets = []
+            for _ in range(COPIES):
+                k = torch.randn(batch, padded, HKV, D, device="cuda").to(cdt)
+                v_t = torch.randn(batch, HKV, D, padded, device="cuda").to(cdt)
+                q = torch.randn(
+                    batch, HKV, 16, D, device="cuda", dtype=torch.float16 if fp8 else torch.bfloat16
+                )
+                out = torch.empty(batch, HKV, splits, 16, D, device="cuda", dtype=torch.float32)
+                sets.append((q, k, v_t, out))
+            grid = (splits, batch * HKV, 1)
+            us = per_call_us(
+                lambda i: ct.launch(stream, grid, kernel, (*sets[i], chunk, D, TILE_N, fp8))
+            )
+            cache_bytes = 2 * batch * length * HKV * D * (1 if fp8 else 2)
+            row[f"stream_{name}_us"] = us
+            row[f"stream_{name}_tbps"] = cache_bytes * padded / length / us / 1e6
+            if name == "fp8":
+                src = sets[0][1]
+                dst = torch.empty_like(src)
+                row["copy_fp8_k_cache_tbps"] = (
+                    2 * src.numel() / per_call_us(lambda i: dst.copy_(src)) / 1e6
+                )
+            del sets
+        if bf16_mod is not None:
+            for name, mod, cdt in (
+                ("bf16", bf16_mod, torch.bfloat16),
+                ("fp8", fp8_mod, torch.float8_e4m3fn),
+            ):
+                sets = []
+                for _ in range(COPIES):
+                    q = torch.randn(batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+                    k = torch.randn(batch, length, HKV, D, device="cuda").to(cdt)
+                    v = torch.randn(batch, length, HKV, D, device="cuda").to(cdt)
+                    if name == "fp8":
+                        v = mod.transposed_v_cache(v)
+                    lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+                    sets.append((q, k, v, lens))
+                one = torch.ones(1, device="cuda")
+                kw = {"k_descale": one, "v_descale": one} if name == "fp8" else {}
+                row[f"shipped_{name}_us"] = per_call_us(lambda i: mod.attention(*sets[i], **kw))
+                del sets
+            row["shipped_fp8_over_bf16_speed"] = row["shipped_bf16_us"] / row["shipped_fp8_us"]
+        row["stream_fp8_over_bf16_speed"] = row["stream_bf16_us"] / row["stream_fp8_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

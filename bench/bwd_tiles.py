@@ -6,7 +6,11 @@ script sets them per variant (the JIT compiles each once) and times the backward
 alone: autograd.grad of the module's output, B4 Hq32, causal, the spec's GQA ratio.
 Each variant's gradients are checked against cuDNN's before it is timed.
 
-Usage:  python bench/bwd_tiles.py generated/fmha_train_d256.py --tiles 64x64/128x64,32x64/64x64
+A variant is "dKdV_MxN/dQ_MxN", optionally followed by "@occupancy:warps" for the
+dK/dV kernel and "#occupancy:warps" for the dQ kernel (0: the compiler's choice),
+which replace the module's kernel objects for that variant.
+
+Usage:  python bench/bwd_tiles.py generated/fmha_train_d256.py --tiles 64x64/128x64,32x64/64x64@1:8
         [--seqs 2048,8192] [--json out.json]
 """
 
@@ -53,8 +57,22 @@ def main() -> None:
         rows.append({"seq": seq, "kernel": "cudnn", "ms": ms, "tflops": flops / ms / 1e9})
         print(json.dumps(rows[-1]), flush=True)
         out = mod.attention(q, k, v)
+        names = [n for n in vars(mod) if n.startswith(("fmha_bwd_dkdv", "fmha_bwd_dq"))]
+        shipped = {n: getattr(mod, n) for n in names}
         for variant in args.tiles.split(","):
-            kv_tile, dq_tile = variant.split("/")
+            tiles, _, hints = variant.partition("@")
+            kv_hints, _, dq_hints = hints.partition("#")
+            if "#" in tiles:
+                tiles, dq_hints = tiles.split("#")
+            for name, kernel in shipped.items():
+                text = kv_hints if "dkdv" in name else dq_hints
+                if text:
+                    occ, warps = (int(x) for x in text.split(":"))
+                    kernel = kernel.replace_hints(
+                        occupancy=occ or None, num_worker_warps=warps or None
+                    )
+                setattr(mod, name, kernel)
+            kv_tile, dq_tile = tiles.split("/")
             mod.BWD_TILE_M, mod.BWD_TILE_N = map(int, kv_tile.split("x"))
             mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N = map(int, dq_tile.split("x"))
             try:

@@ -152,6 +152,21 @@ def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
     assert "for work in range" not in render(plain, "specs/x.yaml").text
 
 
+@pytest.mark.parametrize("dims,wide", [((128, None), False), ((80, None), False),
+                                       ((256, None), True), ((192, 128), True), ((128, 256), True)])
+def test_backward_tiles_follow_the_padded_head_dim(dims, wide):
+    data = yaml.safe_load(SPECS[0].read_text())
+    data.update(backward=True, head_dim=dims[0], targets={})
+    if dims[1]:
+        data["v_head_dim"] = dims[1]
+    plan = make_plan(validate_spec(data))
+    assert (plan.bwd_tile, plan.bwd_dq_tile) == (((64, 64), (64, 64)) if wide else ((64, 64), (128, 64)))
+    source = render(plan, "specs/wide.yaml").text
+    dkdv = "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef " + plan.bwd_names[1]
+    assert (dkdv in source) == wide
+    assert (f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[1]}" in source) == (not wide)
+
+
 def test_float8_prefill_reads_v_transposed_by_default():
     fp8 = next(p for p in SPECS if p.stem == "fmha_fp8_llama")
     plan, source = _plan_and_source(fp8)

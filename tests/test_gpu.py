@@ -653,6 +653,9 @@ BACKWARD_VARIANTS = {
     # Padded head dims: Phi-2's 80 (tiles of 128), DeepSeek MLA's 192 / 128.
     "phi2_d80_f16_mha": {"backward": True, "dtype": "float16", "head_dim": 80, "gqa_ratio": 1},
     "mla_d192_dv128_mha": {"backward": True, "head_dim": 192, "v_head_dim": 128, "gqa_ratio": 1},
+    # Head dim 256: 64 x 64 tiles in every backward kernel, dK/dV with two warp groups.
+    "d256_gqa4_bf16_softcap_sinks": {"backward": True, "head_dim": 256, "dtype": "bfloat16",
+                                     "softcap": 50.0, "sinks": True},
     # Dropout: the backward regenerates the forward's mask from the seed.
     "dropout_gqa4_bf16": {"backward": True, "dropout": True},
     "dropout_softcap_window_f16_d64": {"backward": True, "dropout": True, "dtype": "float16", "head_dim": 64,

@@ -603,14 +603,17 @@ def spec_reference_markdown(specs_dir: Path | None = None) -> str:
 
 LABELS = {"specgen": "specgen", "cudnn": "SDPA cuDNN", "flash": "SDPA FA2", "flex": "FlexAttention",
           "fa3": "FlashAttention-3", "tilegym": "TileGym"}  # a name not listed prints as is
-# Schema versions of `specgen bench` results this page can read, per suite.
-KNOWN_SCHEMAS = {"prefill": {1}, "backward": {1}, "decode": {2}}
+# The suites of `specgen bench` results this page reads; every schema version is read
+# through specgen.bench.core.upgrade, as the current one.
+SUITES = ("prefill", "backward", "decode")
 SHAPE_KEYS = {
     "prefill": ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype", "causal"),
-    "decode": ("batch", "heads_q", "heads_kv", "seq_len", "q_len"),
+    # decode rows: seq_k is the cached length L, seq_q the new tokens per sequence
+    "decode": ("batch", "heads_q", "heads_kv", "seq_k", "seq_q"),
 }
 SHAPE_LABELS = {"batch": "B", "heads_q": "Hq", "heads_kv": "Hkv", "seq_q": "Sq", "seq_k": "Skv",
-                "head_dim": "D", "dtype": "dtype", "causal": "causal", "seq_len": "L", "q_len": "q_len"}
+                "head_dim": "D", "dtype": "dtype", "causal": "causal"}
+DECODE_LABELS = dict(SHAPE_LABELS, seq_k="L", seq_q="q_len")
 
 PERFORMANCE_INTRO = """\
 Every figure on this page is read from the JSON that `specgen bench` wrote under
@@ -649,9 +652,9 @@ def _split_shape(rows: list[dict], keys: tuple[str, ...]) -> tuple[list[str], li
     return varying, constant
 
 
-def _constant_text(rows: list[dict], constant: list[str]) -> str:
+def _constant_text(rows: list[dict], constant: list[str], labels: dict = SHAPE_LABELS) -> str:
     return ", ".join(
-        _shape_value(k, rows[0][k]) if k in ("dtype", "causal") else f"{SHAPE_LABELS[k]}={rows[0][k]}"
+        _shape_value(k, rows[0][k]) if k in ("dtype", "causal") else f"{labels[k]}={rows[0][k]}"
         for k in constant
     )
 
@@ -668,16 +671,22 @@ def _cell_error(timing: dict | None) -> str:
 def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     """(bench results with their paths, other JSON files), in path order. A bench
     result of an unknown suite or schema version raises DocsError."""
+    from specgen.bench.core import upgrade
+
     bench, other = [], []
     for path in sorted(results_dir.rglob("*.json")):
         data = json.loads(path.read_text())
-        if not (isinstance(data, dict) and "schema_version" in data and "rows" in data):
+        if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)
+                and "rows" in data):
             other.append(path)
             continue
-        suite, version = data.get("suite"), data.get("schema_version")
-        if version not in KNOWN_SCHEMAS.get(suite, ()):
-            raise DocsError(f"{path}: bench result of suite {suite!r}, schema version {version!r}; "
-                            f"specgen.docs reads {KNOWN_SCHEMAS}")
+        suite = data.get("suite")
+        if suite not in SUITES:
+            raise DocsError(f"{path}: bench result of suite {suite!r}; specgen.docs reads {SUITES}")
+        try:
+            data = upgrade(data)
+        except ValueError as exc:
+            raise DocsError(f"{path}: {exc}") from None
         if not data["rows"]:
             raise DocsError(f"{path}: a bench result without rows")
         bench.append((path, data))
@@ -733,7 +742,7 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
 
 
 def _decode_ratio(row: dict, name: str) -> float | None:
-    ours, theirs = row["timings"]["specgen"].get("us"), (row["timings"].get(name) or {}).get("us")
+    ours, theirs = row["timings"]["specgen"].get("ms"), (row["timings"].get(name) or {}).get("ms")
     return theirs / ours if ours and theirs else None
 
 
@@ -742,13 +751,13 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     bandwidth; then the same kernels with one call per graph replay."""
     rows, baselines = data["rows"], data["baselines"]
     varying, constant = _split_shape(rows, SHAPE_KEYS["decode"])
-    head = [SHAPE_LABELS[k] for k in varying] + ["splits"]
+    head = [DECODE_LABELS[k] for k in varying] + ["splits"]
     names = ["specgen", *baselines]
     lines = [
         f"#### `{data['spec']}`, decode",
         "",
-        f"Kernel `{data['kernel']}`. {_constant_text(rows, constant)}; {data.get('layout', '')}. "
-        f"Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run. {_run_meta(data)}.",
+        f"Kernel `{data['kernel']}`. {_constant_text(rows, constant, DECODE_LABELS)}; "
+        f"{data.get('layout', '')}. Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run. {_run_meta(data)}.",
         "",
         "| " + " | ".join(head + [f"{_label(n)} µs (TB/s)" for n in names]
                          + ["specgen % of copy"] + [f"vs {_label(n)}" for n in baselines]) + " |",
@@ -759,10 +768,11 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         return [str(row[k]) for k in varying]
 
     for row in rows:
-        cells = shape(row) + [f"{row['splits']}" + (", PDL" if row.get("pdl") else "")]
+        cells = shape(row) + [f"{row.get('splits') or '–'}" + (", PDL" if row.get("pdl") else "")]
         for name in names:
             t = row["timings"].get(name)
-            cells.append(f"{t['us']:.1f} ({t['kv_tbps']:.2f})" if t and t.get("us") else _cell_error(t))
+            cells.append(f"{t['ms'] * 1000:.1f} ({t['tbps']:.2f})" if t and t.get("ms") and t.get("tbps")
+                         else f"{t['ms'] * 1000:.1f}" if t and t.get("ms") else _cell_error(t))
         pct = row["timings"]["specgen"].get("pct_of_copy")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         cells += [_ratio(_decode_ratio(row, n)) for n in baselines]
@@ -771,14 +781,14 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         "",
         "One call per graph replay (each figure carries the graph's launch floor):",
         "",
-        "| " + " | ".join([SHAPE_LABELS[k] for k in varying] + [f"{_label(n)} µs" for n in names]) + " |",
+        "| " + " | ".join([DECODE_LABELS[k] for k in varying] + [f"{_label(n)} µs" for n in names]) + " |",
         "|" + "---:|" * (len(varying) + len(names)),
     ]
     for row in rows:
         cells = shape(row)
         for name in names:
             t = row["timings"].get(name)
-            cells.append(f"{t['us_one_call']:.1f}" if t and t.get("us_one_call") else _cell_error(t))
+            cells.append(f"{t['ms_one_call'] * 1000:.1f}" if t and t.get("ms_one_call") else _cell_error(t))
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", _files_line(path, link_base), ""]
 
@@ -823,7 +833,7 @@ def _flops_summary(runs: list[dict]) -> list[str]:
 
 def _decode_summary(runs: list[dict]) -> list[str]:
     """specgen steady-state µs per shape, each against the fastest baseline of its row."""
-    shapes = sorted({(r["batch"], r["seq_len"], r["q_len"]) for d in runs for r in d["rows"]})
+    shapes = sorted({(r["batch"], r["seq_k"], r["seq_q"]) for d in runs for r in d["rows"]})
 
     def label(shape):
         return f"B{shape[0]} L{shape[1]}" + (f" q{shape[2]}" if shape[2] != 1 else "")
@@ -837,10 +847,10 @@ def _decode_summary(runs: list[dict]) -> list[str]:
     for data in runs:
         cells = {}
         for row in data["rows"]:
-            us = row["timings"]["specgen"].get("us")
+            ms = row["timings"]["specgen"].get("ms")
             ratios = {n: _decode_ratio(row, n) for n in data["baselines"]}
-            cells[(row["batch"], row["seq_len"], row["q_len"])] = (
-                f"{us:.1f}" + _against_fastest(ratios) if us else "n/a")
+            cells[(row["batch"], row["seq_k"], row["seq_q"])] = (
+                f"{ms * 1000:.1f}" + _against_fastest(ratios) if ms else "n/a")
         heads = sorted({f"{r['heads_q']}/{r['heads_kv']}" for r in data["rows"]})
         lines.append(f"| `{data['spec']}` | {', '.join(heads)} | "
                      + " | ".join(cells.get(s, "") for s in shapes) + " |")

@@ -148,3 +148,30 @@ def test_spec_comments_list_every_allowed_value():
             allowed = set(map(str, get_args(Spec.model_fields[found.group(1)].annotation)))
             listed = set(found.group(2).split(" | "))
             assert listed == allowed, f"{path.name}: {line.strip()}: the model allows {sorted(allowed)}"
+
+
+def test_performance_reads_every_schema_version(tmp_path):
+    """Results of the current schema (key ``schema``) and of older ones (prefill v1,
+    decode v2) each get their table, with every baseline's column."""
+    import json
+    import shutil
+
+    from specgen.docs import DocsError, performance_markdown
+
+    h200 = ROOT / "bench" / "results" / "h200"
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    current = json.loads((h200 / "fa3" / "fmha_gqa8_bf16-prefill.json").read_text())
+    assert current["schema"] == 3 and "fa3" in current["baselines"]
+    shutil.copy(h200 / "fa3" / "fmha_gqa8_bf16-prefill.json", folder / "a-prefill.json")
+    shutil.copy(h200 / "fmha_gqa8_bf16-prefill.json", folder / "b-prefill.json")  # schema_version 1
+    shutil.copy(h200 / "fmha_decode_gqa4_bf16-decode.json", folder / "c-decode.json")  # version 2
+    page = performance_markdown(tmp_path / "results")
+    assert page.count("#### `fmha_gqa8_bf16`, prefill") == 2
+    assert "FlashAttention-3 TFLOPS (ms)" in page and "vs FlashAttention-3" in page
+    first = current["rows"][0]["timings"]["fa3"]
+    assert f"{first['tflops']:.0f} ({first['ms']:.3f})" in page
+    assert "#### `fmha_decode_gqa4_bf16`, decode" in page and "| B | L | splits |" in page
+    (folder / "d-prefill.json").write_text(json.dumps(dict(current, schema=99)))
+    with pytest.raises(DocsError, match="schema"):
+        performance_markdown(tmp_path / "results")

@@ -1,5 +1,7 @@
 """Compile: every shipped spec AOT-compiles for sm_90 and sm_100 without a GPU."""
 
+import re
+
 import pytest
 import yaml
 
@@ -165,6 +167,27 @@ def test_backward_tiles_follow_the_padded_head_dim(dims, wide):
     dkdv = "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef " + plan.bwd_names[1]
     assert (dkdv in source) == wide
     assert (f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[1]}" in source) == (not wide)
+
+
+@pytest.mark.parametrize("extra,pre", [({}, "qk_scale * INV_LN2"), ({"softcap": 30.0}, "qk_scale / SOFTCAP"),
+                                       ({"score_mod": "score * 0.5"}, "qk_scale")])
+def test_backward_scores_use_q_as_the_forward_prescaled_it(extra, pre):
+    """With prescale_q the backward's scores come from Q * pre rounded once, the Q
+    the forward's scores came from, and dK is scaled back by post = qk_scale / pre."""
+    data = yaml.safe_load(next(p for p in SPECS if p.stem == "fmha_gqa_causal").read_text())
+    data.update(backward=True, prescale_q=True, targets={}, **extra)
+    plan = make_plan(validate_spec(data))
+    assert plan.bwd_prescale == pre
+    source = render(plan, "specs/pre.yaml").text
+    assert source.count(f"post = qk_scale / ({pre})") == 2  # the dK/dV and dQ kernels
+    assert "dk = dk * post" in source and "q_s = q * pre" in source
+    assert len(re.findall(r"\(\s*q_s,\s*k,\s*v,", source)) == 2  # the dK/dV and dQ launches
+    torch_pre = pre.replace("qk_scale", "")
+    assert f"pre = (torch.tensor(float(scale), dtype=torch.float32){torch_pre}).item()" in source
+    # Without prescale_q the backward reads Q as given.
+    data["prescale_q"] = False
+    plain = render(make_plan(validate_spec(data)), "specs/pre.yaml").text
+    assert "q_s = " not in plain and "dk = dk * qk_scale" in plain
 
 
 def test_float8_prefill_reads_v_transposed_by_default():

@@ -210,6 +210,15 @@ class Plan:
     score_mod_grad: Hook | None = None
 
     @property
+    def bwd_prescale(self) -> str | None:
+        """What the forward multiplies Q by before rounding it (prescale_q), as the
+        kernels write it from qk_scale; None without prescale_q. The backward takes
+        that rounded Q for its scores, so that P = exp(S - lse) is the forward's."""
+        if not self.prescale_q:
+            return None
+        return "qk_scale / SOFTCAP" if self.softcap is not None else self.scale_expr
+
+    @property
     def bwd_masked(self) -> bool:
         """The backward's scores need more than causal/bounds masking and scaling:
         windows, soft-cap, hooks or sinks."""

@@ -29,6 +29,7 @@ import json
 
 import cuda.tile as ct
 import torch
+from results_json import write_rows
 from triton.testing import do_bench
 
 ConstInt = ct.Constant[int]
@@ -214,18 +215,7 @@ def main() -> None:
         except Exception as exc:  # noqa: BLE001 - reported, the rest still stands
             print(f"specgen backward: {type(exc).__name__}: {exc}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "batch": B,
-                    "heads": H,
-                    "head_dim": D,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        write_rows(args.json, rows, batch=B, heads=H, head_dim=D)
 
 
 if __name__ == "__main__":

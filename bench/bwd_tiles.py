@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from results_json import write_rows
 from triton.testing import do_bench
 
 
@@ -97,18 +98,7 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "module": args.module,
-                    "batch": B,
-                    "heads_q": HQ,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        write_rows(args.json, rows, module=args.module, batch=B, heads_q=HQ)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import math
 
 import cuda.tile as ct
 import torch
+from results_json import write_rows
 from triton.testing import do_bench
 
 ConstInt = ct.Constant[int]
@@ -330,18 +331,7 @@ def main() -> None:
         )
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "batch": B,
-                    "heads": H,
-                    "head_dim": D,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        write_rows(args.json, rows, batch=B, heads=H, head_dim=D)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import math
 
 import cuda.tile as ct
 import torch
+from results_json import write_rows
 from triton.testing import do_bench
 
 ConstInt = ct.Constant[int]
@@ -139,8 +140,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

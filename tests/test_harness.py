@@ -5,7 +5,7 @@ matrix, the result schema, table rendering, and the no-GPU exit code."""
 import pytest
 
 from specgen.check.gpu import device_slug
-from specgen.check.runner import case_matrix, format_table
+from specgen.check.runner import case_matrix, case_verdict, format_table
 
 from .helpers import ROOT
 from .test_cli import specgen
@@ -50,6 +50,12 @@ def test_test_table_shows_the_p_rounding_model_beside_a_float8_kernel():
     assert text[3].split()[-3:] == ["3.000e-01", "2.000e-02", "FAIL"]
     without = [{k: v for k, v in rows[0].items() if k != "p_model_err"}]
     assert "P-round" not in format_table("demo", "float16", without).splitlines()[1]
+
+
+def test_each_case_verdict_is_one_line_with_its_numbers():
+    assert case_verdict({"ok": True, "rel_err": 3.14e-3}) == "ok, rel err 3.1e-03"
+    failed = {"ok": False, "rel_err": 2e-2, "nonfinite": 3, "grad_ratio": 1.094}
+    assert case_verdict(failed) == "FAIL, rel err 2.0e-02, 3 non-finite, grads 1.09 of FA's allowance"
 
 
 def test_device_slug():

@@ -341,6 +341,16 @@ def fuzz_case(spec: dict, case_seed: str) -> Case:
     return Case(batch, kv_heads, seq_q, seq_k, q_offset, layout)
 
 
+def case_verdict(row: dict) -> str:
+    """One case's result in a line: 'ok, rel err 3.1e-03, grads 0.28 of FA's allowance'."""
+    text = f"{'ok' if row['ok'] else 'FAIL'}, rel err {row['rel_err']:.1e}"
+    if row.get("nonfinite"):
+        text += f", {row['nonfinite']} non-finite"
+    if "grad_ratio" in row:
+        text += f", grads {row['grad_ratio']:.2f} of FA's allowance"
+    return text
+
+
 def parse_fuzz_case(text: str) -> str:
     """--fuzz-case SEED:I, as a failing fuzz case prints it."""
     seed, sep, index = text.partition(":")
@@ -373,6 +383,9 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
                 generator = torch.Generator(device="cuda").manual_seed(
                     random.Random(seeds[i - 1]).getrandbits(63))
             row = run_case(torch, module, case, generator)
+            # The verdict as it comes, so a run cut short still says what it found.
+            log(f"[{job.plan.module_name} {i}/{len(cases)}] {case_verdict(row)}"
+                + (f"; replay: --fuzz-case {seeds[i - 1]}" if seeds and not row["ok"] else ""))
             if seeds:
                 row["shape"] = f"[{seeds[i - 1]}] {row['shape']}"
                 if not row["ok"]:

@@ -98,6 +98,12 @@ DESCRIPTIONS: dict[str, str] = {
     "Off by default because it measured no faster: on an H200 with documents of about "
     "256 tokens, the K/V loads are pipelined ahead of the branch, so their memory traffic "
     "stays ([experiments](experiments.md), section 15).",
+    "block_sparse": "With a `mask_mod`: a block map lists, per (batch, query tile), the "
+    "key tiles that hold a visible pair, split into full tiles (every pair visible: run "
+    "without the mask) and partial ones (mask evaluated); the kernels visit only those. "
+    "The map is built on the GPU by one generated kernel (`make_block_map`, no host "
+    "sync) and can be reused across layers and steps. See "
+    "[block-sparse masks](features.md#block-sparse-masks).",
     "dropout": "Dropout on the attention probabilities: `attention(..., dropout_p, seed)`. "
     "A probability is kept where murmur3's finaliser of (seed, b·H + h, query position, "
     "key) clears `round(p · 2²⁴)`, so a seed reproduces its mask exactly "
@@ -225,7 +231,7 @@ FAMILY_ONLY = {
     "pdl": "decode",
     "out_dtype": "prefill", "v_head_dim": "prefill", "softcap": "prefill",
     "tensors": "prefill", "score_mod": "prefill", "mask_mod": "prefill",
-    "skip_masked_tiles": "prefill", "dropout": "prefill", "varlen": "prefill",
+    "skip_masked_tiles": "prefill", "block_sparse": "prefill", "dropout": "prefill", "varlen": "prefill",
     "return_lse": "prefill", "loop_split": "prefill", "block_remap": "prefill",
     "prescale_q": "prefill", "q_subtiles": "prefill", "backward": "prefill",
 }

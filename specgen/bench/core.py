@@ -75,6 +75,10 @@ class Timing(_Model):
     max_abs_diff_vs_specgen: Optional[float] = None  # sanity: same function?
     note: Optional[str] = None  # e.g. "reads the cache dequantised to bfloat16 (... bytes)"
     error: Optional[str] = None  # why a kernel has no number
+    # block_sparse specs: the block map's build (timed apart, not in ms) and the share
+    # of all (query tile, key tile) pairs the forward visits.
+    block_map_ms: Optional[float] = None
+    tiles_visited: Optional[float] = None
 
 
 class Row(_Model):

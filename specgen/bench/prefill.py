@@ -142,11 +142,22 @@ class Prefill(Suite):
         from specgen.check.cases import call_kernel
 
         q, k, v, extra, out, kwargs = case.kernel
+        map_fields = {}
+        if hasattr(module, "make_block_map"):
+            # Built once per batch and reused, as Flex's block mask is: timed apart.
+            tensors = {n: extra[n] for n in module.SPEC["tensors"]}
+            def build():
+                return module.make_block_map(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                             device=q.device, **tensors)
+            kwargs = dict(kwargs, block_map=build())
+            partial, full, capacity = kwargs["block_map"].tile_counts()
+            map_fields = dict(block_map_ms=median_ms(ctx.do_bench, build),
+                              tiles_visited=(partial + full) / max(capacity, 1))
         call_kernel(module, q, k, v, extra, out=out, **kwargs)  # JIT compile; the baselines' reference
         ctx.torch.cuda.synchronize()
         case.ours = out.clone()
         ms = median_ms(ctx.do_bench, lambda: call_kernel(module, q, k, v, extra, out=out, **kwargs))
-        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"])
+        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], **map_fields)
         if not ctx.torch.isfinite(case.ours).all():
             timing.error = "non-finite output"
         return timing

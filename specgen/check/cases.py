@@ -171,15 +171,25 @@ def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
 
 def hook_tensors(spec: dict, dims: dict, generator=None, device="cuda") -> dict:
     """Random values for the spec's hook tensors, shaped by ``dims`` (batch, heads,
-    kv_heads, seq_q, seq_k). float32: ALiBi-like slopes in (1/256, 1]; int32: ids
-    that stay constant over random runs along the last axis (document ids), so a
-    mask built from them keeps blocks of every size."""
+    kv_heads, seq_q, seq_k). float32: ALiBi-like slopes in (1/256, 1]. int32, by its
+    last axis: along seq_q or seq_k, ids that stay constant over random runs
+    (document ids), so a mask built from them keeps blocks of every size; along a
+    fixed size, 0/1 flags set with probability 0.1 (a block pattern); along batch
+    or heads, positions in [0, seq_k] (a prefix length)."""
     made = {}
     for name, decl in (spec.get("tensors") or {}).items():
         shape = tuple(dims[d] if isinstance(d, str) else d for d in decl["shape"])
+        last = decl["shape"][-1]
         if decl["dtype"] == "float32":
             u = torch.rand(shape, device=device, generator=generator)
             made[name] = torch.exp2(-8.0 * u)
+        elif isinstance(last, int):
+            flags = torch.rand(shape, device=device, generator=generator) < 0.1
+            made[name] = flags.to(torch.int32)
+        elif last not in ("seq_q", "seq_k"):
+            high = dims.get("seq_k", 1) + 1
+            made[name] = torch.randint(0, high, shape, device=device, generator=generator,
+                                       dtype=torch.int32)
         else:
             starts = torch.rand(shape, device=device, generator=generator) < 1 / 256
             made[name] = torch.cumsum(starts.to(torch.int32), dim=-1, dtype=torch.int32)

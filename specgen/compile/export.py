@@ -115,6 +115,8 @@ def kernel_builds(plan: Plan, config: ConfigPlan, target: str) -> list[tuple[str
     if plan.spec.family == "decode":
         return list(decode_signatures(plan, config, target).items())
     builds: list[tuple[str, list | None]] = [(plan.kernel_name, None)]
+    if plan.block_sparse:
+        builds += list(block_map_signatures(plan, config).items())
     if plan.backward:
         builds += list(backward_signatures(plan).items())
     return builds
@@ -218,6 +220,25 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     }
 
 
+def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
+    """The block-map kernel: {its name: signatures}, by query tile at the config's
+    tiles and, with backward: true, at the dQ kernel's tiles and by key tile at the
+    dK/dV kernel's."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
+
+    tables = [_array_constraint(ct.int32, 4, 4, False)] * 2  # MapCounts, MapIdx
+    hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
+             for _, _, dtype, dims in plan.extra_tensors]
+    scalars = [ScalarConstraint(ct.int32)] * 3  # seq_q, seq_k, q_offset
+    shapes = [(config.tile_m, config.tile_n, False)]
+    if plan.backward:
+        shapes += [(*plan.bwd_dq_tile, False), (*plan.bwd_tile, True)]
+    convention = CallingConvention.cutile_python_v1()
+    return {plan.map_kernel_name: [KernelSignature(tables + hooks + scalars + list(shape), convention)
+                                   for shape in dict.fromkeys(shapes)]}
+
+
 def backward_signatures(plan: Plan) -> dict:
     """The backward kernels (delta, dK/dV, dQ): {kernel name: its signatures}, at the
     module's tiles (plan.bwd_tile; the dQ kernel's plan.bwd_dq_tile)."""
@@ -245,6 +266,8 @@ def backward_signatures(plan: Plan) -> dict:
     # and the float32 gradients of the learnable ones, which the dQ kernel adds to.
     hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
              for _, _, dtype, dims in plan.extra_tensors]
+    if plan.block_sparse:  # the block map at the kernel's tiles: MapCounts, MapIdx
+        hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
     delta, dkdv, dq = plan.bwd_names

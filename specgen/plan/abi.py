@@ -48,6 +48,11 @@ def prefill_params(plan) -> tuple[Param, ...]:
     for name, param, dtype, dims in plan.extra_tensors:
         params.append(Param(param, "array", f'tensors["{name}"]', dtype, len(dims), "small",
                             role=f"tensor:{name}"))
+    if plan.block_sparse:
+        params += [Param("MapCounts", "array", "block_map.counts", "int32", 4, "small",
+                         role="map_counts"),
+                   Param("MapIdx", "array", "block_map.indices", "int32", 4, "small",
+                         role="map_indices")]
     if plan.varlen:
         params += [Param("CuSeqlensQ", "array", "cu_seqlens_q", "int32", 1, "small", role="cu_seqlens_q"),
                    Param("CuSeqlensK", "array", "cu_seqlens_k", "int32", 1, "small", role="cu_seqlens_k")]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from specgen.spec.hooks import Gather, Hook, compile_hook
+from specgen.spec.hooks import Gather, Hook, TilePretest, compile_hook, tile_pretest
 from specgen.spec.derive import score_derivative, tensor_derivatives
 from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
@@ -208,6 +208,14 @@ class Plan:
     # d(score_mod)/d(score) for the backward, derived from the hook (None: no
     # score_mod, or a bias whose derivative is 1).
     score_mod_grad: Hook | None = None
+    # Block-sparse masks: the kernels follow a block map (MapCounts, MapIdx) built by
+    # the map kernel; one map per query head where the mask_mod reads h, else one.
+    block_sparse: bool = False
+    map_per_head: bool = False
+    map_kernel_name: str = ""
+    # A necessary condition for the mask_mod in a tile (from bounds of its sides),
+    # tested before the map kernel evaluates the tile's pairs; None: none found.
+    map_pretest: TilePretest | None = None
 
     @property
     def bwd_prescale(self) -> str | None:
@@ -290,6 +298,17 @@ class Plan:
     def keys_every_step(self) -> bool:
         """A hook reads kv_idx: the key positions are needed in unmasked steps too."""
         return self.dropout or any("kv_idx" in h.uses for h in self.hooks)
+
+    def score_gathers(self, where: str) -> tuple[Gather, ...]:
+        """The score_mod's operands only: a block map's full tiles skip the mask_mod."""
+        return tuple(g for g in (self.score_mod.gathers if self.score_mod else ())
+                     if g.where == where)
+
+    @property
+    def full_tile_keys(self) -> bool:
+        """A full tile (no mask) still needs the key positions: dropout, or a
+        score_mod that reads kv_idx."""
+        return self.dropout or bool(self.score_mod and "kv_idx" in self.score_mod.uses)
 
     def visible_expr(self, half: str = "") -> str:
         """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""
@@ -554,7 +573,8 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         loop_split=spec.loop_split,
         block_remap=block_remap,
         # (varlen: seq_k differs per sequence, so the masked tiles always bound-check)
-        even_n_param=bool(row_mask) and spec.loop_split and not spec.varlen,
+        even_n_param=(bool(row_mask) and spec.loop_split and not spec.varlen
+                      and not spec.block_sparse),
         tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
                           if tile_order_param is None else tile_order_param),
         v_layout_param=(any(c.v_transposed for t in targets for c in t.configs)
@@ -602,9 +622,23 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         spec_dict=spec_to_dict(spec),
         optimizations=_optimizations(spec, block_remap),
         **_decode(spec),
+        **_block_sparse(spec),
         **_backward(spec),
         **_backward_hooks(spec),
     )
+
+
+def _block_sparse(spec: Spec) -> dict:
+    if not (spec.block_sparse and spec.family == "prefill"):
+        return {}
+    tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
+    counter: dict = {}  # numbered as in _hooks: the score_mod's locals first
+    if spec.score_mod:
+        compile_hook(spec.score_mod, "score_mod", tensors, counter)
+    mask = compile_hook(spec.mask_mod, "mask_mod", tensors, counter)
+    return dict(block_sparse=True, map_per_head="h" in mask.uses,
+                map_pretest=tile_pretest(spec.mask_mod, tensors, mask.gathers),
+                map_kernel_name=procedural_name(spec).replace("fmha_prefill", "fmha_block_map", 1))
 
 
 def _backward_hooks(spec: Spec) -> dict:

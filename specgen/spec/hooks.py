@@ -432,3 +432,81 @@ def _where3(where, c, a, b):
 def evaluate(text: str, env: dict, tensors: dict):
     """Evaluate a checked hook once with torch ops (see torch_fn)."""
     return torch_fn(text)(env, tensors)
+
+
+# --- block maps: a cheap test that a mask_mod can hold anywhere in a tile -------
+
+
+@dataclass(frozen=True)
+class TilePretest:
+    """A necessary condition for a mask_mod to hold somewhere in a [rows, keys]
+    tile, from the bounds of each side of its comparisons: ``expr`` is a scalar
+    condition in kernel names; ``gathers`` are the operands it reads that the
+    mask_mod itself does not gather."""
+
+    expr: str
+    gathers: tuple[Gather, ...]
+
+
+def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()) -> TilePretest | None:
+    """The pretest of mask_mod ``text``, or None where no comparison of it has
+    sides that each depend on the rows or on the keys alone (the test would be
+    always true). A comparison ``L op R`` can hold in a tile only if the sides'
+    minima and maxima over the tile allow it (L == R: the ranges overlap;
+    L < R: min L < max R; ...); ``&`` needs every part, ``|`` some part; a
+    negation or a side that mixes rows and keys is unknown (may hold).
+    ``mask_gathers``: the mask_mod's own gathers, whose locals the test reuses."""
+    tree = ast.parse(text.strip(), mode="eval")
+    own = {(g.tensor, g.indices): g.local for g in mask_gathers}
+    counter = {name: 1000 for name in tensors}  # locals distinct from the hooks' own
+    extra: list[Gather] = []
+
+    def side(node):
+        compiler = _Compiler("mask_mod", tensors, counter)
+        expr, kind = compiler.compile(node)
+        if kind == "bool" or {"q_idx", "kv_idx"} <= compiler.uses:
+            return None
+        for g in compiler.gathers:
+            local = own.get((g.tensor, g.indices))
+            if local is None:
+                extra.append(g)
+            else:
+                expr = expr.replace(g.local, local)
+        if not compiler.uses & {"q_idx", "kv_idx"}:
+            return expr, expr  # the same for the whole tile
+        return f"ct.min({expr})", f"ct.max({expr})"
+
+    def compare(op, left, right):
+        a, b = side(left), side(right)
+        if a is None or b is None:
+            return None
+        (lo_a, hi_a), (lo_b, hi_b) = a, b
+        if isinstance(op, ast.Eq):
+            return f"(({lo_a}) <= ({hi_b})) & (({lo_b}) <= ({hi_a}))"
+        if isinstance(op, ast.NotEq):
+            return f"(({lo_a}) != ({hi_a})) | (({lo_b}) != ({hi_b})) | (({lo_a}) != ({lo_b}))"
+        if isinstance(op, (ast.Lt, ast.LtE)):
+            return f"({lo_a}) {_COMPARE[type(op)]} ({hi_b})"
+        return f"({hi_a}) {_COMPARE[type(op)]} ({lo_b})"
+
+    def combine(parts, conjunction):
+        known = [p for p in parts if p is not None]
+        if conjunction:
+            return " & ".join(f"({p})" for p in known) if known else None
+        return None if len(known) < len(parts) else " | ".join(f"({p})" for p in known)
+
+    def walk(node):
+        if isinstance(node, ast.BoolOp):
+            return combine([walk(v) for v in node.values], isinstance(node.op, ast.And))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+            return combine([walk(node.left), walk(node.right)], isinstance(node.op, ast.BitAnd))
+        if isinstance(node, ast.Compare):
+            lefts = [node.left] + list(node.comparators[:-1])
+            return combine([compare(op, a, b) for op, a, b in zip(node.ops, lefts, node.comparators)],
+                           True)
+        return None
+
+    expr = walk(tree.body)
+    if expr is None:
+        return None
+    return TilePretest(expr, tuple(extra))

@@ -129,6 +129,14 @@ class Spec(_Strict):
         "the tiles it hides from every row. Measured no faster on an H200 for document "
         "masks: the loads are pipelined ahead of the branch.",
     )
+    block_sparse: bool = Field(
+        False,
+        description="With a mask_mod: the kernels visit only the key tiles that hold a "
+        "visible pair, from a block map built on the GPU once per batch "
+        "(make_block_map in the generated module, reusable across layers); full tiles "
+        "run without evaluating the mask. Wins where the mask hides most tiles "
+        "(documents, chunked-local attention, block patterns).",
+    )
     dropout: bool = Field(
         False,
         description="Dropout on the attention probabilities: attention(..., dropout_p, "
@@ -322,7 +330,8 @@ class Spec(_Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         """The checks that relate fields of the whole spec, all reported together."""
-        problems = self._family_problems() + self._tensor_problems() + self._learnable_problems()
+        problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
+                    + self._block_sparse_problems())
         if problems:
             raise Problems(problems)
         return self
@@ -331,7 +340,7 @@ class Spec(_Strict):
         """Each family takes only its own fields (a field another family owns is an error)."""
         decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
-                        "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
+                        "skip_masked_tiles", "block_sparse", "dropout", "varlen", "return_lse", "block_remap",
                         "loop_split", "prescale_q", "q_subtiles", "backward", "deterministic")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
@@ -383,6 +392,25 @@ class Spec(_Strict):
         used = " ".join(filter(None, (self.score_mod, self.mask_mod)))
         return [(f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
                 for name in self.tensors if not _indexes(used, name)]
+
+    def _block_sparse_problems(self) -> list[tuple[str, str]]:
+        if not self.block_sparse or self.family != "prefill":
+            return []
+        problems = []
+        if self.mask_mod is None:
+            problems.append(("block_sparse", "true needs a mask_mod (the block map is built "
+                                             "from it)"))
+        if self.skip_masked_tiles:
+            problems.append(("skip_masked_tiles", "true cannot be combined with block_sparse: "
+                                                  "true (the map already skips the hidden tiles)"))
+        for name, cfg in self.targets.items():
+            for where, bucket in [(f"targets.{name}", cfg)] + [
+                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
+                if bucket.persistent:
+                    problems.append((f"{where}.persistent",
+                                     "block_sparse launches one CTA per query tile; use null "
+                                     "or false, got true"))
+        return problems
 
     def _learnable_problems(self) -> list[tuple[str, str]]:
         problems = []

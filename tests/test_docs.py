@@ -77,6 +77,7 @@ FAMILY_SAMPLES = {
     "pdl": True, "out_dtype": "bfloat16", "v_head_dim": 64, "softcap": 30.0,
     "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
     "score_mod": "score * 0.5", "mask_mod": "kv_idx <= q_idx", "skip_masked_tiles": True,
+    "block_sparse": True,
     "dropout": True, "varlen": True, "return_lse": True, "loop_split": False,
     "block_remap": False, "prescale_q": True, "q_subtiles": 2, "backward": True,
 }

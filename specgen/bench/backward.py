@@ -18,7 +18,7 @@ from typing import Optional
 
 from specgen.bench.baselines import Inputs
 from specgen.bench.core import Case, Context, Suite, Timing, matmul_rate, timed
-from specgen.bench.flops import forward_flops
+from specgen.bench.flops import forward_flops, mask_mod_flops
 from specgen.bench.prefill import BATCH, HEADS, REPORT, SEQS, checked_shapes
 from specgen.errors import UsageError
 
@@ -85,6 +85,9 @@ class Backward(Suite):
         row = dict(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
                    head_dim=plan.head_dim, dtype=plan.dtype, causal=plan.causal,
                    flops=backward_flops(plan, batch, heads, seq, seq))
+        if plan.mask_mod:  # only the pairs the mask leaves, as the prefill suite counts
+            row["flops"] = int(BACKWARD_FLOP_FACTOR * mask_mod_flops(torch, plan, extra, batch, heads,
+                                                                      seq, seq))
         return Case(f"backward S={seq}", row, inputs=(k_full, v_full, ratio, extra),
                     kernel=(q, k, v, dout, extra))
 

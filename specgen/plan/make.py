@@ -557,6 +557,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
     targets = _target_plans(spec.targets, default_v_transposed(spec))
     loads = spec.loads
     row_mask = _row_mask(spec)
+    hooks = _hooks(spec)
     return Plan(
         spec=spec,
         module_name=spec.name,
@@ -606,7 +607,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         return_lse=spec.return_lse or spec.backward,
         dropout=spec.dropout,
         varlen=spec.varlen,
-        **_hooks(spec),
+        **hooks,
         skip_masked_tiles=spec.skip_masked_tiles and spec.mask_mod is not None,
         scores_scaled=spec.prescale_q or spec.softcap is not None or spec.score_mod is not None,
         # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.
@@ -622,20 +623,17 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         spec_dict=spec_to_dict(spec),
         optimizations=_optimizations(spec, block_remap),
         **_decode(spec),
-        **_block_sparse(spec),
+        **_block_sparse(spec, hooks["mask_mod"]),
         **_backward(spec),
         **_backward_hooks(spec),
     )
 
 
-def _block_sparse(spec: Spec) -> dict:
+def _block_sparse(spec: Spec, mask: Hook | None) -> dict:
+    """The map fields of a block_sparse spec; ``mask``: its compiled mask_mod."""
     if not (spec.block_sparse and spec.family == "prefill"):
         return {}
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
-    counter: dict = {}  # numbered as in _hooks: the score_mod's locals first
-    if spec.score_mod:
-        compile_hook(spec.score_mod, "score_mod", tensors, counter)
-    mask = compile_hook(spec.mask_mod, "mask_mod", tensors, counter)
     return dict(block_sparse=True, map_per_head="h" in mask.uses,
                 map_pretest=tile_pretest(spec.mask_mod, tensors, mask.gathers),
                 map_kernel_name=procedural_name(spec).replace("fmha_prefill", "fmha_block_map", 1))

@@ -1,0 +1,232 @@
+"""Context-parallel attention over a process group: the entry point.
+
+    import torch.distributed as dist
+    from specgen.parallel import ContextParallelAttention, shard
+    import generated.fmha_train_gqa_causal as kernels
+
+    attn = ContextParallelAttention(kernels, group=dist.group.WORLD)  # ring, zigzag
+    q_shard = shard(q, "zigzag", world_size, rank)        # [B, Hq, S / W, D]
+    out_shard = attn(q_shard, k_shard, v_shard)            # differentiable
+
+Every argument is checked on every rank before any K/V moves: a problem found on
+one rank (a shard of another length, a wrong dtype) is shared through one small
+all_gather of the shapes, so every rank raises the same ValueError instead of
+leaving the others waiting in a transfer that never comes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from specgen.parallel import layout as layouts
+from specgen.parallel import ring as rings
+from specgen.parallel import ulysses
+from specgen.parallel.kernels import ReferenceKernel, SpecKernel
+
+MODES = ("ring", "ulysses")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _resolve_group(group):
+    if group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
+    return group
+
+
+def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
+    """What is wrong with this rank's tensors, or None."""
+    dims = 3 if varlen else 4
+    what = "[total, heads, head_dim] (packed)" if varlen else "[batch, heads, seq, head_dim]"
+    for name, t, width in (("q", q, kernel.head_dim), ("k", k, kernel.head_dim), ("v", v, kernel.v_head_dim)):
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
+        if t.dim() != dims:
+            return f"{name} must be {dims}-D {what}, got shape {tuple(t.shape)}"
+        if t.dtype != kernel.dtype:
+            return f"{name} must have dtype {kernel.dtype}, got {t.dtype}"
+        if t.shape[-1] != width:
+            return f"{name} must have head_dim {width}, got {t.shape[-1]}"
+        if t.device != q.device:
+            return f"q, k and v must be on one device, got {name} on {t.device}"
+    seq = 0 if varlen else 2
+    heads = 1
+    if k.shape[:-1] != v.shape[:-1]:
+        return f"k and v must agree in all but head_dim, got {tuple(k.shape)} and {tuple(v.shape)}"
+    if q.shape[seq] != k.shape[seq] or (not varlen and q.shape[0] != k.shape[0]):
+        return (f"q, k and v shards must hold the same positions, got q {tuple(q.shape)} and "
+                f"k {tuple(k.shape)}")
+    if q.shape[heads] != kernel.group_size * k.shape[heads]:
+        return (f"q has {q.shape[heads]} heads and k/v have {k.shape[heads]}; the kernel needs "
+                f"q heads == {kernel.group_size} * kv heads")
+    if kernel.needs_cuda and not q.is_cuda:
+        return f"q, k and v must be CUDA tensors, got {q.device}"
+    return None
+
+
+def _signature(q, k, v) -> list[int]:
+    return [*q.shape, *k.shape, *v.shape, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1]
+
+
+def agree(group, problem: str | None, signature: list[int]) -> None:
+    """Raise the same ValueError on every rank of ``group`` if any rank has a
+    ``problem`` or the ranks' ``signature``s differ; one all_gather of a few ints."""
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        if problem:
+            raise ValueError(problem)
+        return
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    width = 16
+    mine = torch.full((width + 1,), -1, dtype=torch.int64)
+    mine[0] = 1 if problem else 0
+    mine[1:1 + min(width, len(signature))] = torch.tensor(signature[:width], dtype=torch.int64)
+    parts = [torch.empty(width + 1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(parts, mine.to(device), group=group)
+    everyone = torch.stack(parts).cpu()
+    rank = dist.get_rank(group)
+    if problem:
+        raise ValueError(f"rank {rank}: {problem}")
+    bad = [r for r in range(world) if everyone[r, 0]]
+    if bad:
+        raise ValueError(f"rank {bad[0]}'s inputs are invalid (its error names the problem); "
+                         "no rank starts the attention")
+    for r in range(world):
+        if not torch.equal(everyone[r], everyone[0]):
+            raise ValueError(
+                "every rank must hold an equal shard of the same shapes and dtype: rank 0 has "
+                f"q/k/v shapes {_describe(everyone[0])}, rank {r} has {_describe(everyone[r])}")
+
+
+def _describe(row) -> str:
+    values = [int(x) for x in row[1:] if int(x) >= 0]
+    return str(values[:-1])
+
+
+class ContextParallelAttention:
+    """Exact attention over a sequence sharded across the ranks of ``group``.
+
+    Args:
+        module: a generated prefill module (``import generated.<spec> as module``);
+            ring mode needs ``return_lse: true`` or ``backward: true``, training
+            needs ``backward: true``. Or a ReferenceKernel (tests, CPU).
+        group: the process group (default: the world when torch.distributed is
+            initialised, else a single process).
+        mode: "ring" (K/V shards passed around the ranks, overlapped with the
+            kernels) or "ulysses" (all-to-all: heads scattered, whole sequence per
+            rank; the heads must divide by the world size).
+        layout: how the shards were cut (specgen.parallel.layout): "zigzag"
+            (balanced under a causal mask, the default) or "contiguous".
+    """
+
+    def __init__(self, module, group=None, *, mode: str = "ring", layout: str = "zigzag"):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        layouts.check_layout(layout)
+        self.kernel = module if isinstance(module, ReferenceKernel) else SpecKernel(module, mode)
+        if self.kernel.varlen and layout != "contiguous":
+            raise ValueError(
+                "a packed (varlen) batch is sharded sequence by sequence: use layout='contiguous' "
+                f"(rank r holds the r-th 1/W of every sequence), got {layout!r}")
+        self.group = _resolve_group(group)
+        self.mode, self.layout = mode, layout
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.ring = rings.Ring(self.group) if mode == "ring" else None
+
+    def __call__(self, q, k, v, *, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None):
+        """This rank's output shard ([B, Hq, L, Dv], or [T, Hq, Dv] packed), in q's
+        dtype; differentiable in q, k and v when the spec has a backward.
+
+        Args:
+            q, k, v: this rank's shards, [B, H, L, D] (L = seq_len / world size) or,
+                for a varlen spec, [T, H, D] packed with every sequence's r-th shard.
+            scale: softmax scale (default 1/sqrt(head_dim)).
+            seq_len: the whole sequence's length, checked against the shards when given.
+            cu_seqlens: varlen specs: [B + 1] int32 cumulative lengths of the whole
+                sequences (the same on every rank; each length divides by the world size).
+            max_seqlen: varlen specs: the longest whole sequence (read from
+                cu_seqlens when None).
+
+        Raises:
+            ValueError: on every rank, before any transfer, if the inputs do not fit.
+        """
+        kernel = self.kernel
+        scale = kernel.default_scale() if scale is None else float(scale)
+        problem = _local_problem(kernel, q, k, v, kernel.varlen)
+        if problem is None:
+            problem = self._shape_problem(q, k, seq_len, cu_seqlens)
+        if problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) \
+                and not kernel.has_backward:
+            problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
+        signature = _signature(q, k, v) if problem is None else []
+        agree(self.group, problem, signature)
+        if self.mode == "ulysses":
+            return self._ulysses(q, k, v, scale, cu_seqlens, max_seqlen)
+        plans = rings.step_plans(kernel.mask, self.layout, self.world_size, self.rank, q.shape[2])
+        out, _ = rings.RingAttention.apply(q, k, v, kernel, self.ring, plans, scale)
+        return out
+
+    def _shape_problem(self, q, k, seq_len, cu_seqlens) -> str | None:
+        world = self.world_size
+        if self.kernel.varlen:
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+                return "cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative lengths"
+            lengths = cu_seqlens.diff().tolist()
+            uneven = [n for n in lengths if n % world or n < 0]
+            if uneven:
+                return (f"every packed sequence's length must divide by the world size ({world}) "
+                        f"so that each rank holds an equal shard of it; got {uneven[0]}")
+            if int(cu_seqlens[-1]) != q.shape[0] * world:
+                return (f"cu_seqlens ends at {int(cu_seqlens[-1])}, but {world} shards of {q.shape[0]} "
+                        f"rows hold {q.shape[0] * world}")
+            return None
+        if cu_seqlens is not None:
+            return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
+        if seq_len is not None and seq_len != q.shape[2] * world:
+            return (f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
+                    f"got {q.shape[2]}")
+        if self.mode == "ulysses":
+            for name, heads in (("query", q.shape[1]), ("kv", k.shape[1])):
+                if heads % world:
+                    return (f"all-to-all mode scatters heads over the ranks: the {name} heads ({heads}) "
+                            f"must divide by the world size ({world}); use mode='ring'")
+        return None
+
+    def _ulysses(self, q, k, v, scale, cu_seqlens, max_seqlen):
+        group, world = self.group, self.world_size
+        if self.kernel.varlen:
+            if world > 1:
+                total = q.shape[0] * world
+                index = ulysses.packed_order(cu_seqlens, world, total)
+                q, k, v = (ulysses.SeqToHeads.apply(t, group, 0).index_select(0, index) for t in (q, k, v))
+            if max_seqlen is None:
+                max_seqlen = int(cu_seqlens.diff().max())
+            out = self.kernel.attention(q, k, v, scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+            out = out[0] if isinstance(out, tuple) else out
+            if world > 1:
+                out = _unpermute(out, index, 0)
+                out = ulysses.HeadsToSeq.apply(out, group, 0)
+            return out
+        if world > 1:
+            natural = torch.argsort(layouts.order(self.layout, world, q.shape[2])).to(q.device)
+            q, k, v = (ulysses.SeqToHeads.apply(t, group, 2).index_select(2, natural) for t in (q, k, v))
+        out = self.kernel.attention(q, k, v, scale)
+        out = out[0] if isinstance(out, tuple) else out
+        if world > 1:
+            out = _unpermute(out, natural, 2)
+            out = ulysses.HeadsToSeq.apply(out, group, 2)
+        return out
+
+
+def _unpermute(x, index, dim):
+    """y with y.index_select(dim, index) == x (index a permutation)."""
+    return x.index_select(dim, torch.argsort(index))
+
+
+def context_parallel_attention(module, q, k, v, *, group=None, mode="ring", layout="zigzag", **kwargs):
+    """One call of ContextParallelAttention(module, group, mode=, layout=)."""
+    return ContextParallelAttention(module, group, mode=mode, layout=layout)(q, k, v, **kwargs)

@@ -1,0 +1,186 @@
+"""The attention that context parallelism runs on each block, behind one interface.
+
+``SpecKernel`` wraps a generated module (its forward returns the LSE that merging
+needs; a ``backward: true`` spec adds its backward kernels). ``ReferenceKernel``
+computes the same in float64 with torch, so the parallel layer can be tested on CPU
+(with torch.distributed's gloo backend) and checked against the real kernels.
+
+Both take [B, H, S, D] tensors, a ``q_offset`` (query row i is at position
+q_offset + i relative to key 0), and return what the generated kernels return:
+out in the input dtype and lse [B, Hq, S] float32, -inf for a row with no key.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specgen.parallel.blocks import Mask
+
+# Spec features whose meaning depends on absolute positions, per-head data or a
+# random stream, which a block of the sequence cannot reproduce on its own.
+_RING_REFUSED = {
+    "score_mod": "a score_mod hook",
+    "mask_mod": "a mask_mod hook",
+    "sinks": "attention sinks",
+    "dropout": "dropout",
+    "block_sparse": "a block-sparse map",
+    "varlen": "packed variable-length batches (cu_seqlens); use mode='ulysses'",
+}
+_ULYSSES_REFUSED = {k: v for k, v in _RING_REFUSED.items() if k != "varlen"}
+
+
+class SpecKernel:
+    """The forward (and backward) kernels of a generated prefill module."""
+
+    def __init__(self, module, mode: str = "ring"):
+        spec = getattr(module, "SPEC", None)
+        if not isinstance(spec, dict) or "family" not in spec:
+            raise ValueError(
+                f"module must be a specgen-generated module (with a SPEC dict), got {module!r}"
+            )
+        name = spec.get("name", "?")
+        if spec["family"] != "prefill":
+            raise ValueError(
+                f"context parallelism runs prefill specs; {name} is a {spec['family']} spec"
+            )
+        if spec["dtype"] not in ("float16", "bfloat16"):
+            raise ValueError(
+                f"context parallelism runs float16 and bfloat16 specs; {name} has dtype {spec['dtype']}"
+            )
+        refused = _RING_REFUSED if mode == "ring" else _ULYSSES_REFUSED
+        for field, what in refused.items():
+            if spec.get(field):
+                raise ValueError(
+                    f"{name}: context parallelism ({mode} mode) cannot split a spec with {what}"
+                )
+        if mode == "ring" and not (spec.get("return_lse") or spec.get("backward")):
+            raise ValueError(
+                f"{name}: ring attention merges partial results through their LSE; "
+                "the spec needs return_lse: true (forward) or backward: true (training)"
+            )
+        self.module, self.spec, self.name = module, spec, name
+        self.has_backward = bool(spec.get("backward"))
+        self.varlen = bool(spec.get("varlen"))
+        window = spec.get("window") or {}
+        self.mask = Mask(bool(spec["causal"]), window.get("left"), window.get("right"))
+        self.dtype = module.DTYPE
+        self.head_dim = module.HEAD_DIM
+        self.v_head_dim = getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
+        self.group_size = module.GROUP_SIZE
+        self.needs_cuda = True
+
+    def default_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, q, k, v, scale: float, q_offset: int):
+        if self.has_backward:
+            return self.module._forward(q, k, v, scale=scale, q_offset=q_offset)
+        return self.module.attention(q, k, v, scale=scale, q_offset=q_offset)
+
+    def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int):
+        if not self.has_backward:
+            raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
+        return self.module._backward(q, k, v, out, lse, dout, scale, q_offset)
+
+    def attention(self, q, k, v, scale: float, **kwargs):
+        """The whole-sequence call (all-to-all mode), differentiable where the spec
+        has a backward."""
+        return self.module.attention(q, k, v, scale=scale, **kwargs)
+
+
+class ReferenceKernel:
+    """The same interface computed in float64 by torch (any device): a spec's
+    position rule, soft-cap and GQA group, without a GPU."""
+
+    def __init__(self, *, causal: bool, window: tuple | None = None, softcap: float | None = None,
+                 dtype=torch.bfloat16, head_dim: int = 64, v_head_dim: int | None = None,
+                 group_size: int = 1, varlen: bool = False):
+        left, right = window or (None, None)
+        self.mask = Mask(causal, left, right)
+        self.softcap = softcap
+        self.dtype, self.head_dim = dtype, head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.group_size = group_size
+        self.has_backward, self.varlen, self.needs_cuda = True, varlen, False
+        self.name = "reference"
+        self.calls = 0  # kernel calls made, for tests of the block planner
+
+    def default_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def _scores(self, q, k, scale, q_offset):
+        q64 = q.double()
+        k64 = k.double().repeat_interleave(self.group_size, dim=1)
+        raw = torch.matmul(q64, k64.transpose(-1, -2)) * scale
+        capped = self.softcap * torch.tanh(raw / self.softcap) if self.softcap else raw
+        rows = q_offset + torch.arange(q.shape[2], device=q.device)[:, None]
+        keys = torch.arange(k.shape[2], device=q.device)[None, :]
+        left, right = self.mask.key_bounds(rows)
+        visible = (keys >= left) & (keys <= right)
+        return raw, capped, visible
+
+    def forward(self, q, k, v, scale: float, q_offset: int):
+        self.calls += 1
+        _, scores, visible = self._scores(q, k, scale, q_offset)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.where(visible, torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None]), 0.0)
+        v64 = v.double().repeat_interleave(self.group_size, dim=1)
+        return torch.matmul(p, v64).to(self.dtype), lse.float()
+
+    def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int):
+        """FlashAttention's backward of one block, with the whole row's out and lse."""
+        self.calls += 1
+        raw, scores, visible = self._scores(q, k, scale, q_offset)
+        lse64 = lse.double()[..., None]
+        live = visible & torch.isfinite(lse64)
+        p = torch.where(live, torch.exp(scores - torch.where(torch.isfinite(lse64), lse64, 0.0)), 0.0)
+        g = self.group_size
+        v64 = v.double().repeat_interleave(g, dim=1)
+        k64 = k.double().repeat_interleave(g, dim=1)
+        do64 = dout.double()
+        dv = torch.matmul(p.transpose(-1, -2), do64)
+        dp = torch.matmul(do64, v64.transpose(-1, -2))
+        delta = (do64 * out.double()).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        if self.softcap:
+            ds = ds * (1 - torch.tanh(raw / self.softcap) ** 2)
+        dq = torch.matmul(ds, k64) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), q.double()) * scale
+
+        def per_kv_head(t):
+            b, h, s, d = t.shape
+            return t.view(b, h // g, g, s, d).sum(2)
+
+        return dq.to(self.dtype), per_kv_head(dk).to(self.dtype), per_kv_head(dv).to(self.dtype)
+
+    def attention(self, q, k, v, scale: float, *, cu_seqlens_q=None, cu_seqlens_k=None, **_):
+        """The whole sequence, differentiable; packed [T, H, D] with cu_seqlens
+        where the kernel is varlen (sequence by sequence, equal q and k lengths)."""
+        if not self.varlen:
+            return _ReferenceAttention.apply(q, k, v, self, scale)
+        bounds = cu_seqlens_q.tolist()
+        outs = []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            one = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, L, D]
+            outs.append(_ReferenceAttention.apply(*one, self, scale)[0].transpose(0, 1))
+        return torch.cat(outs, dim=0)
+
+
+class _ReferenceAttention(torch.autograd.Function):
+    """The reference over a whole sequence, with its backward (all-to-all tests)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, scale):
+        out, lse = kernel.forward(q, k, v, scale, 0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.scale = kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.kernel.backward(q, k, v, out, lse, dout, ctx.scale, 0)
+        return dq, dk, dv, None, None

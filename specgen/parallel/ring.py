@@ -1,0 +1,186 @@
+"""Ring attention: K/V shards travel around the ranks while each rank attends its
+queries to the shard in hand.
+
+Forward: at step s rank r holds the K/V of rank r - s. It posts the transfer of
+that shard to rank r + 1 (and the receipt of the next from r - 1) with
+``torch.distributed.batch_isend_irecv``, which NCCL runs on its own stream, then
+runs the kernel calls of the step (specgen.parallel.blocks) and folds their
+(out, lse) into float32 accumulators (specgen.parallel.merge); the transfer is
+hidden behind that work. Backward: the K/V go round again and the gradients of
+each shard's K and V travel with it (float32, one step behind the K/V), each rank
+adding its part, until they reach the shard's owner; dQ stays local.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from specgen.parallel import layout as layouts
+from specgen.parallel.blocks import Call, Mask, plan_step
+from specgen.parallel.merge import merge_into
+
+
+class Ring:
+    """Point-to-point transfers to the next rank and from the previous one."""
+
+    def __init__(self, group):
+        """``group``: a process group, or None for a single process (no transfers)."""
+        self.group = group
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        if self.world_size > 1:
+            self.next = dist.get_global_rank(group, (self.rank + 1) % self.world_size)
+            self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world_size)
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        """Start sending ``send`` to the next rank and receiving ``recv`` from the
+        previous one; returns the works to wait on."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev, self.group),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works or ():
+        work.wait()
+
+
+@functools.lru_cache(maxsize=256)
+def step_plans(mask: Mask, layout: str, world_size: int, rank: int, shard_len: int) -> tuple[tuple[Call, ...], ...]:
+    """The kernel calls of every ring step of rank ``rank`` (step s: the K/V shard
+    of rank - s)."""
+    q_pos = layouts.positions(layout, world_size, rank, shard_len)
+    plans = []
+    for step in range(world_size):
+        src = (rank - step) % world_size
+        k_pos = layouts.positions(layout, world_size, src, shard_len)
+        plans.append(tuple(plan_step(mask, q_pos, _pieces(layout, world_size, rank, shard_len),
+                                     k_pos, _pieces(layout, world_size, src, shard_len))))
+    return tuple(plans)
+
+
+def _pieces(layout, world_size, rank, shard_len):
+    """The (start, stop) rows of each contiguous piece of a shard."""
+    pieces, start = [], 0
+    for _, n in layouts.chunks(layout, world_size, rank, shard_len):
+        pieces.append((start, start + n))
+        start += n
+    return pieces
+
+
+class _Packed:
+    """K and V in one flat buffer, so one transfer moves both."""
+
+    def __init__(self, k_shape, v_shape, dtype, device):
+        self.k_shape, self.v_shape = tuple(k_shape), tuple(v_shape)
+        self.split = int(torch.Size(k_shape).numel())
+        self.total = self.split + int(torch.Size(v_shape).numel())
+        self.dtype, self.device = dtype, device
+
+    def empty(self, dtype=None):
+        return torch.empty(self.total, dtype=dtype or self.dtype, device=self.device)
+
+    def zeros(self, dtype=None):
+        return torch.zeros(self.total, dtype=dtype or self.dtype, device=self.device)
+
+    def pack(self, k, v):
+        buf = self.empty()
+        self.views(buf)[0].copy_(k)
+        self.views(buf)[1].copy_(v)
+        return buf
+
+    def views(self, buf):
+        return buf[: self.split].view(self.k_shape), buf[self.split:].view(self.v_shape)
+
+
+def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
+    """(out in q's dtype, lse float32) of q against every rank's K/V."""
+    batch, heads, rows = q.shape[:3]
+    out = torch.zeros((batch, heads, rows, kernel.v_head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
+    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
+    current = packed.pack(k, v) if ring.world_size > 1 else None
+    k_cur, v_cur = k, v
+    for step, calls in enumerate(plans):
+        works, incoming = None, None
+        if step + 1 < ring.world_size:
+            incoming = packed.empty()
+            works = ring.shift(current, incoming)
+        for c in calls:
+            block_out, block_lse = kernel.forward(
+                q[:, :, c.q_start:c.q_stop], k_cur[:, :, c.k_start:c.k_stop],
+                v_cur[:, :, c.k_start:c.k_stop], scale, c.q_offset)
+            merge_into(out[:, :, c.q_start:c.q_stop], lse[:, :, c.q_start:c.q_stop], block_out, block_lse)
+        if incoming is not None:
+            _wait(works)
+            current = incoming
+            k_cur, v_cur = packed.views(current)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
+    """(dq, dk, dv) in the inputs' dtypes: dq from this rank's queries against every
+    shard; dk, dv of this rank's shard summed over every rank's queries."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
+    current = packed.pack(k, v) if ring.world_size > 1 else None
+    k_cur, v_cur = k, v
+    dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+    grad_works, grad_in = None, None
+    for step, calls in enumerate(plans):
+        kv_works, incoming = None, None
+        if step + 1 < ring.world_size:
+            incoming = packed.empty()
+            kv_works = ring.shift(current, incoming)
+        grads = packed.zeros(torch.float32)  # this rank's part of dK, dV of the shard in hand
+        dk_part, dv_part = packed.views(grads)
+        for c in calls:
+            rows = slice(c.q_start, c.q_stop)
+            keys = slice(c.k_start, c.k_stop)
+            dq_c, dk_c, dv_c = kernel.backward(
+                q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], out[:, :, rows],
+                lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)
+            dq[:, :, rows] += dq_c
+            dk_part[:, :, keys] += dk_c
+            dv_part[:, :, keys] += dv_c
+        if grad_in is not None:  # what the ranks before this one added to this shard
+            _wait(grad_works)
+            grads += grad_in
+        if ring.world_size > 1:
+            # Pass the sum on: after the last step it reaches the shard's owner.
+            grad_in = packed.empty(torch.float32)
+            grad_works = ring.shift(grads, grad_in)
+            kept = grads  # alive until the transfer completes
+        if incoming is not None:
+            _wait(kv_works)
+            current = incoming
+            k_cur, v_cur = packed.views(current)
+    if ring.world_size > 1:
+        _wait(grad_works)
+        del kept
+        grads = grad_in
+    dk, dv = packed.views(grads)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Exact attention of this rank's query shard over the whole sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kernel, ring, plans, scale):
+        out, lse = ring_forward(kernel, ring, plans, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.kernel, ctx.ring, ctx.plans, ctx.scale = kernel, ring, plans, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.kernel, ctx.ring, ctx.plans, q, k, v, out, lse, dout, ctx.scale)
+        return dq, dk, dv, None, None, None, None

@@ -1,0 +1,215 @@
+"""Processes of the context-parallel tests: one per rank, started by
+torch.multiprocessing.spawn (gloo on CPU, NCCL on GPUs). Each rank writes what it
+saw to <out_dir>/rank<r>.json; the test reads every rank's file.
+
+Every check compares the sharded computation, gathered back, with the same
+attention computed on the whole sequence in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from specgen.parallel import ContextParallelAttention, ReferenceKernel, gather, shard  # noqa: E402
+
+
+def main(rank: int, world: int, port: int, backend: str, scenario: str, out_dir: str, options: dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world, options)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        result = {"crash": traceback.format_exc()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _inputs(batch, q_heads, kv_heads, seq, dim, dtype, device, seed, v_dim=None):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = ((batch, q_heads, seq, dim), (batch, kv_heads, seq, dim), (batch, kv_heads, seq, v_dim or dim),
+              (batch, q_heads, seq, v_dim or dim))
+    return [torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for s in shapes]
+
+
+def sharded_run(attn, q, k, v, dout, layout, rank, world, **kwargs):
+    """Output and gradients of q, k, v, each gathered to the whole sequence."""
+    shards = [shard(t, layout, world, rank).requires_grad_() for t in (q, k, v)]
+    out = attn(*shards, **kwargs)
+    out.backward(shard(dout, layout, world, rank))
+    gathered = [gather(out.detach(), layout)] + [gather(s.grad, layout) for s in shards]
+    return gathered
+
+
+def _max_err(a, b) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def reference_cases(rank, world, options):
+    """Ring and all-to-all over float64 reference kernels against the whole-sequence
+    reference: every layout, causal, non-causal and windowed, GQA, odd shards."""
+    rows = []
+    for mode in ("ring", "ulysses"):
+        for layout in ("zigzag", "contiguous"):
+            for causal, window, softcap in ((True, None, None), (False, None, None), (True, (5, None), None),
+                                            (False, (4, 3), 2.0)):
+                for shard_len in (9, 16):
+                    heads = (2 * world, world) if mode == "ulysses" else (4, 2)
+                    kern = ReferenceKernel(causal=causal, window=window, softcap=softcap, dtype=torch.float64,
+                                           head_dim=8, group_size=heads[0] // heads[1])
+                    q, k, v, dout = _inputs(2, *heads, shard_len * world, 8, torch.float64, "cpu", 7)
+                    whole = ReferenceKernel(causal=causal, window=window, softcap=softcap, dtype=torch.float64,
+                                            head_dim=8, group_size=heads[0] // heads[1])
+                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    ref = whole.attention(*leaves, whole.default_scale())
+                    ref.backward(dout)
+                    attn = ContextParallelAttention(kern, mode=mode, layout=layout)
+                    got = sharded_run(attn, q, k, v, dout, layout, rank, world)
+                    errs = [_max_err(g, r) for g, r in zip(got, [ref.detach()] + [t.grad for t in leaves])]
+                    rows.append(dict(mode=mode, layout=layout, causal=causal, window=window, softcap=softcap,
+                                     shard_len=shard_len, errors=errs, calls=kern.calls))
+    # A packed batch, all-to-all: sequences of different lengths, each split over the ranks.
+    lengths = [3 * world, 5 * world, 1 * world]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    kern = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2, varlen=True)
+    total = sum(lengths)
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(total, 2 * world, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(total, world, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = kern.attention(*leaves, kern.default_scale(), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref.backward(dout)
+
+    def packed_shard(t):  # the rank-th 1/W of every sequence
+        return torch.cat([t[a + rank * (b - a) // world: a + (rank + 1) * (b - a) // world]
+                          for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+
+    shards = [packed_shard(t).requires_grad_() for t in (q, k, v)]
+    attn = ContextParallelAttention(kern, mode="ulysses", layout="contiguous")
+    out = attn(*shards, cu_seqlens=cu)
+    out.backward(packed_shard(dout))
+    errs = [_max_err(out, packed_shard(ref.detach()))]
+    errs += [_max_err(s.grad, packed_shard(t.grad)) for s, t in zip(shards, leaves)]
+    rows.append(dict(mode="ulysses", layout="packed", errors=errs))
+    return {"rows": rows}
+
+
+def _expect_error(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def error_cases(rank, world, options):
+    """Bad input raises the same kind of ValueError on every rank, before any
+    transfer; a good call right after still works (nothing was left in flight)."""
+    kern = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2)
+    attn = ContextParallelAttention(kern, mode="ring", layout="zigzag")
+    q, k, v, _ = _inputs(1, 4, 2, 8 * world, 8, torch.float64, "cpu", 1)
+    parts = [shard(t, "zigzag", world, rank) for t in (q, k, v)]
+    seen = {}
+    # One rank holds a shorter shard than the others.
+    short = [t[:, :, :-1] if rank == world - 1 else t for t in parts]
+    seen["unequal"] = _expect_error(lambda: attn(*short))
+    # One rank's q has the wrong dtype.
+    typed = [parts[0].float() if rank == 0 else parts[0], parts[1], parts[2]]
+    seen["dtype"] = _expect_error(lambda: attn(*typed))
+    # The shards do not add up to the stated length.
+    seen["seq_len"] = _expect_error(lambda: attn(*parts, seq_len=8 * world + 2))
+    # All-to-all needs heads that divide by the world size.
+    kern1 = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=1)
+    odd = [t[:, :1] for t in parts]
+    seen["heads"] = _expect_error(lambda: ContextParallelAttention(kern1, mode="ulysses")(*odd)) if world > 1 else "n/a"
+    # After all that, a good call.
+    whole = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2)
+    ref = whole.forward(q, k, v, whole.default_scale(), 0)[0]
+    out = gather(attn(*parts), "zigzag")
+    seen["after"] = _max_err(out, ref)
+    return seen
+
+
+def spec_cases(rank, world, options):
+    """The generated kernels on GPUs against the same spec's kernel on the whole
+    sequence in one process, and against the float64 reference."""
+    import importlib
+
+    from specgen.check.reference import attention_reference
+
+    rows = []
+    device = torch.device("cuda", torch.cuda.current_device())
+    for case in options["cases"]:
+        if case.get("path"):
+            sys.path.insert(0, case["path"])
+        module = importlib.import_module(case["module"])
+        spec = module.SPEC
+        batch, q_heads, kv_heads, shard_len = case["shape"]
+        seq = shard_len * world
+        dim, v_dim = module.HEAD_DIM, getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
+        q, k, v, dout = _inputs(batch, q_heads, kv_heads, seq, dim, module.DTYPE, device, 11 + seq, v_dim)
+        attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
+        got = sharded_run(attn, q, k, v, dout, case["layout"], rank, world)
+        # The same kernels on the whole sequence, one process.
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        single = module.attention(*leaves)
+        single = single[0] if isinstance(single, tuple) else single
+        single.backward(dout)
+        singles = [single.detach()] + [t.grad for t in leaves]
+        # fp64 and same-dtype references (FlashAttention's rule: the error against
+        # fp64 at most twice that of the same math in the input dtype).
+        window = spec["window"] or {}
+        ref_args = dict(causal=spec["causal"], softcap=spec["softcap"],
+                        window=(window.get("left"), window.get("right")) if window else None)
+        exact_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        exact = attention_reference(*exact_leaves, **ref_args)
+        exact.backward(dout.double())
+        rough_leaves = [t.float().requires_grad_() for t in (q, k, v)]
+        rough = attention_reference(*rough_leaves, compute_dtype=torch.float32, **ref_args)
+        rough = rough.to(module.DTYPE)
+        rough.backward(dout.float())
+        exacts = [exact.detach()] + [t.grad for t in exact_leaves]
+        roughs = [rough.detach().to(module.DTYPE)] + [t.grad.to(module.DTYPE) for t in rough_leaves]
+        names = ("out", "dq", "dk", "dv")
+        row = dict(case=case, vs_single={}, vs_fp64={}, allowed={})
+        for name, g, s, e, r in zip(names, got, singles, exacts, roughs):
+            row["vs_single"][name] = _max_err(g, s)
+            row["vs_fp64"][name] = _max_err(g, e)
+            row["allowed"][name] = 2 * _max_err(r, e) + 1e-5
+            row.setdefault("single_vs_fp64", {})[name] = _max_err(s, e)
+        rows.append(row)
+    return {"rows": rows}
+
+
+SCENARIOS = {"reference": reference_cases, "errors": error_cases, "spec": spec_cases}
+
+
+def spawn(world: int, backend: str, scenario: str, out_dir, options: dict | None = None) -> list[dict]:
+    """Run ``scenario`` on ``world`` processes; every rank's result, rank order."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(main, args=(world, port, backend, scenario, str(out_dir), options or {}), nprocs=world)
+    results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    for r, result in enumerate(results):
+        if "crash" in result:
+            raise AssertionError(f"rank {r} crashed:\n{result['crash']}")
+    return results

@@ -1,0 +1,182 @@
+"""Context parallelism on CPU: the shard layouts, the LSE merge, the ring step
+planner, and ring / all-to-all attention over torch.distributed's gloo backend with
+the float64 reference in place of the GPU kernels."""
+
+import itertools
+
+import pytest
+import torch
+
+from specgen.check.reference import attention_reference
+from specgen.parallel import ContextParallelAttention, ReferenceKernel, SpecKernel, shard, unshard
+from specgen.parallel import layout as layouts
+from specgen.parallel.blocks import Mask, plan_step
+from specgen.parallel.merge import merge
+from specgen.parallel.ring import step_plans
+from tests import parallel_worker
+from tests.helpers import generated_module
+
+
+@pytest.mark.parametrize("world,shard_len", [(1, 5), (2, 8), (2, 7), (3, 9), (4, 1), (8, 6)])
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+def test_layout_round_trip(layout, world, shard_len):
+    x = torch.randn(2, 3, world * shard_len, 4)
+    shards = [shard(x, layout, world, r) for r in range(world)]
+    assert all(s.shape[2] == shard_len for s in shards)
+    assert torch.equal(unshard(shards, layout), x)
+    assert sorted(layouts.order(layout, world, shard_len).tolist()) == list(range(world * shard_len))
+
+
+def test_zigzag_layout_pairs_early_and_late_chunks():
+    assert layouts.chunks("zigzag", 4, 0, 8) == [(0, 4), (28, 4)]
+    assert layouts.chunks("zigzag", 4, 3, 8) == [(12, 4), (16, 4)]
+    assert layouts.chunks("zigzag", 2, 1, 7) == [(3, 3), (6, 4)]  # odd shards: 3 + 4
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_zigzag_balances_causal_work(world):
+    """Every rank sees the same number of visible causal pairs under zigzag; the
+    contiguous layout's last rank does 2W-1 times the first's."""
+    shard_len = 16
+    def work(layout, rank):
+        q = layouts.positions(layout, world, rank, shard_len)
+        return int((q + 1).sum())  # causal: position p sees p + 1 keys
+    zig = [work("zigzag", r) for r in range(world)]
+    assert len(set(zig)) == 1
+    flat = [work("contiguous", r) for r in range(world)]
+    assert flat[-1] > flat[0] * (world - 1)
+
+
+def test_bad_layout_and_shard_arguments():
+    with pytest.raises(ValueError, match="layout must be one of contiguous, zigzag, got 'ring'"):
+        shard(torch.zeros(1, 1, 4, 1), "ring", 2, 0)
+    with pytest.raises(ValueError, match=r"sequence length \(5\) must divide by the world size \(2\)"):
+        shard(torch.zeros(1, 1, 5, 1), "zigzag", 2, 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        shard(torch.zeros(1, 1, 4, 1), "zigzag", 2, 2)
+
+
+def test_lse_merge_matches_attention_over_all_keys():
+    """Attention over keys cut into blocks, merged through the LSE, equals attention
+    over all keys; rows that see no key in a block, or in any, come out right."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64) for n in (20, 30, 30))
+    full, full_lse = attention_reference(q, k, v, causal=True, q_offset=-5, return_lse=True)
+    parts = []
+    for a, b in ((0, 7), (7, 8), (8, 30)):
+        out, lse = attention_reference(q, k[:, :, a:b], v[:, :, a:b], causal=True, q_offset=-5 - a,
+                                       return_lse=True)
+        parts.append((out, lse))
+    out, lse = merge(parts)
+    assert torch.isneginf(lse[:, :, :5]).all() and (out[:, :, :5] == 0).all()  # rows before key 0
+    torch.testing.assert_close(out.double(), full, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse[:, :, 5:].double(), full_lse[:, :, 5:], rtol=0, atol=1e-5)
+
+
+MASKS = [Mask(True), Mask(False), Mask(True, 5, None), Mask(False, 4, 3), Mask(True, 0, None)]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=str)
+@pytest.mark.parametrize("layout,world,shard_len", [("zigzag", 2, 8), ("zigzag", 3, 7), ("contiguous", 4, 6),
+                                                    ("zigzag", 4, 5)])
+def test_ring_plans_cover_the_mask_exactly(mask, layout, world, shard_len):
+    """Over all ring steps, a rank's kernel calls (each with its q_offset, in the
+    kernel's relative terms) show every visible pair once and no other."""
+    seq = world * shard_len
+    for rank in range(world):
+        q_pos = layouts.positions(layout, world, rank, shard_len)
+        seen = torch.zeros(shard_len, seq, dtype=torch.int64)
+        for step, calls in enumerate(step_plans(mask, layout, world, rank, shard_len)):
+            k_pos = layouts.positions(layout, world, (rank - step) % world, shard_len)
+            for c in calls:
+                rows = c.q_offset + torch.arange(c.q_stop - c.q_start)[:, None]
+                keys = torch.arange(c.k_stop - c.k_start)[None, :]
+                lo, hi = mask.key_bounds(rows)
+                vis = (keys >= lo) & (keys <= hi)
+                for i, j in vis.nonzero().tolist():
+                    seen[c.q_start + i, k_pos[c.k_start + j]] += 1
+        lo, hi = mask.key_bounds(q_pos[:, None])
+        want = (torch.arange(seq)[None, :] >= lo) & (torch.arange(seq)[None, :] <= hi)
+        assert torch.equal(seen, want.long()), (rank, seen, want.long())
+
+
+def test_zigzag_causal_ring_makes_one_call_per_step_and_skips_hidden_blocks():
+    for world, rank in itertools.product((2, 4), range(4)):
+        if rank >= world:
+            continue
+        plans = step_plans(Mask(True), "zigzag", world, rank, 16)
+        assert [len(p) for p in plans] == [1] * world
+        # Every step does the same work: 2 chunks x 2 chunks of causal pairs, or
+        # one chunk-pair's worth of full pairs on each side.
+        assert {sum(c.pairs for c in p) for p in plans[1:]} == {16 * 8}
+    # Contiguous causal: the blocks above the diagonal are skipped.
+    plans = step_plans(Mask(True), "contiguous", 4, 1, 16)
+    assert [len(p) for p in plans] == [1, 1, 0, 0]
+
+
+def test_plan_step_rejects_nothing_it_cannot_do_exactly():
+    q = torch.tensor([0, 1, 2, 10, 11])
+    k = torch.tensor([3, 4, 5, 6])
+    calls = plan_step(Mask(True), q, [(0, 3), (3, 5)], k, [(0, 4)])
+    assert [(c.q_start, c.q_stop, c.k_start, c.k_stop) for c in calls] == [(3, 5, 0, 4)]
+
+
+def test_spec_kernel_refuses_what_a_shard_cannot_compute():
+    with pytest.raises(ValueError, match="mask_mod hook"):
+        SpecKernel(generated_module("fmha_document_mask"))
+    with pytest.raises(ValueError, match="needs return_lse: true .* or backward: true"):
+        SpecKernel(generated_module("fmha_gqa8_bf16"))
+    with pytest.raises(ValueError, match="runs prefill specs; fmha_decode_gqa8_bf16 is a decode spec"):
+        SpecKernel(generated_module("fmha_decode_gqa8_bf16"))
+    with pytest.raises(ValueError, match="float16 and bfloat16 specs; fmha_fp8_llama has dtype float8_e4m3fn"):
+        SpecKernel(generated_module("fmha_fp8_llama"))
+    with pytest.raises(ValueError, match="attention sinks"):
+        SpecKernel(generated_module("fmha_train_gptoss_sinks"))
+    with pytest.raises(ValueError, match="use mode='ulysses'"):
+        SpecKernel(generated_module("fmha_varlen_llama"))
+    with pytest.raises(ValueError, match="layout='contiguous'"):
+        ContextParallelAttention(generated_module("fmha_varlen_llama"), mode="ulysses")
+    with pytest.raises(ValueError, match="mode must be one of ring, ulysses, got 'a2a'"):
+        ContextParallelAttention(generated_module("fmha_train_gqa_causal"), mode="a2a")
+    with pytest.raises(ValueError, match="must be a specgen-generated module"):
+        SpecKernel(torch)
+    kernel = SpecKernel(generated_module("fmha_train_gemma2"))
+    assert kernel.mask == Mask(True, 4095, None) and kernel.group_size == 2
+
+
+def test_single_process_checks_inputs_before_any_launch():
+    attn = ContextParallelAttention(generated_module("fmha_train_gqa_causal"))
+    q = torch.zeros(1, 8, 16, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 16, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="must be CUDA tensors"):
+        attn(q, k, k)
+    with pytest.raises(ValueError, match="q must have dtype torch.bfloat16, got torch.float16"):
+        attn(q.half(), k, k)
+    with pytest.raises(ValueError, match=r"q has 8 heads and k/v have 4; the kernel needs q heads == 4 \* kv heads"):
+        attn(q, torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16), torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="same positions"):
+        attn(q, k[:, :, :8], k[:, :, :8])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ring_and_all_to_all_match_the_whole_sequence(world, tmp_path):
+    """gloo, float64 reference kernels: outputs and gradients of every layout and
+    mode equal attention over the whole sequence in one process."""
+    results = parallel_worker.spawn(world, "gloo", "reference", tmp_path)
+    for rank, result in enumerate(results):
+        for row in result["rows"]:
+            assert max(row["errors"]) < 1e-5, (rank, row)
+    rows = results[0]["rows"]
+    assert {(r["mode"], r["layout"]) for r in rows} >= {("ring", "zigzag"), ("ring", "contiguous"),
+                                                        ("ulysses", "zigzag"), ("ulysses", "packed")}
+
+
+def test_bad_input_raises_on_every_rank(tmp_path):
+    results = parallel_worker.spawn(2, "gloo", "errors", tmp_path)
+    for rank, seen in enumerate(results):
+        assert "every rank must hold an equal shard" in seen["unequal"], (rank, seen)
+        assert ("must have dtype torch.float64" in seen["dtype"]) if rank == 0 else \
+            ("rank 0's inputs are invalid" in seen["dtype"]), (rank, seen)
+        assert "seq_len 18 needs shards of 9 rows on 2 ranks, got 8" in seen["seq_len"], seen
+        assert "the query heads (1) must divide by the world size (2)" in seen["heads"], seen
+        assert seen["after"] < 1e-6

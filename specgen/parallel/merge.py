@@ -26,7 +26,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     w_acc, w_blk = torch.exp(lse - top), torch.exp(block_lse - top)
     total = w_acc + w_blk
     inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    out.mul_((w_acc * inv).unsqueeze(-1)).add_(block_out.float() * (w_blk * inv).unsqueeze(-1))
+    # Two passes over the rows: scale the accumulator, add the weighted block.
+    out.mul_((w_acc * inv).unsqueeze(-1)).addcmul_(block_out, (w_blk * inv).unsqueeze(-1))
     lse.copy_(top + torch.log(total))
 
 

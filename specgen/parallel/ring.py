@@ -98,11 +98,22 @@ class _Packed:
         return buf[: self.split].view(self.k_shape), buf[self.split:].view(self.v_shape)
 
 
+def _single_call(plans):
+    """The one call of a ring with one step and one call (world size 1), or None."""
+    calls = [c for step in plans for c in step]
+    return calls[0] if len(plans) == 1 and len(calls) == 1 else None
+
+
 def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
     """(out in q's dtype, lse float32) of q against every rank's K/V."""
+    only = _single_call(plans)
+    if only is not None and (only.q_start, only.q_stop) == (0, q.shape[2]):
+        return kernel.forward(q, k[:, :, only.k_start:only.k_stop], v[:, :, only.k_start:only.k_stop],
+                              scale, only.q_offset)
     batch, heads, rows = q.shape[:3]
     out = torch.zeros((batch, heads, rows, kernel.v_head_dim), dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
+    touched = [False] * rows  # rows that hold a block's result already
     packed = _Packed(k.shape, v.shape, k.dtype, k.device)
     current = packed.pack(k, v) if ring.world_size > 1 else None
     k_cur, v_cur = k, v
@@ -115,7 +126,13 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
             block_out, block_lse = kernel.forward(
                 q[:, :, c.q_start:c.q_stop], k_cur[:, :, c.k_start:c.k_stop],
                 v_cur[:, :, c.k_start:c.k_stop], scale, c.q_offset)
-            merge_into(out[:, :, c.q_start:c.q_stop], lse[:, :, c.q_start:c.q_stop], block_out, block_lse)
+            rows_out, rows_lse = out[:, :, c.q_start:c.q_stop], lse[:, :, c.q_start:c.q_stop]
+            if any(touched[c.q_start:c.q_stop]):
+                merge_into(rows_out, rows_lse, block_out, block_lse)
+            else:  # the first block these rows see: nothing to merge with
+                rows_out.copy_(block_out)
+                rows_lse.copy_(block_lse)
+                touched[c.q_start:c.q_stop] = [True] * (c.q_stop - c.q_start)
         if incoming is not None:
             _wait(works)
             current = incoming
@@ -126,6 +143,9 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
 def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
     """(dq, dk, dv) in the inputs' dtypes: dq from this rank's queries against every
     shard; dk, dv of this rank's shard summed over every rank's queries."""
+    only = _single_call(plans)
+    if only is not None and (only.q_start, only.q_stop, only.k_start, only.k_stop) == (0, q.shape[2], 0, k.shape[2]):
+        return kernel.backward(q, k, v, out, lse, dout, scale, only.q_offset)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     packed = _Packed(k.shape, v.shape, k.dtype, k.device)
     current = packed.pack(k, v) if ring.world_size > 1 else None

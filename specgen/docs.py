@@ -866,6 +866,46 @@ def _decode_summary(runs: list[dict]) -> list[str]:
 SUITE_TITLES = {"prefill": "Prefill", "backward": "Backward", "decode": "Decode"}
 
 
+def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
+    """A context-parallel run (bench/context_parallel/bench.py): per S and phase,
+    TFLOPS per GPU against torch's context parallel, the scaling efficiency and the
+    hidden share of the transfers."""
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    first = rows[0]
+    lines = [
+        "### Context parallelism",
+        "",
+        f"`{data['spec']}` over {first['world']}× {first['device']}: ring attention, zigzag layout, "
+        f"B{first['batch']} Hq{first['heads']} Hkv{first['kv_heads']} D{first['head_dim']}, causal; "
+        f"torch {data['torch']}. torch CP is `context_parallel` around SDPA on the same inputs (KV heads "
+        "expanded), the fastest of its rotations and backends. Efficiency: TFLOPS per GPU over the same "
+        "kernel's TFLOPS on one GPU, on the whole sequence (full) and on one rank's length (shard). "
+        "Hidden: the share of the ring's transfer time that does not add to its wall time.",
+        "",
+        "| S | phase | specgen TFLOPS/GPU (ms) | torch CP TFLOPS/GPU (ms) | vs torch CP | efficiency (full) "
+        "| efficiency (shard) | transfers hidden |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def pct(value):
+        return f"{100 * value:.0f}%" if value is not None else "–"
+
+    for row in rows:
+        for phase, label in (("fwd", "forward"), ("fwdbwd", "fwd+bwd")):
+            torch_ms = row.get(f"torch_cp_{phase}_ms")
+            torch_cell = (f"{row[f'torch_cp_{phase}_tflops_per_gpu']:.0f} ({torch_ms:.2f}, "
+                          f"{row[f'torch_cp_{phase}_best']})" if torch_ms else "–")
+            lines.append(
+                f"| {row['seq']} | {label} | {row[f'specgen_{phase}_tflops_per_gpu']:.0f} "
+                f"({row[f'specgen_{phase}_ms']:.2f}) | {torch_cell} | "
+                f"{_ratio(row.get(f'speedup_vs_torch_cp_{phase}'))} | "
+                f"{pct(row.get(f'efficiency_vs_full_{phase}'))} | {pct(row.get(f'efficiency_vs_shard_{phase}'))} | "
+                f"{pct(row.get(f'comm_hidden_{phase}'))} |")
+    rel = Path(os.path.relpath(path, data_path_base)).as_posix()
+    return lines + ["", f"Results: [`{path.name}`]({rel}).", ""]
+
+
 def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> str:
     """docs/performance.md from ``results_dir``/<gpu>/*.json (the `specgen bench` results):
     per GPU folder, a summary per suite, then each run's table with links to its JSON,
@@ -912,7 +952,10 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> st
                                          key=lambda pd: pd[1]["spec"]):
                     run = _decode_run if suite == "decode" else _flops_run
                     lines += run(path, data, link_base)
-        extra = [p for p in other if p.parent == folder]
+        parallel = [p for p in other if p.parent == folder and p.name.startswith("context_parallel")]
+        for p in parallel:
+            lines += _context_parallel_run(p, link_base)
+        extra = [p for p in other if p.parent == folder and p not in parallel]
         if extra:
             lines += ["### Other result files", "",
                       "Tuning reports (`tune-*`), variant runs (`variants-*`) and other "

@@ -13,6 +13,8 @@ where installed and reported with a reason where not, never required.
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -349,8 +351,29 @@ def _tilegym_probe() -> Optional[Reason]:
     return None
 
 
+# A packed-document mask_mod: one int tensor of document ids along the sequence.
+_DOCUMENT_MASK = re.compile(r"^\s*(\w+)\[b, q_idx\]\s*==\s*\1\[b, kv_idx\]\s*$")
+
+
+def _document_tensor(plan) -> Optional[str]:
+    """The document-id tensor of a spec whose only mask is ``doc[b, q_idx] ==
+    doc[b, kv_idx]`` (with or without causal), else None."""
+    hook = plan.mask_mod
+    if hook is None or plan.score_mod is not None or plan.window_left is not None \
+            or plan.window_right is not None or plan.softcap:
+        return None
+    found = _DOCUMENT_MASK.match(hook.source)
+    return found.group(1) if found else None
+
+
 def _tilegym_shapes(suite: str, plan) -> Optional[Reason]:
     d, dv = plan.head_dim, plan.v_head_dim
+    if plan.mask_mod is not None:
+        if suite != "prefill":
+            return "TileGym has no masked or block-sparse backward"
+        if _document_tensor(plan) is None:
+            return ("TileGym's block-sparse prefill (prefill_attention_kv_ragged) runs packed-document "
+                    "masks only, one sequence per document")
     if dv != d:
         return f"TileGym takes v_head_dim = head_dim, got {d}/{dv}"
     if suite != "decode" and d & (d - 1):
@@ -375,9 +398,43 @@ def _tilegym(torch, suite: str, plan) -> Runner:
         from tilegym.ops.cutile.attention import tile_fmha_with_backward
 
         return lambda x: tile_fmha_with_backward(x.q, x.k, x.v, None, causal)
+    if plan.mask_mod is not None:
+        return _tilegym_documents(torch, plan)
     from tilegym.ops.cutile.attention import tile_fmha
 
     return lambda x: tile_fmha(x.q, x.k, x.v, scaling=None, is_causal=causal)
+
+
+def _tilegym_documents(torch, plan) -> Runner:
+    """A packed-document mask as TileGym's ragged prefill sees it: every document a
+    sequence of its own (FlashInfer's layout, [T, H, D] rows of one document after
+    another), so only the blocks inside a document are computed. The packing is
+    made once per inputs, untimed."""
+    from tilegym.suites.flashinfer.cutile import prefill_attention_kv_ragged
+
+    name, causal = _document_tensor(plan), plan.causal
+    scale = 1.0 / math.sqrt(plan.head_dim)
+
+    def run(x: Inputs):
+        if "tilegym" not in x.cache:
+            batch, heads, seq, dim = x.q.shape
+            ids = x.extra[name].reshape(-1)
+            # A document starts where the id changes, and at every batch row.
+            starts = torch.ones_like(ids, dtype=torch.bool)
+            starts[1:] = ids[1:] != ids[:-1]
+            starts[::seq] = True
+            offsets = starts.nonzero().flatten()
+            lengths = torch.diff(offsets, append=offsets.new_tensor([batch * seq]))
+            packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]).contiguous()
+                      for t in (x.q, x.k, x.v)]
+            x.cache["tilegym"] = (packed, lengths.to(torch.int32), offsets.to(torch.int32),
+                                  int(lengths.numel()), int(lengths.max()), (batch, seq, heads))
+        (q, k, v), lengths, offsets, count, longest, (batch, seq, heads) = x.cache["tilegym"]
+        out, _ = prefill_attention_kv_ragged(q, k, v, lengths, lengths, offsets, None, scale, 1.0,
+                                             count, longest, is_causal=causal)
+        return out.view(batch, seq, heads, -1).transpose(1, 2)
+
+    return run
 
 
 # --- the registry ----------------------------------------------------------------
@@ -402,7 +459,7 @@ REGISTRY: dict[str, Baseline] = {
                  absent={"backward": "FA3 (fa3-fwd) is a forward-only build"},
                  probe=_fa3_probe, shape_limits=_fa3_shapes),
         Baseline("tilegym", "TileGym",
-                 {"prefill": _NONE, "decode": _NONE, "backward": _NONE},
+                 {"prefill": frozenset({"mask_mod"}), "decode": _NONE, "backward": _NONE},
                  _tilegym, late=True, probe=_tilegym_probe, shape_limits=_tilegym_shapes),
     )
 }

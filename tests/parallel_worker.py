@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from specgen.parallel import ContextParallelAttention, ReferenceKernel, gather, shard  # noqa: E402
+from specgen.parallel import layout as layouts  # noqa: E402
 
 
 def main(rank: int, world: int, port: int, backend: str, scenario: str, out_dir: str, options: dict):
@@ -82,29 +83,29 @@ def reference_cases(rank, world, options):
                     errs = [_max_err(g, r) for g, r in zip(got, [ref.detach()] + [t.grad for t in leaves])]
                     rows.append(dict(mode=mode, layout=layout, causal=causal, window=window, softcap=softcap,
                                      shard_len=shard_len, errors=errs, calls=kern.calls))
-    # A packed batch, all-to-all: sequences of different lengths, each split over the ranks.
-    lengths = [3 * world, 5 * world, 1 * world]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-    kern = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2, varlen=True)
+    # Packed batches: sequences of different lengths (odd shards among them), each
+    # split over the ranks on its own; ring (both layouts) and all-to-all.
+    lengths = [3 * world, 8 * world, 1 * world, 5 * world]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     total = sum(lengths)
     gen = torch.Generator().manual_seed(3)
     q, dout = (torch.randn(total, 2 * world, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(total, world, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = kern.attention(*leaves, kern.default_scale(), cu_seqlens_q=cu, cu_seqlens_k=cu)
-    ref.backward(dout)
-
-    def packed_shard(t):  # the rank-th 1/W of every sequence
-        return torch.cat([t[a + rank * (b - a) // world: a + (rank + 1) * (b - a) // world]
-                          for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
-
-    shards = [packed_shard(t).requires_grad_() for t in (q, k, v)]
-    attn = ContextParallelAttention(kern, mode="ulysses", layout="contiguous")
-    out = attn(*shards, cu_seqlens=cu)
-    out.backward(packed_shard(dout))
-    errs = [_max_err(out, packed_shard(ref.detach()))]
-    errs += [_max_err(s.grad, packed_shard(t.grad)) for s, t in zip(shards, leaves)]
-    rows.append(dict(mode="ulysses", layout="packed", errors=errs))
+    for mode, layout, causal in (("ring", "zigzag", True), ("ring", "contiguous", True), ("ring", "zigzag", False),
+                                 ("ulysses", "contiguous", True)):
+        kern = ReferenceKernel(causal=causal, dtype=torch.float64, head_dim=8, group_size=2, varlen=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = kern.attention(*leaves, kern.default_scale(), cu_seqlens_q=cu, cu_seqlens_k=cu)
+        ref.backward(dout)
+        index = torch.cat([a + layouts.positions(layout, world, rank, (b - a) // world)
+                           for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+        shards = [t.index_select(0, index).requires_grad_() for t in (q, k, v)]
+        attn = ContextParallelAttention(kern, mode=mode, layout=layout)
+        out = attn(*shards, cu_seqlens=cu)
+        out.backward(dout.index_select(0, index))
+        errs = [_max_err(out, ref.detach().index_select(0, index))]
+        errs += [_max_err(s.grad, t.grad.index_select(0, index)) for s, t in zip(shards, leaves)]
+        rows.append(dict(mode=mode, layout="packed-" + layout, causal=causal, errors=errs))
     return {"rows": rows}
 
 
@@ -158,6 +159,9 @@ def spec_cases(rank, world, options):
             sys.path.insert(0, case["path"])
         module = importlib.import_module(case["module"])
         spec = module.SPEC
+        if spec["varlen"]:
+            rows.append(_packed_spec_case(module, case, rank, world, device))
+            continue
         batch, q_heads, kv_heads, shard_len = case["shape"]
         seq = shard_len * world
         dim, v_dim = module.HEAD_DIM, getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
@@ -192,6 +196,58 @@ def spec_cases(rank, world, options):
             row.setdefault("single_vs_fp64", {})[name] = _max_err(s, e)
         rows.append(row)
     return {"rows": rows}
+
+
+def _packed_spec_case(module, case, rank, world, device) -> dict:
+    """A packed batch on the generated varlen kernels: each sequence sharded over
+    the ranks on its own, against the whole batch in one process and fp64."""
+    from specgen.check.reference import attention_reference
+
+    lengths = [n * world for n in case["lengths"]]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    total, (q_heads, kv_heads) = sum(lengths), case["heads"]
+    dim, dtype = module.HEAD_DIM, module.DTYPE
+    gen = torch.Generator(device="cpu").manual_seed(5 + total)
+    q, dout = (torch.randn(total, q_heads, dim, generator=gen).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype) for _ in range(2))
+    index = torch.cat([a + layouts.positions(case["layout"], world, rank, (b - a) // world)
+                       for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]).to(device)
+    grads = not case.get("forward_only")
+    shards = [t.index_select(0, index).requires_grad_(grads) for t in (q, k, v)]
+    attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
+    out = attn(*shards, cu_seqlens=cu, max_seqlen=max(lengths))
+    leaves = [t.clone().requires_grad_(grads) for t in (q, k, v)]
+    single = module.attention(*leaves, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    single = single[0] if isinstance(single, tuple) else single
+    got, singles = [out.detach()], [single.detach()]
+    if grads:
+        out.backward(dout.index_select(0, index))
+        single.backward(dout)
+        got += [s.grad for s in shards]
+        singles += [t.grad for t in leaves]
+
+    def reference(compute):
+        ls = [t.to(compute).requires_grad_(grads) for t in (q, k, v)]
+        outs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            one = [t[a:b].transpose(0, 1).unsqueeze(0) for t in ls]
+            outs.append(attention_reference(*one, causal=module.SPEC["causal"], compute_dtype=compute)[0]
+                        .transpose(0, 1))
+        whole = torch.cat(outs).to(compute)
+        if not grads:
+            return [whole.detach()]
+        whole.backward(dout.to(compute))
+        return [whole.detach()] + [t.grad for t in ls]
+
+    exact, rough = reference(torch.float64), reference(dtype)
+    row = dict(case=case, vs_single={}, vs_fp64={}, allowed={}, single_vs_fp64={})
+    for name, g, s1, e, r in zip(("out", "dq", "dk", "dv"), got, singles, exact, rough):
+        picked = [t.index_select(0, index) for t in (s1, e, r)]
+        row["vs_single"][name] = _max_err(g, picked[0])
+        row["vs_fp64"][name] = _max_err(g, picked[1])
+        row["allowed"][name] = 2 * _max_err(picked[2], picked[1]) + 1e-5
+        row["single_vs_fp64"][name] = _max_err(picked[0], picked[1])
+    return row
 
 
 SCENARIOS = {"reference": reference_cases, "errors": error_cases, "spec": spec_cases}

@@ -132,8 +132,7 @@ def test_spec_kernel_refuses_what_a_shard_cannot_compute():
         SpecKernel(generated_module("fmha_fp8_llama"))
     with pytest.raises(ValueError, match="attention sinks"):
         SpecKernel(generated_module("fmha_train_gptoss_sinks"))
-    with pytest.raises(ValueError, match="use mode='ulysses'"):
-        SpecKernel(generated_module("fmha_varlen_llama"))
+    assert SpecKernel(generated_module("fmha_varlen_llama")).varlen  # ring over packed batches
     with pytest.raises(ValueError, match="layout='contiguous'"):
         ContextParallelAttention(generated_module("fmha_varlen_llama"), mode="ulysses")
     with pytest.raises(ValueError, match="mode must be one of ring, ulysses, got 'a2a'"):
@@ -168,7 +167,8 @@ def test_ring_and_all_to_all_match_the_whole_sequence(world, tmp_path):
             assert max(row["errors"]) < 1e-5, (rank, row)
     rows = results[0]["rows"]
     assert {(r["mode"], r["layout"]) for r in rows} >= {("ring", "zigzag"), ("ring", "contiguous"),
-                                                        ("ulysses", "zigzag"), ("ulysses", "packed")}
+                                                        ("ulysses", "zigzag"), ("ring", "packed-zigzag"),
+                                                        ("ring", "packed-contiguous"), ("ulysses", "packed-contiguous")}
 
 
 def test_bad_input_raises_on_every_rank(tmp_path):
@@ -180,3 +180,18 @@ def test_bad_input_raises_on_every_rank(tmp_path):
         assert "seq_len 18 needs shards of 9 rows on 2 ranks, got 8" in seen["seq_len"], seen
         assert "the query heads (1) must divide by the world size (2)" in seen["heads"], seen
         assert seen["after"] < 1e-6
+
+
+def test_packed_ring_plans_one_varlen_call_per_step():
+    """A packed batch's ring step is one varlen call for every sequence at once:
+    the diagonal block with q_shift 0, the blocks seen whole with FULL."""
+    from specgen.parallel.packed import FULL, PackedCall, packed_plans
+
+    assert packed_plans(Mask(True), "zigzag", 2, 0, (4, 7, 1)) == (
+        (PackedCall(None, None, 0),), (PackedCall(1, None, FULL),))
+    assert packed_plans(Mask(True), "zigzag", 2, 1, (4, 7, 1)) == (
+        (PackedCall(None, None, 0),), (PackedCall(None, 0, FULL),))
+    assert packed_plans(Mask(True), "contiguous", 3, 1, (4, 7)) == (
+        (PackedCall(None, None, 0),), (PackedCall(None, None, FULL),), ())
+    with pytest.raises(ValueError, match="ring mode splits packed batches without windows"):
+        ContextParallelAttention(ReferenceKernel(causal=True, window=(8, None), varlen=True))

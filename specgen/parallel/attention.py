@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from specgen.parallel import layout as layouts
+from specgen.parallel import packed
 from specgen.parallel import ring as rings
 from specgen.parallel import ulysses
 from specgen.parallel.kernels import ReferenceKernel, SpecKernel
@@ -126,10 +127,14 @@ class ContextParallelAttention:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         layouts.check_layout(layout)
         self.kernel = module if isinstance(module, ReferenceKernel) else SpecKernel(module, mode)
-        if self.kernel.varlen and layout != "contiguous":
+        if self.kernel.varlen and mode == "ulysses" and layout != "contiguous":
             raise ValueError(
-                "a packed (varlen) batch is sharded sequence by sequence: use layout='contiguous' "
-                f"(rank r holds the r-th 1/W of every sequence), got {layout!r}")
+                "all-to-all mode takes a packed (varlen) batch sharded contiguously, sequence by "
+                f"sequence: use layout='contiguous' (rank r holds the r-th 1/W of every sequence), got {layout!r}")
+        if self.kernel.varlen and mode == "ring" and (self.kernel.mask.left is not None
+                                                      or self.kernel.mask.right is not None):
+            raise ValueError(f"{self.kernel.name}: ring mode splits packed batches without windows; "
+                             "use mode='ulysses'")
         self.group = _resolve_group(group)
         self.mode, self.layout = mode, layout
         self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
@@ -165,6 +170,12 @@ class ContextParallelAttention:
         agree(self.group, problem, signature)
         if self.mode == "ulysses":
             return self._ulysses(q, k, v, scale, cu_seqlens, max_seqlen)
+        if kernel.varlen:
+            lengths = tuple(n // self.world_size for n in cu_seqlens.diff().tolist())
+            plans = packed.packed_plans(kernel.mask, self.layout, self.world_size, self.rank, lengths)
+            out, _ = packed.PackedRingAttention.apply(q, k, v, kernel, self.ring, plans, self.layout,
+                                                      lengths, scale)
+            return out
         plans = rings.step_plans(kernel.mask, self.layout, self.world_size, self.rank, q.shape[2])
         out, _ = rings.RingAttention.apply(q, k, v, kernel, self.ring, plans, scale)
         return out

@@ -26,9 +26,8 @@ _RING_REFUSED = {
     "sinks": "attention sinks",
     "dropout": "dropout",
     "block_sparse": "a block-sparse map",
-    "varlen": "packed variable-length batches (cu_seqlens); use mode='ulysses'",
 }
-_ULYSSES_REFUSED = {k: v for k, v in _RING_REFUSED.items() if k != "varlen"}
+_ULYSSES_REFUSED = _RING_REFUSED
 
 
 class SpecKernel:
@@ -60,6 +59,9 @@ class SpecKernel:
                 f"{name}: ring attention merges partial results through their LSE; "
                 "the spec needs return_lse: true (forward) or backward: true (training)"
             )
+        if mode == "ring" and spec.get("varlen") and spec.get("window"):
+            raise ValueError(
+                f"{name}: ring mode splits packed batches without windows; use mode='ulysses'")
         self.module, self.spec, self.name = module, spec, name
         self.has_backward = bool(spec.get("backward"))
         self.varlen = bool(spec.get("varlen"))
@@ -83,6 +85,17 @@ class SpecKernel:
         if not self.has_backward:
             raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
         return self.module._backward(q, k, v, out, lse, dout, scale, q_offset)
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, q_shift, scale):
+        """(out [T, Hq, Dv], lse [Hq, T]) of a packed batch, queries moved by q_shift."""
+        call = self.module._forward if self.has_backward else self.module.attention
+        return call(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                    max_seqlen_k=max_k, q_shift=q_shift, scale=scale)
+
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale):
+        if not self.has_backward:
+            raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
+        return self.module._backward(q, k, v, out, lse, dout, scale, cu_q, cu_k, max_q, max_k, q_shift)
 
     def attention(self, q, k, v, scale: float, **kwargs):
         """The whole-sequence call (all-to-all mode), differentiable where the spec
@@ -155,6 +168,40 @@ class ReferenceKernel:
             return t.view(b, h // g, g, s, d).sum(2)
 
         return dq.to(self.dtype), per_kv_head(dk).to(self.dtype), per_kv_head(dv).to(self.dtype)
+
+    @staticmethod
+    def _sequences(cu_q, cu_k):
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        return list(zip(bq[:-1], bq[1:], bk[:-1], bk[1:]))
+
+    @staticmethod
+    def _heads_first(x):  # [L, H, D] -> [1, H, L, D]
+        return x.transpose(0, 1).unsqueeze(0)
+
+    def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, q_shift, scale):
+        """The varlen kernels' contract: sequence b's query i sees keys
+        j <= (seq_k - seq_q + q_shift) + i."""
+        out = torch.zeros((q.shape[0], q.shape[1], self.v_head_dim), dtype=self.dtype, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        for qa, qb, ka, kb in self._sequences(cu_q, cu_k):
+            if qb == qa:
+                continue
+            o, l = self.forward(*(self._heads_first(t) for t in (q[qa:qb], k[ka:kb], v[ka:kb])), scale,
+                                (kb - ka) - (qb - qa) + q_shift)
+            out[qa:qb] = o[0].transpose(0, 1)
+            lse[:, qa:qb] = l[0]
+        return out, lse
+
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for qa, qb, ka, kb in self._sequences(cu_q, cu_k):
+            if qb == qa or kb == ka:
+                continue
+            parts = [self._heads_first(t) for t in (q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb])]
+            g = self.backward(*parts, lse[:, qa:qb].unsqueeze(0), self._heads_first(dout[qa:qb]), scale,
+                              (kb - ka) - (qb - qa) + q_shift)
+            dq[qa:qb], dk[ka:kb], dv[ka:kb] = (t[0].transpose(0, 1) for t in g)
+        return dq, dk, dv
 
     def attention(self, q, k, v, scale: float, *, cu_seqlens_q=None, cu_seqlens_k=None, **_):
         """The whole sequence, differentiable; packed [T, H, D] with cu_seqlens

@@ -195,3 +195,31 @@ def test_packed_ring_plans_one_varlen_call_per_step():
         (PackedCall(None, None, 0),), (PackedCall(None, None, FULL),), ())
     with pytest.raises(ValueError, match="ring mode splits packed batches without windows"):
         ContextParallelAttention(ReferenceKernel(causal=True, window=(8, None), varlen=True))
+
+
+def test_spec_field_picks_the_mode_and_refuses_what_a_shard_cannot_compute(tmp_path):
+    import importlib.util
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    spec = tmp_path / "cp_pick.yaml"
+    spec.write_text("name: cp_pick\ngqa_ratio: 2\ncontext_parallel: ulysses\n")
+    subprocess.run([sys.executable, "-m", "specgen", "build", str(spec), "--no-compile", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True)
+    found = importlib.util.spec_from_file_location("cp_pick", tmp_path / "cp_pick.py")
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    assert module.SPEC["context_parallel"] == "ulysses"
+    assert ContextParallelAttention(module).mode == "ulysses"
+    with pytest.raises(ValueError, match="needs return_lse: true"):  # the call overrides the spec
+        ContextParallelAttention(module, mode="ring")
+    bad = tmp_path / "cp_bad.yaml"
+    bad.write_text("name: cp_bad\ncontext_parallel: ring\n")
+    done = subprocess.run([sys.executable, "-m", "specgen", "build", str(bad), "--no-compile", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "cp_bad.yaml: context_parallel: 'ring' merges partial results through their LSE: it needs " \
+           "return_lse: true or backward: true" in done.stderr
+    assert not (tmp_path / "cp_bad.py").exists()

@@ -117,12 +117,15 @@ class ContextParallelAttention:
             initialised, else a single process).
         mode: "ring" (K/V shards passed around the ranks, overlapped with the
             kernels) or "ulysses" (all-to-all: heads scattered, whole sequence per
-            rank; the heads must divide by the world size).
+            rank; the heads must divide by the world size). None: the spec's
+            ``context_parallel`` field, else "ring".
         layout: how the shards were cut (specgen.parallel.layout): "zigzag"
             (balanced under a causal mask, the default) or "contiguous".
     """
 
-    def __init__(self, module, group=None, *, mode: str = "ring", layout: str = "zigzag"):
+    def __init__(self, module, group=None, *, mode: str | None = None, layout: str = "zigzag"):
+        if mode is None:  # the spec's context_parallel field, else ring
+            mode = (getattr(module, "SPEC", None) or {}).get("context_parallel") or "ring"
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         layouts.check_layout(layout)
@@ -238,6 +241,6 @@ def _unpermute(x, index, dim):
     return x.index_select(dim, torch.argsort(index))
 
 
-def context_parallel_attention(module, q, k, v, *, group=None, mode="ring", layout="zigzag", **kwargs):
+def context_parallel_attention(module, q, k, v, *, group=None, mode=None, layout="zigzag", **kwargs):
     """One call of ContextParallelAttention(module, group, mode=, layout=)."""
     return ContextParallelAttention(module, group, mode=mode, layout=layout)(q, k, v, **kwargs)

@@ -226,6 +226,14 @@ class Spec(_Strict):
         "kernel), so they are deterministic as generated; true also refuses what "
         "would not be: learnable tensors, whose gradients are accumulated with atomics.",
     )
+    context_parallel: Optional[Literal["ring", "ulysses"]] = Field(
+        None,
+        description="The mode specgen.parallel's ContextParallelAttention uses for this "
+        "module when the call names none: 'ring' (K/V shards passed around the ranks, "
+        "overlapped with the kernels; needs return_lse or backward) or 'ulysses' "
+        "(all-to-all over heads; the heads must divide by the world size). null: ring. "
+        "See [context parallelism](context-parallel.md).",
+    )
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],
         min_length=1,
@@ -331,7 +339,7 @@ class Spec(_Strict):
     def _cross_field(self):
         """The checks that relate fields of the whole spec, all reported together."""
         problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
-                    + self._block_sparse_problems())
+                    + self._block_sparse_problems() + self._context_parallel_problems())
         if problems:
             raise Problems(problems)
         return self
@@ -341,7 +349,7 @@ class Spec(_Strict):
         decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
                         "skip_masked_tiles", "block_sparse", "dropout", "varlen", "return_lse", "block_remap",
-                        "loop_split", "prescale_q", "q_subtiles", "backward", "deterministic")
+                        "loop_split", "prescale_q", "q_subtiles", "backward", "deterministic", "context_parallel")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default
@@ -410,6 +418,25 @@ class Spec(_Strict):
                     problems.append((f"{where}.persistent",
                                      "block_sparse launches one CTA per query tile; use null "
                                      "or false, got true"))
+        return problems
+
+    def _context_parallel_problems(self) -> list[tuple[str, str]]:
+        """What a sequence shard cannot compute on its own (specgen.parallel)."""
+        mode = self.context_parallel
+        if mode is None or self.family != "prefill":
+            return []
+        where = "context_parallel"
+        refused = [("score_mod", self.score_mod is not None), ("mask_mod", self.mask_mod is not None),
+                   ("sinks", self.sinks), ("dropout", self.dropout), ("block_sparse", self.block_sparse),
+                   ("dtype float8_e4m3fn", self.dtype == "float8_e4m3fn")]
+        problems = [(where, f"{mode} cannot split a spec with {name} (it depends on absolute "
+                            f"positions, per-row state or descales), got {mode!r}")
+                    for name, on in refused if on]
+        if mode == "ring" and not (self.return_lse or self.backward):
+            problems.append((where, "'ring' merges partial results through their LSE: it needs "
+                                    "return_lse: true or backward: true"))
+        if mode == "ring" and self.varlen and self.window is not None:
+            problems.append((where, "'ring' splits packed batches without windows; use 'ulysses'"))
         return problems
 
     def _learnable_problems(self) -> list[tuple[str, str]]:

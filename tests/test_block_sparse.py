@@ -10,7 +10,7 @@ from specgen.emit.render import render
 from specgen.errors import SpecError
 from specgen.plan.make import make_plan
 from specgen.spec import validate_spec
-from specgen.spec.hooks import compile_hook, tile_pretest
+from specgen.spec.hooks import block_quotients, compile_hook, tile_pretest
 
 DOC = {"name": "doc", "causal": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True}
@@ -43,6 +43,7 @@ class _Ct:
 
     min = staticmethod(np.min)
     max = staticmethod(np.max)
+    reshape = staticmethod(np.reshape)
 
 
 MASKS = [
@@ -56,13 +57,16 @@ MASKS = [
 ]
 
 
+@pytest.mark.parametrize("per_tile", [None, "kv_idx", "q_idx"])
 @pytest.mark.parametrize("mask,dims", MASKS, ids=[m for m, _ in MASKS])
-def test_bound_test_never_rejects_a_tile_with_a_visible_pair(mask, dims):
+def test_bound_test_never_rejects_a_tile_with_a_visible_pair(mask, dims, per_tile):
     """Soundness: on random tiles, wherever a pair is visible the test passes
-    (and it does reject some tiles, so it is not trivially true)."""
+    (and it does reject some tiles, so it is not trivially true). ``per_tile``: the
+    map kernel's form, one entry per tile for 4 tiles of 16 keys (or query rows)."""
     tensors = {n: ("int32", d) for n, d in dims.items()}
     hook = compile_hook(mask, "mask_mod", tensors)
-    test = tile_pretest(mask, tensors, hook.gathers)
+    shape = {"kv_idx": "(CHUNK, TILE_N)", "q_idx": "(CHUNK, TILE_M)"}.get(per_tile)
+    test = tile_pretest(mask, tensors, hook.gathers, per_tile=per_tile and (per_tile, shape))
     assert test is not None
     rng = random.Random(7)
     rejected = 0
@@ -72,16 +76,55 @@ def test_bound_test_never_rejects_a_tile_with_a_visible_pair(mask, dims):
         r0, k0 = rng.randrange(0, 336), rng.randrange(0, 336)
         rows = np.arange(r0, r0 + 64)[:, None]
         keys = np.arange(k0, k0 + 64)[None, :]
-        env = {"rows": rows, "keys": keys, "batch": 0, "head": 0, "ct": _Ct, "np": np}
+        env = {"rows": rows, "keys": keys, "batch": 0, "head": 0, "ct": _Ct, "np": np,
+               "CHUNK": 4, "TILE_M": 16, "TILE_N": 16}
         for g in hook.gathers + test.gathers:  # every operand, as the kernel gathers it
             table = {"doc": doc[None, :], "pre": pre}[g.tensor]
             index = tuple(eval(i, {}, env) for i in g.indices)
             env[g.local] = table[index]
         visible = np.broadcast_to(eval(hook.kernel.replace("ct.where", "np.where"), {}, env), (64, 64))
-        may = bool(eval(test.expr, {}, env))
-        assert may or not visible.any(), (mask, trial)
-        rejected += not may
+        may = np.broadcast_to(eval(test.expr, {}, env), (4,) if per_tile else ())
+        # the pairs of each tile the test answers for: [tile, pairs]
+        tiles = {None: visible.reshape(1, -1), "q_idx": visible.reshape(4, -1),
+                 "kv_idx": visible.reshape(64, 4, 16).transpose(1, 0, 2).reshape(4, -1)}[per_tile]
+        assert (may.reshape(-1) | ~tiles.any(axis=1)).all(), (mask, trial)
+        rejected += (~may).sum()
     assert rejected > 0
+
+
+def test_map_span_renames_the_step_positions_and_their_operands():
+    """One tile at a time, the tiles that pass read the plain names: the step's own
+    positions and operands are span_* (the rows' side stays as it is)."""
+    from specgen.plan.make import _map_span
+
+    tensors = {"doc": ("int32", 2)}
+    hook = compile_hook(DOC["mask_mod"], "mask_mod", tensors)
+    span = _map_span(DOC["mask_mod"], tensors, hook, "keys", rename=True)
+    assert [(g.local, g.indices) for g in span.gathers] == [("span_doc_1", ("batch", "span_keys"))]
+    assert "ct.reshape(span_doc_1, (CHUNK, TILE_N))" in span.expr and "ct.min(doc_0)" in span.expr
+    assert "doc_1" not in span.expr.replace("span_doc_1", "")
+    by_keys = _map_span(DOC["mask_mod"], tensors, hook, "rows", rename=True)
+    assert [(g.local, g.indices) for g in by_keys.gathers] == [("span_doc_0", ("batch", "span_rows"))]
+    plain = _map_span(DOC["mask_mod"], tensors, hook, "keys", rename=False)
+    assert plain.gathers == () and "ct.reshape(doc_1, (CHUNK, TILE_N))" in plain.expr
+
+
+def test_block_quotients_find_masks_constant_on_blocks():
+    assert block_quotients("blocks[b, q_idx // 128, kv_idx // 128] != 0") == (128, 128)
+    assert block_quotients("q_idx // 128 + q_idx // 64 > kv_idx // 96") == (64, 96)
+    assert block_quotients("(f[b, kv_idx // 64] > 0) & (h > 2)") == (None, 64)
+    for mask in ("doc[b, q_idx] == doc[b, kv_idx]", "(q_idx + 1) // 128 == kv_idx // 128",
+                 "q_idx // 128 >= kv_idx", "q_idx // 0 == 1"):
+        assert block_quotients(mask) is None, mask
+    # The map kernel evaluates such masks per block only where no causal or window
+    # term reads the positions, and the blocks are powers of two.
+    blocks = {"tensors": {"f": {"dtype": "int32", "shape": ["batch", 8, 8]}}, "causal": False,
+              "mask_mod": "f[b, q_idx // 128, kv_idx // 256] != 0"}
+    assert make_plan(validate_spec({**DOC, **blocks})).map_blocks == (128, 256)
+    assert make_plan(validate_spec({**DOC, **blocks, "causal": True})).map_blocks is None
+    chunks = {**blocks, "tensors": {}, "mask_mod": "q_idx // 96 == kv_idx // 96"}
+    assert make_plan(validate_spec({**DOC, **chunks})).map_blocks is None
+    assert make_plan(validate_spec(DOC)).map_blocks is None
 
 
 def test_dense_and_sparse_renders():
@@ -89,7 +132,216 @@ def test_dense_and_sparse_renders():
     sparse = render(make_plan(validate_spec(DOC)), "specs/doc.yaml").text
     assert "make_block_map" not in dense and "MapIdx" not in dense
     for text in ("def make_block_map(", "class BlockMap", "def fmha_block_map_causal", "block_map=None",
-                 "if ((ct.min(doc_0)) <= (ct.max(doc_1)))"):
+                 "(ct.max(ct.reshape(doc_1, (CHUNK, TILE_N)), axis=1))",
+                 "for j in range(first, last, CHUNK):", "MAP_STEP_PAIRS = 32768"):
         assert text in sparse
+    # A mask of positions alone: the steps test CHUNK tiles, then walk those that pass.
+    chunks = render(make_plan(validate_spec({**DOC, "tensors": {}, "mask_mod": "q_idx // 300 == kv_idx // 300"})),
+                    "specs/doc.yaml").text
+    for text in ("MAP_SPAN = 2048", "for j0 in range(first, last, CHUNK):", "while j < last:",
+                 "ct.reshape((span_keys // 300), (CHUNK, TILE_N))"):
+        assert text in chunks
     # Deterministic: the same spec renders byte-identically.
     assert render(make_plan(validate_spec(DOC)), "specs/doc.yaml").text == sparse
+
+
+# --- the map kernel run on the CPU, through numpy standing in for cuda.tile ------
+
+
+class _Tiles:
+    """The cuda.tile functions the map kernel calls, on numpy arrays, for one CTA at
+    a time (``block``). Enough to check the kernel's logic (which tiles it lists,
+    where) without a GPU; compiling it is checked by the AOT build."""
+
+    int32, float32 = np.int32, np.float32
+
+    def __init__(self, grid):
+        self.grid, self.block = grid, (0, 0, 0)
+
+    def bid(self, axis):
+        return self.block[axis]
+
+    def num_blocks(self, axis):
+        return self.grid[axis]
+
+    @staticmethod
+    def arange(size, dtype):
+        assert size > 0 and size & (size - 1) == 0, f"arange({size}): not a power of two"
+        return np.arange(size, dtype=dtype)
+
+    @staticmethod
+    def _indices(array, indices, mask):
+        indices = indices if isinstance(indices, tuple) else (indices,)
+        *indices, mask = np.broadcast_arrays(*indices, True if mask is None else mask)
+        inside = mask.copy()
+        for index, size in zip(indices, array.shape):
+            inside &= (index >= 0) & (index < size)
+        return tuple(np.where(inside, i, 0) for i in indices), inside
+
+    def gather(self, array, indices, mask=None, padding_value=0):
+        indices, inside = self._indices(array, indices, mask)
+        return np.where(inside, array[indices], padding_value)
+
+    def scatter(self, array, indices, value, mask=None):
+        indices, inside = self._indices(array, indices, mask)
+        array[tuple(i[inside] for i in indices)] = np.broadcast_to(value, inside.shape)[inside]
+
+    @staticmethod
+    def cdiv(a, b):
+        return -(-a // b)
+
+    min, max, sum = (staticmethod(f) for f in (np.min, np.max, np.sum))
+    minimum, maximum, where, reshape = (staticmethod(f) for f in (np.minimum, np.maximum, np.where, np.reshape))
+
+    @staticmethod
+    def cumsum(x, axis=0):
+        return np.cumsum(x, axis=axis)
+
+    @staticmethod
+    def zeros(shape, dtype):
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def astype(x, dtype):
+        return np.asarray(x).astype(dtype)
+
+
+def _run_map(module, tensors, batch, map_heads, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys,
+             constants=None):
+    """(counts, indices) of module's map kernel run CTA by CTA on the CPU;
+    ``constants``: module constants to run it with instead (smaller steps)."""
+    import types
+
+    kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_block_map_"))._pyfunc
+    outer = -(-seq_k // tile_n) if by_keys else -(-seq_q // tile_m)
+    inner = -(-seq_q // tile_m) if by_keys else -(-seq_k // tile_n)
+    counts = np.full((batch, map_heads, outer, 2), -1, dtype=np.int32)
+    indices = np.full((batch, map_heads, outer, max(inner, 1)), -1, dtype=np.int32)
+    tiles = _Tiles((outer, batch * map_heads, 1))
+    run = types.FunctionType(kernel.__code__, {**kernel.__globals__, **(constants or {}), "ct": tiles},
+                             kernel.__name__)
+    for block in itertools.product(range(outer), range(batch * map_heads)):
+        tiles.block = (*block, 0)
+        run(counts, indices, *tensors, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys)
+    return counts, indices
+
+
+def _tile_states(mask, tile_m, tile_n, by_keys):
+    """[B, H, outer, inner]: 0 empty, 1 partial, 2 full, from [B, H, Sq, Skv] pairs."""
+    batch, heads, seq_q, seq_k = mask.shape
+    tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
+    padded = np.zeros((batch, heads, tq * tile_m, tk * tile_n), dtype=np.int8)
+    padded[:, :, seq_q:, :seq_k] = -1  # rows past seq_q: neither visible nor hidden
+    padded[:, :, :seq_q, :seq_k] = mask
+    tiles = padded.reshape(batch, heads, tq, tile_m, tk, tile_n).transpose(0, 1, 2, 4, 3, 5)
+    tiles = tiles.reshape(batch, heads, tq, tk, tile_m * tile_n)
+    real = tiles >= 0
+    states = np.where(((tiles == 1) | ~real).all(-1), 2, np.where(((tiles == 1) & real).any(-1), 1, 0))
+    return states.transpose(0, 1, 3, 2) if by_keys else states
+
+
+def _map_states(counts, indices, inner):
+    """The same states read back from a map's lists, checking their order."""
+    states = np.zeros(counts.shape[:3] + (inner,), dtype=np.int64)
+    capacity = indices.shape[3]
+    for b, h, o in itertools.product(*map(range, counts.shape[:3])):
+        partial, full = counts[b, h, o]
+        listed_partial = indices[b, h, o, :partial].tolist()
+        listed_full = indices[b, h, o, capacity - full:].tolist()
+        assert listed_partial == sorted(listed_partial) and listed_full == sorted(listed_full, reverse=True)
+        assert len(set(listed_partial + listed_full)) == partial + full <= capacity
+        states[b, h, o, listed_partial] = 1
+        states[b, h, o, listed_full] = 2
+    return states
+
+
+def _pairs(spec, tensors, batch, heads, seq_q, seq_k, q_offset):
+    """[B, H, Sq, Skv] bool: the pairs the whole mask leaves visible (torch, CPU)."""
+    import torch
+
+    from specgen.spec.hooks import evaluate
+
+    rows = torch.arange(seq_q)[:, None] + q_offset
+    keys = torch.arange(seq_k)[None, :]
+    vis = torch.ones(seq_q, seq_k, dtype=torch.bool)
+    window = spec.get("window") or {}
+    if spec["causal"]:
+        vis &= keys <= rows
+    if window.get("left") is not None:
+        vis &= keys >= rows - window["left"]
+    if window.get("right") is not None and not spec["causal"]:
+        vis &= keys <= rows + window["right"]
+    env = {"b": torch.arange(batch)[:, None, None, None], "h": torch.arange(heads)[None, :, None, None],
+           "q_idx": rows[None, None], "kv_idx": keys[None, None]}
+    mask = evaluate(spec["mask_mod"], env, {n: torch.from_numpy(t) for n, t in tensors.items()})
+    return (vis[None, None] & mask.expand(batch, heads, seq_q, seq_k)).numpy()
+
+
+def _hook_tensors(spec, batch, heads, seq_k, rng):
+    """Document ids (runs of random length), 0/1 block flags, prefix lengths."""
+    made = {}
+    for name, decl in spec["tensors"].items():
+        shape = tuple({"batch": batch, "heads": heads, "seq_k": seq_k, "seq_q": seq_k}.get(d, d)
+                      for d in decl["shape"])
+        last = decl["shape"][-1]
+        if isinstance(last, int):
+            made[name] = (rng.random(shape) < 0.3).astype(np.int32)
+        elif last in ("seq_q", "seq_k"):
+            made[name] = np.cumsum(rng.random(shape) < 1 / 90, axis=-1).astype(np.int32)
+        else:
+            made[name] = rng.integers(0, seq_k + 1, shape).astype(np.int32)
+    return made
+
+
+MAP_SPECS = ["fmha_document_mask", "fmha_chunked_local", "fmha_prefix_lm", "fmha_window_document",
+             "fmha_block_pattern", "fmha_train_document"]
+MAP_VARIANTS = {  # masks the shipped specs do not cover: other blocks, windows, heads
+    "blocks_64x256": {"causal": False, "tensors": {"f": {"dtype": "int32", "shape": ["batch", 32, 8]}},
+                      "mask_mod": "f[b, q_idx // 64, kv_idx // 256] != 0"},
+    "key_blocks_only": {"causal": False, "tensors": {"f": {"dtype": "int32", "shape": ["batch", 16]}},
+                        "mask_mod": "(f[b, kv_idx // 128] != 0) & (h != 1)"},
+    "chunk_300": {"causal": True, "mask_mod": "q_idx // 300 == kv_idx // 300"},
+    "window_doc_bwd": {"causal": True, "window": {"left": 200}, "backward": True,
+                       "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                       "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+}
+# Steps of two to four tiles, so that rows cross many step boundaries.
+SMALL_STEPS = {"MAP_SPAN": 256, "MAP_STEP_PAIRS": 16384, "MAP_STEP_BLOCKS": 16}
+MAP_SHAPES = [(2, 4, 1000, 1000, 0), (1, 4, 300, 1100, 800), (1, 4, 517, 300, -217), (1, 4, 700, 2100, 1400)]
+
+
+def _map_module(name):
+    if name in MAP_SPECS:
+        from .helpers import generated_module
+
+        return generated_module(name)
+    from specgen.compile.export import load_module_from_source
+
+    spec = {"name": f"map_{name}", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 1,
+            "block_sparse": True, **MAP_VARIANTS[name]}
+    return load_module_from_source(f"map_{name}", render(make_plan(validate_spec(spec)), "specs/x.yaml").text,
+                                   f"<map_{name}>")
+
+
+@pytest.mark.parametrize("name", MAP_SPECS + list(MAP_VARIANTS))
+def test_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
+    """The map kernel run through numpy: every row's lists equal a classification
+    of the tiles from the mask's pairs, by query tile and by key tile, at several
+    tile sizes, offsets and ragged lengths."""
+    module = _map_module(name)
+    spec = module.SPEC
+    rng = np.random.default_rng(len(name))
+    for batch, heads, seq_q, seq_k, q_offset in MAP_SHAPES:
+        tensors = _hook_tensors(spec, batch, heads, seq_k, rng)
+        map_heads = heads if "h" in compile_hook(spec["mask_mod"], "mask_mod", {
+            n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()}).uses else 1
+        pairs = _pairs(spec, tensors, batch, map_heads, seq_q, seq_k, q_offset)
+        args = [tensors[n] for n in spec["tensors"]]
+        for (tile_m, tile_n), by_keys, constants in itertools.product(
+                [(64, 128), (128, 128), (64, 64)], (False, True), (None, SMALL_STEPS)):
+            want = _tile_states(pairs, tile_m, tile_n, by_keys)
+            counts, indices = _run_map(module, args, batch, map_heads, seq_q, seq_k, q_offset,
+                                       tile_m, tile_n, by_keys, constants)
+            got = _map_states(counts, indices, want.shape[3])
+            assert (got == want).all(), (name, (batch, heads, seq_q, seq_k, q_offset), tile_m, tile_n, by_keys,
+                                         constants)

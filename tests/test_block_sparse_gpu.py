@@ -86,8 +86,12 @@ def test_block_map_lists_exactly_the_visible_tiles(name, shape):
     tile_m, tile_n = block_map.tile
     want = _tile_states(vis, tile_m, tile_n).cpu()
     assert torch.equal(_map_states(block_map.counts, block_map.indices, want.shape[3]), want)
+    args = (tensors, batch, block_map.num_heads, seq_q, seq_k, q_offset, block_map.device)
+    # By key tile at the same tiles: the backward's direction, for every mask.
+    by_keys = _tile_states(vis, tile_m, tile_n, by_keys=True).cpu()
+    counts, indices = mod._map_rows(*args, tile_m, tile_n, True)
+    assert torch.equal(_map_states(counts, indices, by_keys.shape[3]), by_keys)
     if hasattr(mod, "BWD_TILE_M"):  # training specs: the maps the backward builds
-        args = (tensors, batch, block_map.num_heads, seq_q, seq_k, q_offset, block_map.device)
         dq = _tile_states(vis, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N).cpu()
         counts, indices = mod._map_rows(*args, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N, False)
         assert torch.equal(_map_states(counts, indices, dq.shape[3]), dq)

@@ -8,9 +8,9 @@ structure of the kernel changes (causal masking, split loops, block remap, K^T).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from specgen.spec.hooks import Gather, Hook, TilePretest, compile_hook, tile_pretest
+from specgen.spec.hooks import Gather, Hook, block_quotients, compile_hook, tile_pretest
 from specgen.spec.derive import score_derivative, tensor_derivatives
 from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
@@ -25,6 +25,18 @@ from specgen.spec import (
 )
 
 DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3"}
+
+
+@dataclass(frozen=True)
+class MapSpan:
+    """The map kernel's bound test (specgen.spec.hooks.tile_pretest) for one loop
+    step of CHUNK tiles: the operands it gathers besides those the step already
+    has, and the test, one entry per tile. Where the tiles that pass are then
+    evaluated one at a time under the plain names (keys, doc_1), the step's own
+    positions and operands are named span_* (span_keys, span_doc_1)."""
+
+    gathers: tuple[Gather, ...]
+    expr: str
 
 
 @dataclass(frozen=True)
@@ -213,9 +225,20 @@ class Plan:
     block_sparse: bool = False
     map_per_head: bool = False
     map_kernel_name: str = ""
-    # A necessary condition for the mask_mod in a tile (from bounds of its sides),
-    # tested before the map kernel evaluates the tile's pairs; None: none found.
-    map_pretest: TilePretest | None = None
+    # The bound test of a map row's loop step, over CHUNK tiles at once before any
+    # pair is evaluated: over key tiles (a row by query tile) and over query tiles
+    # (BY_KEYS); None: the mask_mod gives none.
+    map_span: MapSpan | None = None
+    map_span_by_keys: MapSpan | None = None
+    # How a map row by query tile evaluates the pairs of its tiles that pass the
+    # bound test: all CHUNK tiles of a step at once (True), or one tile at a time
+    # (False, and always by key tile); see _block_sparse.
+    map_steps: bool = False
+    # (R, K) where the map kernel evaluates the mask once per R x K block of
+    # positions instead of once per pair: a mask_mod that reads q_idx only as
+    # q_idx // R and kv_idx only as kv_idx // K (None: not read), R and K powers of
+    # two, with no causal or window terms. None: every pair is evaluated.
+    map_blocks: tuple[int | None, int | None] | None = None
 
     @property
     def bwd_prescale(self) -> str | None:
@@ -277,6 +300,16 @@ class Plan:
     @property
     def hooks(self) -> tuple[Hook, ...]:
         return tuple(h for h in (self.score_mod, self.mask_mod) if h is not None)
+
+    def map_gathers(self, where: str) -> tuple[Gather, ...]:
+        """The mask_mod's operands as the map kernel loads them: once per CTA
+        ("head"), by the query rows ("rows"), by the keys alone ("keys"), or by
+        both ("pair": after both are known, in the loop either way round)."""
+        pair = [g for g in self.mask_mod.gathers
+                if g.where == "keys" and any(re.search(r"\brows\b", i) for i in g.indices)]
+        if where == "pair":
+            return tuple(pair)
+        return tuple(g for g in self.mask_mod.gathers if g.where == where and g not in pair)
 
     def gathers(self, where: str) -> tuple[Gather, ...]:
         """Hook operands loaded once per CTA ("head"), per query tile ("rows") or
@@ -634,9 +667,58 @@ def _block_sparse(spec: Spec, mask: Hook | None) -> dict:
     if not (spec.block_sparse and spec.family == "prefill"):
         return {}
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
+    blocks = block_quotients(spec.mask_mod)
+    if (spec.causal or spec.window or blocks is None
+            or any(d is not None and d & (d - 1) for d in blocks)):
+        blocks = None  # pairs, or blocks of a size the kernel cannot step by
+    # A mask of per-position tensors (document or segment ids) passes the bound test
+    # on the few tiles near the query's document: a step by query tile then
+    # evaluates all its tiles' pairs at once and lists them with one scatter. A mask
+    # of positions alone (chunks, prefixes) passes it on most tiles, where a whole
+    # step's pairs cost 2-4x more per pair than one tile's (vector reductions over a
+    # reshaped step): the tiles that pass are evaluated one at a time. H200, S 4k /
+    # 8k / 16k, map time over one forward call: documents 7.2 / 6.5 / 5.0% all at
+    # once against 10.7 / 6.1 / 4.0% one at a time; chunked-local 19.7 / 18.1 /
+    # 17.6% against 7.1 / 5.5 / 4.2%. By key tile (the backward's dK/dV map) one at
+    # a time won for documents too: the backward's two maps took 118 / 106 / 123 µs
+    # against 162 / 261 / 439 µs (docs/experiments.md, section 34).
+    steps = blocks is None and any(g.where in ("rows", "keys") for g in mask.gathers)
     return dict(block_sparse=True, map_per_head="h" in mask.uses,
-                map_pretest=tile_pretest(spec.mask_mod, tensors, mask.gathers),
+                map_span=_map_span(spec.mask_mod, tensors, mask, "keys", rename=not steps),
+                map_span_by_keys=_map_span(spec.mask_mod, tensors, mask, "rows", rename=True),
+                map_blocks=blocks, map_steps=steps,
                 map_kernel_name=procedural_name(spec).replace("fmha_prefill", "fmha_block_map", 1))
+
+
+def _map_span(text: str, tensors: dict, mask: Hook, inner: str, rename: bool) -> MapSpan | None:
+    """The bound test of a map step over CHUNK tiles of ``inner`` positions ("keys":
+    key tiles, "rows": query tiles), or None where the mask_mod has none.
+    ``rename``: the step's positions and operands are the span_* names (its tiles
+    are then evaluated one at a time under the plain names); else the plain ones."""
+    variable, shape = {"keys": ("kv_idx", "(CHUNK, TILE_N)"), "rows": ("q_idx", "(CHUNK, TILE_M)")}[inner]
+    test = tile_pretest(text, tensors, mask.gathers, per_tile=(variable, shape))
+    if test is None:
+        return None
+    if not rename:  # the step's own positions and operands, gathered with the pairs'
+        return MapSpan(test.gathers, test.expr)
+    other = "rows" if inner == "keys" else "keys"
+
+    def reads(g: Gather, positions: str) -> bool:
+        return any(re.search(rf"\b{positions}\b", i) for i in g.indices)
+
+    # The operands the test reads by the inner positions alone (a side reading both
+    # has no bounds), and any the mask_mod itself does not gather.
+    side = [g for g in mask.gathers if g.where == inner and not reads(g, other)]
+    names = {inner: f"span_{inner}", **{g.local: f"span_{g.local}" for g in side + list(test.gathers)
+                                        if reads(g, inner)}}
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+
+    def renamed(expr: str) -> str:
+        return pattern.sub(lambda m: names[m.group(1)], expr)
+
+    gathers = tuple(replace(g, local=renamed(g.local), indices=tuple(map(renamed, g.indices)))
+                    for g in side + list(test.gathers))
+    return MapSpan(gathers, renamed(test.expr))
 
 
 def _backward_hooks(spec: Spec) -> dict:

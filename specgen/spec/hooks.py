@@ -21,6 +21,7 @@ index falls outside the tensor reads 0.
 from __future__ import annotations
 
 import ast
+import math
 from dataclasses import dataclass
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
@@ -448,14 +449,20 @@ class TilePretest:
     gathers: tuple[Gather, ...]
 
 
-def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()) -> TilePretest | None:
+def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = (),
+                 per_tile: tuple[str, str] | None = None) -> TilePretest | None:
     """The pretest of mask_mod ``text``, or None where no comparison of it has
     sides that each depend on the rows or on the keys alone (the test would be
     always true). A comparison ``L op R`` can hold in a tile only if the sides'
     minima and maxima over the tile allow it (L == R: the ranges overlap;
     L < R: min L < max R; ...); ``&`` needs every part, ``|`` some part; a
     negation or a side that mixes rows and keys is unknown (may hold).
-    ``mask_gathers``: the mask_mod's own gathers, whose locals the test reuses."""
+    ``mask_gathers``: the mask_mod's own gathers, whose locals the test reuses.
+
+    ``per_tile`` (index variable, shape): the map kernel's several tiles per step.
+    A side that reads that variable ("kv_idx": the keys of CHUNK key tiles) is
+    reshaped to ``shape`` (one row per tile) and reduced along axis 1, so the test
+    is a vector with one entry per tile; the other side's bounds stay scalars."""
     tree = ast.parse(text.strip(), mode="eval")
     own = {(g.tensor, g.indices): g.local for g in mask_gathers}
     counter = {name: 1000 for name in tensors}  # locals distinct from the hooks' own
@@ -474,6 +481,9 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
                 expr = expr.replace(g.local, local)
         if not compiler.uses & {"q_idx", "kv_idx"}:
             return expr, expr  # the same for the whole tile
+        if per_tile and per_tile[0] in compiler.uses:
+            shaped = f"ct.reshape({expr}, {per_tile[1]})"
+            return f"ct.min({shaped}, axis=1)", f"ct.max({shaped}, axis=1)"
         return f"ct.min({expr})", f"ct.max({expr})"
 
     def compare(op, left, right):
@@ -510,3 +520,26 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
     if expr is None:
         return None
     return TilePretest(expr, tuple(extra))
+
+
+def block_quotients(text: str) -> tuple[int | None, int | None] | None:
+    """(R, K) where mask_mod ``text`` reads q_idx only as ``q_idx // R`` and kv_idx
+    only as ``kv_idx // K`` (R, K: the gcd of the integer divisors written; None:
+    the variable is not read), else None. Such a mask is constant on the aligned
+    R x K blocks of positions (q // a is a function of q // R where R divides a),
+    so the map kernel may evaluate it once per block a tile touches instead of
+    once per pair."""
+    tree = ast.parse(text.strip(), mode="eval")
+    divisors: dict[str, list[int]] = {"q_idx": [], "kv_idx": []}
+    quotients = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv)
+                and isinstance(node.left, ast.Name) and node.left.id in divisors
+                and isinstance(node.right, ast.Constant) and type(node.right.value) is int
+                and node.right.value > 0):
+            divisors[node.left.id].append(node.right.value)
+            quotients.add(id(node.left))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in divisors and id(node) not in quotients:
+            return None  # read as itself, not as a quotient
+    return tuple(math.gcd(*found) if found else None for found in divisors.values())

@@ -252,7 +252,7 @@ def backward_signatures(plan: Plan) -> dict:
         qkv = _array_constraint(io, 3, 2, True)
         rows = _array_constraint(ct.float32, 2, 4, False)
         cu = [_array_constraint(ct.int32, 1, 4, False)]
-        scalars = cu * 2 + [ScalarConstraint(ct.float32)]  # and qk_scale
+        scalars = cu * 2 + [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]  # qk_scale, q_shift
     else:
         qkv = _array_constraint(io, 4, 2, True)
         rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]

@@ -59,7 +59,9 @@ def prefill_params(plan) -> tuple[Param, ...]:
     if plan.fp8:
         params.append(Param("Descales", "array", "descales", "float32", 1, "small", role="descales"))
     params.append(Param("qk_scale", "scalar", "float(scale)", "float32", annotation="float", role="scale"))
-    if not plan.varlen:  # varlen kernels derive q_offset per sequence
+    if plan.varlen:  # varlen kernels derive q_offset per sequence, moved by q_shift
+        params.append(Param("q_shift", "scalar", "q_shift", "int32", annotation="int", role="q_shift"))
+    else:
         params.append(Param("q_offset", "scalar", "q_offset", "int32", annotation="int", role="q_offset"))
     if plan.dropout:
         params += [

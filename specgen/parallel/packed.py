@@ -24,7 +24,7 @@ import torch
 from specgen.parallel import layout as layouts
 from specgen.parallel.blocks import Mask, _exact, _hidden, plan_step
 from specgen.parallel.merge import merge_into
-from specgen.parallel.ring import _Packed, _wait
+from specgen.parallel.ring import GradCarry, rotate
 
 # A shift past any sequence length: every query sees every key of its sequence.
 FULL = 1 << 29
@@ -166,16 +166,9 @@ def packed_forward(kernel, ring, plans, layout, lengths, q, k, v, scale):
     out = torch.zeros((total, heads, kernel.v_head_dim), dtype=torch.float32, device=q.device)
     lse = torch.full((total, heads), float("-inf"), dtype=torch.float32, device=q.device)
     select = _selections(layout, world, rank, lengths, q.device)
-    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
-    current = packed.pack(k, v) if world > 1 else None
-    k_cur, v_cur = k, v
-    for step, calls in enumerate(plans):
-        works, incoming = None, None
-        if step + 1 < world:
-            incoming = packed.empty()
-            works = ring.shift(current, incoming)
+    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
         src = (rank - step) % world
-        for call in calls:
+        for call in plans[step]:
             qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
             block_out, block_lse = kernel.forward_varlen(
                 qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.cu, ks.cu, qs.longest, ks.longest,
@@ -188,10 +181,6 @@ def packed_forward(kernel, ring, plans, layout, lengths, q, k, v, scale):
                 merge_into(rows_out, rows_lse, block_out, block_lse)
                 out.index_copy_(0, qs.index, rows_out)
                 lse.index_copy_(0, qs.index, rows_lse)
-        if incoming is not None:
-            _wait(works)
-            current = incoming
-            k_cur, v_cur = packed.views(current)
     return out.to(q.dtype), lse
 
 
@@ -200,20 +189,12 @@ def packed_backward(kernel, ring, plans, layout, lengths, q, k, v, out, lse, dou
     world, rank = ring.world_size, ring.rank
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     select = _selections(layout, world, rank, lengths, q.device)
-    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
-    current = packed.pack(k, v) if world > 1 else None
-    k_cur, v_cur = k, v
     lse_rows = lse.t().contiguous()  # [heads, T], the kernels' layout
-    grad_works, grad_in, kept = None, None, None
-    for step, calls in enumerate(plans):
-        kv_works, incoming = None, None
-        if step + 1 < world:
-            incoming = packed.empty()
-            kv_works = ring.shift(current, incoming)
+    carry = GradCarry(ring, k, v)
+    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
         src = (rank - step) % world
-        grads = packed.zeros(torch.float32)
-        dk_part, dv_part = packed.views(grads)
-        for call in calls:
+        grads, dk_part, dv_part = carry.new()
+        for call in plans[step]:
             qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
             call_lse = lse_rows if qs.all else lse_rows.index_select(1, qs.index)
             dq_c, dk_c, dv_c = kernel.backward_varlen(
@@ -229,22 +210,8 @@ def packed_backward(kernel, ring, plans, layout, lengths, q, k, v, out, lse, dou
             else:
                 dk_part.index_add_(0, ks.index, dk_c.float())
                 dv_part.index_add_(0, ks.index, dv_c.float())
-        if grad_in is not None:
-            _wait(grad_works)
-            grads += grad_in
-        if world > 1:
-            grad_in = packed.empty(torch.float32)
-            grad_works = ring.shift(grads, grad_in)
-            kept = grads
-        if incoming is not None:
-            _wait(kv_works)
-            current = incoming
-            k_cur, v_cur = packed.views(current)
-    if world > 1:
-        _wait(grad_works)
-        del kept
-        grads = grad_in
-    dk, dv = packed.views(grads)
+        carry.pass_on(grads)
+    dk, dv = carry.own()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

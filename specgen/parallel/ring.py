@@ -98,6 +98,60 @@ class _Packed:
         return buf[: self.split].view(self.k_shape), buf[self.split:].view(self.v_shape)
 
 
+def rotate(ring: Ring, k, v, steps: int):
+    """The K/V shard in hand at each of ``steps`` ring steps, as (step, k, v): the
+    transfer of the next shard starts before a step is handed out and is waited on
+    after its work, so the two overlap."""
+    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
+    current = packed.pack(k, v) if ring.world_size > 1 else None
+    k_cur, v_cur = k, v
+    for step in range(steps):
+        works, incoming = None, None
+        if step + 1 < ring.world_size:
+            incoming = packed.empty()
+            works = ring.shift(current, incoming)
+        yield step, k_cur, v_cur
+        if incoming is not None:
+            _wait(works)
+            current = incoming  # the sent buffer is dropped only after its transfer
+            k_cur, v_cur = packed.views(current)
+
+
+class GradCarry:
+    """The float32 dK, dV of the shard in hand, carried around the ring with it:
+    each rank adds its part to what the ranks before it summed and passes the total
+    on; after the last step the total of this rank's own shard has arrived."""
+
+    def __init__(self, ring: Ring, k, v):
+        self.ring = ring
+        self.packed = _Packed(k.shape, v.shape, k.dtype, k.device)
+        self.works, self.incoming, self.sent = None, None, None
+
+    def new(self):
+        """A zeroed (buffer, dk view, dv view) for this rank's part at one step."""
+        grads = self.packed.zeros(torch.float32)
+        return (grads, *self.packed.views(grads))
+
+    def pass_on(self, grads) -> None:
+        """Add what arrived for this shard, and send the sum to the next rank."""
+        if self.incoming is not None:
+            _wait(self.works)
+            grads += self.incoming
+        if self.ring.world_size > 1:
+            self.incoming = self.packed.empty(torch.float32)
+            self.works = self.ring.shift(grads, self.incoming)
+            self.sent = grads  # alive until its transfer completes
+        else:
+            self.incoming = grads
+
+    def own(self):
+        """(dk, dv) float32 of this rank's shard, summed over every rank."""
+        if self.ring.world_size > 1:
+            _wait(self.works)
+            self.sent = None
+        return self.packed.views(self.incoming)
+
+
 def _single_call(plans):
     """The one call of a ring with one step and one call (world size 1), or None."""
     calls = [c for step in plans for c in step]
@@ -114,15 +168,8 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
     out = torch.zeros((batch, heads, rows, kernel.v_head_dim), dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
     touched = [False] * rows  # rows that hold a block's result already
-    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
-    current = packed.pack(k, v) if ring.world_size > 1 else None
-    k_cur, v_cur = k, v
-    for step, calls in enumerate(plans):
-        works, incoming = None, None
-        if step + 1 < ring.world_size:
-            incoming = packed.empty()
-            works = ring.shift(current, incoming)
-        for c in calls:
+    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
+        for c in plans[step]:
             block_out, block_lse = kernel.forward(
                 q[:, :, c.q_start:c.q_stop], k_cur[:, :, c.k_start:c.k_stop],
                 v_cur[:, :, c.k_start:c.k_stop], scale, c.q_offset)
@@ -133,10 +180,6 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
                 rows_out.copy_(block_out)
                 rows_lse.copy_(block_lse)
                 touched[c.q_start:c.q_stop] = [True] * (c.q_stop - c.q_start)
-        if incoming is not None:
-            _wait(works)
-            current = incoming
-            k_cur, v_cur = packed.views(current)
     return out.to(q.dtype), lse
 
 
@@ -147,44 +190,20 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
     if only is not None and (only.q_start, only.q_stop, only.k_start, only.k_stop) == (0, q.shape[2], 0, k.shape[2]):
         return kernel.backward(q, k, v, out, lse, dout, scale, only.q_offset)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    packed = _Packed(k.shape, v.shape, k.dtype, k.device)
-    current = packed.pack(k, v) if ring.world_size > 1 else None
-    k_cur, v_cur = k, v
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-    grad_works, grad_in = None, None
-    for step, calls in enumerate(plans):
-        kv_works, incoming = None, None
-        if step + 1 < ring.world_size:
-            incoming = packed.empty()
-            kv_works = ring.shift(current, incoming)
-        grads = packed.zeros(torch.float32)  # this rank's part of dK, dV of the shard in hand
-        dk_part, dv_part = packed.views(grads)
-        for c in calls:
-            rows = slice(c.q_start, c.q_stop)
-            keys = slice(c.k_start, c.k_stop)
+    carry = GradCarry(ring, k, v)
+    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
+        grads, dk_part, dv_part = carry.new()
+        for c in plans[step]:
+            rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
             dq_c, dk_c, dv_c = kernel.backward(
                 q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], out[:, :, rows],
                 lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)
             dq[:, :, rows] += dq_c
             dk_part[:, :, keys] += dk_c
             dv_part[:, :, keys] += dv_c
-        if grad_in is not None:  # what the ranks before this one added to this shard
-            _wait(grad_works)
-            grads += grad_in
-        if ring.world_size > 1:
-            # Pass the sum on: after the last step it reaches the shard's owner.
-            grad_in = packed.empty(torch.float32)
-            grad_works = ring.shift(grads, grad_in)
-            kept = grads  # alive until the transfer completes
-        if incoming is not None:
-            _wait(kv_works)
-            current = incoming
-            k_cur, v_cur = packed.views(current)
-    if ring.world_size > 1:
-        _wait(grad_works)
-        del kept
-        grads = grad_in
-    dk, dv = packed.views(grads)
+        carry.pass_on(grads)
+    dk, dv = carry.own()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -20,14 +20,13 @@ from specgen.parallel.blocks import Mask
 
 # Spec features whose meaning depends on absolute positions, per-head data or a
 # random stream, which a block of the sequence cannot reproduce on its own.
-_RING_REFUSED = {
+_REFUSED = {
     "score_mod": "a score_mod hook",
     "mask_mod": "a mask_mod hook",
     "sinks": "attention sinks",
     "dropout": "dropout",
     "block_sparse": "a block-sparse map",
 }
-_ULYSSES_REFUSED = _RING_REFUSED
 
 
 class SpecKernel:
@@ -48,8 +47,7 @@ class SpecKernel:
             raise ValueError(
                 f"context parallelism runs float16 and bfloat16 specs; {name} has dtype {spec['dtype']}"
             )
-        refused = _RING_REFUSED if mode == "ring" else _ULYSSES_REFUSED
-        for field, what in refused.items():
+        for field, what in _REFUSED.items():
             if spec.get(field):
                 raise ValueError(
                     f"{name}: context parallelism ({mode} mode) cannot split a spec with {what}"
@@ -59,9 +57,6 @@ class SpecKernel:
                 f"{name}: ring attention merges partial results through their LSE; "
                 "the spec needs return_lse: true (forward) or backward: true (training)"
             )
-        if mode == "ring" and spec.get("varlen") and spec.get("window"):
-            raise ValueError(
-                f"{name}: ring mode splits packed batches without windows; use mode='ulysses'")
         self.module, self.spec, self.name = module, spec, name
         self.has_backward = bool(spec.get("backward"))
         self.varlen = bool(spec.get("varlen"))

@@ -345,3 +345,23 @@ def test_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
             got = _map_states(counts, indices, want.shape[3])
             assert (got == want).all(), (name, (batch, heads, seq_q, seq_k, q_offset), tile_m, tile_n, by_keys,
                                          constants)
+
+
+def test_training_block_map_is_checked_before_the_op():
+    """attention(..., block_map=) of a training spec refuses a non-map and, with
+    gradients required, a map without the backward's maps, before any launch."""
+    import torch
+
+    from tests.helpers import generated_module
+
+    mod = generated_module("fmha_train_document")
+    q = torch.zeros(1, 4, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
+    doc = torch.zeros(1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_map must be a BlockMap"):
+        mod.attention(q, k, k, doc=doc, block_map="map")
+    forward_only = mod.BlockMap(torch.zeros(1, 1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                1, 1, 8, 8, 0, (64, 128), torch.device("cuda", 0))
+    assert forward_only.grads == ()
+    with pytest.raises(ValueError, match="no backward maps, and gradients are required"):
+        mod.attention(q, k, k, doc=doc, block_map=forward_only)

@@ -132,6 +132,37 @@ def test_reused_map_gives_the_same_output_and_mismatches_are_refused():
         mod.make_block_map(2, 6, 1500, 1500, doc=extra["doc"])
 
 
+def test_training_reuses_a_prebuilt_map_with_the_backward_maps():
+    """make_block_map(..., backward=True): the forward and the backward use the
+    prebuilt maps, and the gradients equal those of maps built per call, bit for bit."""
+    mod = generated_module("fmha_train_document")
+    spec = mod.SPEC
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = random_qkv(spec, 2, 2, 1300, 1300, generator=gen)
+    extra = feature_inputs(spec, shape_dims(q, k), gen)
+    dout = torch.randn_like(q)
+
+    def grads(**kwargs):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = mod.attention(*leaves, doc=extra["doc"], **kwargs)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    block_map = mod.make_block_map(2, 8, 1300, 1300, doc=extra["doc"], backward=True)
+    assert len(block_map.grads) == 4
+    fresh = grads()
+    for _ in range(2):  # one map, several layers
+        for got, want in zip(grads(block_map=block_map), fresh):
+            assert torch.equal(got, want)
+    forward_only = mod.make_block_map(2, 8, 1300, 1300, doc=extra["doc"])
+    with pytest.raises(ValueError, match=r"no backward maps.*make_block_map\(\.\.\., backward=True\)"):
+        grads(block_map=forward_only)
+    with torch.no_grad():  # inference takes a forward-only map
+        assert torch.equal(mod.attention(q, k, v, doc=extra["doc"], block_map=forward_only), fresh[0])
+    with pytest.raises(ValueError, match="block_map was built for seq_q 1300, but this call has 1299"):
+        mod.attention(q[:, :, :1299], k, v, doc=extra["doc"], block_map=block_map)
+
+
 def test_rows_that_see_no_tile_give_zeros():
     mod = generated_module("fmha_block_pattern")
     q, k, v = random_qkv(mod.SPEC, 1, 1, 700, 700)

@@ -39,6 +39,15 @@ def chunks(layout: str, world_size: int, rank: int, shard_len: int) -> list[tupl
     return [(rank * head, head), (world_size * head + (late - world_size) * tail, tail)]
 
 
+def pieces(layout: str, world_size: int, rank: int, shard_len: int) -> list[tuple[int, int]]:
+    """The (start, stop) local rows of each contiguous piece of rank ``rank``'s shard."""
+    out, start = [], 0
+    for _, n in chunks(layout, world_size, rank, shard_len):
+        out.append((start, start + n))
+        start += n
+    return out
+
+
 def positions(layout: str, world_size: int, rank: int, shard_len: int) -> torch.Tensor:
     """[shard_len] int64: the global position of each row of rank ``rank``'s shard."""
     parts = [torch.arange(start, start + n) for start, n in chunks(layout, world_size, rank, shard_len)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 
@@ -40,14 +41,6 @@ class PackedCall:
     q_shift: int
 
 
-def _pieces(layout, world, rank, length):
-    out, start = [], 0
-    for _, n in layouts.chunks(layout, world, rank, length):
-        out.append((start, start + n))
-        start += n
-    return out
-
-
 def _rows(pieces, which, length):
     return (0, length) if which is None else pieces[which]
 
@@ -62,7 +55,7 @@ def _step_structure(mask: Mask, layout, world, rank, src, length) -> list[Packed
     """The calls of a ring step for a sequence of shard length ``length``."""
     q_pos = layouts.positions(layout, world, rank, length)
     k_pos = layouts.positions(layout, world, src, length)
-    q_pieces, k_pieces = _pieces(layout, world, rank, length), _pieces(layout, world, src, length)
+    q_pieces, k_pieces = layouts.pieces(layout, world, rank, length), layouts.pieces(layout, world, src, length)
     calls = []
     for c in plan_step(mask, q_pos, q_pieces, k_pos, k_pieces):
         q_len, k_len = c.q_stop - c.q_start, c.k_stop - c.k_start
@@ -81,7 +74,7 @@ def _fits(mask, layout, world, rank, src, length, calls) -> bool:
     length ``length``: each call exact (or empty), and every pair no call covers hidden."""
     q_pos = layouts.positions(layout, world, rank, length)
     k_pos = layouts.positions(layout, world, src, length)
-    q_pieces, k_pieces = _pieces(layout, world, rank, length), _pieces(layout, world, src, length)
+    q_pieces, k_pieces = layouts.pieces(layout, world, rank, length), layouts.pieces(layout, world, src, length)
     covered = set()
     for call in calls:
         qa, qb = _rows(q_pieces, call.q_piece, length)
@@ -124,11 +117,11 @@ class _Selection:
     def __init__(self, layout, world, rank, lengths, local_cu, which, device):
         starts, sizes = [], []
         for length, base in zip(lengths, local_cu):
-            a, b = _rows(_pieces(layout, world, rank, length), which, length)
+            a, b = _rows(layouts.pieces(layout, world, rank, length), which, length)
             starts.append(base + a)
             sizes.append(b - a)
         self.all = which is None
-        self.cu = torch.tensor([0] + list(_cumsum(sizes)), dtype=torch.int32, device=device)
+        self.cu = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
         self.longest = max(sizes) if sizes else 0
         if not self.all:
             self.index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, sizes)]).to(device) \
@@ -138,15 +131,8 @@ class _Selection:
         return x if self.all else x.index_select(0, self.index)
 
 
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
-
-
 def _selections(layout, world, rank, lengths, device):
-    local_cu = [0] + list(_cumsum(lengths))[:-1]
+    local_cu = [0] + list(itertools.accumulate(lengths))[:-1]
     cache = {}
 
     def get(which, owner):

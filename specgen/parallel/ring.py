@@ -59,18 +59,9 @@ def step_plans(mask: Mask, layout: str, world_size: int, rank: int, shard_len: i
     for step in range(world_size):
         src = (rank - step) % world_size
         k_pos = layouts.positions(layout, world_size, src, shard_len)
-        plans.append(tuple(plan_step(mask, q_pos, _pieces(layout, world_size, rank, shard_len),
-                                     k_pos, _pieces(layout, world_size, src, shard_len))))
+        plans.append(tuple(plan_step(mask, q_pos, layouts.pieces(layout, world_size, rank, shard_len),
+                                     k_pos, layouts.pieces(layout, world_size, src, shard_len))))
     return tuple(plans)
-
-
-def _pieces(layout, world_size, rank, shard_len):
-    """The (start, stop) rows of each contiguous piece of a shard."""
-    pieces, start = [], 0
-    for _, n in layouts.chunks(layout, world_size, rank, shard_len):
-        pieces.append((start, start + n))
-        start += n
-    return pieces
 
 
 class _Packed:

@@ -215,7 +215,7 @@ def _run_map(module, tensors, batch, map_heads, seq_q, seq_k, q_offset, tile_m, 
     kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_block_map_"))._pyfunc
     outer = -(-seq_k // tile_n) if by_keys else -(-seq_q // tile_m)
     inner = -(-seq_q // tile_m) if by_keys else -(-seq_k // tile_n)
-    counts = np.full((batch, map_heads, outer, 2), -1, dtype=np.int32)
+    counts = np.full((batch, map_heads, outer, 3), -2, dtype=np.int32)
     indices = np.full((batch, map_heads, outer, max(inner, 1)), -1, dtype=np.int32)
     tiles = _Tiles((outer, batch * map_heads, 1))
     run = types.FunctionType(kernel.__code__, {**kernel.__globals__, **(constants or {}), "ct": tiles},
@@ -245,11 +245,15 @@ def _map_states(counts, indices, inner):
     states = np.zeros(counts.shape[:3] + (inner,), dtype=np.int64)
     capacity = indices.shape[3]
     for b, h, o in itertools.product(*map(range, counts.shape[:3])):
-        partial, full = counts[b, h, o]
+        partial, full, run = counts[b, h, o]
         listed_partial = indices[b, h, o, :partial].tolist()
         listed_full = indices[b, h, o, capacity - full:].tolist()
         assert listed_partial == sorted(listed_partial) and listed_full == sorted(listed_full, reverse=True)
         assert len(set(listed_partial + listed_full)) == partial + full <= capacity
+        # The run: the first full tile where the full tiles are consecutive (0 where
+        # there are none), else -1.
+        consecutive = sorted(listed_full) == list(range(min(listed_full, default=0), min(listed_full, default=0) + full))
+        assert run == (min(listed_full, default=0) if consecutive else -1), (listed_full, run)
         states[b, h, o, listed_partial] = 1
         states[b, h, o, listed_full] = 2
     return states

@@ -61,10 +61,16 @@ def _map_states(counts, indices, inner):
     for b in range(batch):
         for h in range(heads):
             for o in range(outer):
-                partial, full = counts[b, h, o].tolist()
+                partial, full, run = counts[b, h, o].tolist()
                 assert partial + full <= capacity
-                listed = indices[b, h, o, :partial].tolist() + indices[b, h, o, capacity - full:].tolist()
+                listed_full = indices[b, h, o, capacity - full:].tolist()
+                listed = indices[b, h, o, :partial].tolist() + listed_full
                 assert len(set(listed)) == len(listed), "a tile listed twice"
+                # The run: the first full tile where the full tiles are consecutive
+                # (0 where there are none), else -1.
+                first = min(listed_full, default=0)
+                consecutive = sorted(listed_full) == list(range(first, first + full))
+                assert run == (first if consecutive else -1), (listed_full, run)
                 states[b, h, o, indices[b, h, o, :partial]] = 1
                 states[b, h, o, indices[b, h, o, capacity - full:]] = 2
     return states

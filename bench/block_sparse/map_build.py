@@ -48,7 +48,7 @@ def same_lists(a, b) -> bool:
         return False
     capacity = a.indices.shape[3]
     slot = torch.arange(capacity, device=a.indices.device)
-    partial, full = a.counts[..., :1], a.counts[..., 1:]
+    partial, full = a.counts[..., :1], a.counts[..., 1:2]
     listed = (slot < partial) | (slot >= capacity - full)
     return torch.equal(torch.where(listed, a.indices, -1), torch.where(listed, b.indices, -1))
 

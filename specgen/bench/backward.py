@@ -5,8 +5,10 @@ S 1024..16384; a spec whose gqa_ratio does not divide 32 is skipped).
 
 What is timed is the backward alone: ``torch.autograd.grad(out, (q, k, v), dout,
 retain_graph=True)`` on a forward graph made once, so the forward is not in the
-figure. What it counts: 2.5 times the forward's FLOPs (the five matmuls of the
-FA2 backward against the forward's two), the usual convention. Baselines that
+figure (a block-sparse spec's map, forward and backward, is built once per
+batch and timed apart, as the prefill suite does). What it counts: 2.5 times
+the forward's FLOPs (the five matmuls of the FA2 backward against the
+forward's two), the usual convention. Baselines that
 expand K/V (SDPA's cuDNN and FA2) get K/V leaves repeated to the query heads,
 made outside the timing; their gradients are those of the expanded K/V (the sum
 over the group, which a GQA model would add, is not timed).
@@ -17,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specgen.bench.baselines import Inputs
-from specgen.bench.core import Case, Context, Suite, Timing, matmul_rate, timed
+from specgen.bench.core import Case, Context, Suite, Timing, matmul_rate, median_ms, timed
 from specgen.bench.flops import forward_flops, mask_mod_flops
 from specgen.bench.prefill import BATCH, HEADS, REPORT, SEQS, checked_shapes
 from specgen.errors import UsageError
@@ -94,9 +96,23 @@ class Backward(Suite):
     def time_kernel(self, ctx: Context, module, case: Case) -> Timing:
         torch = ctx.torch
         q, k, v, dout, extra = case.kernel
-        ms, case.ours = _grad_timer(torch, ctx.do_bench, lambda: module.attention(q, k, v, **extra),
+        kwargs, map_fields = dict(extra), {}
+        if hasattr(module, "make_block_map"):
+            # Built once per batch with the backward's maps and reused by every layer,
+            # as Flex's block mask is: its build is timed apart, not in the backward.
+            tensors = {n: extra[n] for n in module.SPEC["tensors"]}
+
+            def build():
+                return module.make_block_map(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                             device=q.device, backward=True, **tensors)
+
+            kwargs["block_map"] = build()
+            partial, full, capacity = kwargs["block_map"].tile_counts()
+            map_fields = dict(block_map_ms=median_ms(ctx.do_bench, build),
+                              tiles_visited=(partial + full) / max(capacity, 1))
+        ms, case.ours = _grad_timer(torch, ctx.do_bench, lambda: module.attention(q, k, v, **kwargs),
                                     (q, k, v), dout)
-        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"])
+        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], **map_fields)
         if not all(torch.isfinite(g).all() for g in case.ours):
             timing.error = "non-finite gradient"
         return timing

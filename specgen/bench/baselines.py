@@ -206,7 +206,9 @@ def _flex(torch, suite: str, plan) -> Runner:
         # The timing replays one backward graph (retain_graph=True), which a
         # compiled backward with donated buffers refuses.
         functorch_config.donated_buffer = False
-    compiled = torch.compile(flex_attention)
+    # Static shapes: a kernel specialised to each case, as a model with fixed
+    # lengths gets (with the default, a second shape recompiles it dynamic, slower).
+    compiled = torch.compile(flex_attention, dynamic=False)
     if suite == "decode":
         return lambda x: compiled(x.q, x.k, x.v, enable_gqa=ratio > 1)
 

@@ -637,8 +637,17 @@ shared machine, a few percent is noise (see "Noise" in the
   of a run says what its inputs were, and whether a baseline ran on other inputs.
 
 Baselines: SDPA cuDNN and SDPA FA2 are torch's `scaled_dot_product_attention`
-backends, FlexAttention is torch's `flex_attention`.
+backends, FlexAttention is torch's `flex_attention`, compiled with static shapes
+(a kernel specialised to each length).
+
+† A Flex ratio marked † comes from a run that compiled Flex with torch.compile's
+default, which recompiles it for dynamic shapes once a second length is seen: a
+kernel up to 1.5× slower than the static one (packed documents at S=2048: 85
+against 132 TFLOPS on the H200). Such a ratio can overstate specgen's lead; the
+unmarked ones are against the static kernel.
 """
+
+DYNAMIC_MARK = "†"
 
 
 def _label(name: str) -> str:
@@ -740,7 +749,9 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         for name in ["specgen", *baselines]:
             t = row["timings"].get(name)
             cells.append(f"{t['tflops']:.0f} ({t['ms']:.3f})" if t and t.get("ms") else _cell_error(t))
-        cells += [_ratio(row.get("speedup", {}).get(n)) for n in baselines]
+        cells += [_ratio(row.get("speedup", {}).get(n))
+                  + (DYNAMIC_MARK if n == "flex" and _dynamic_flex(row) and row.get("speedup", {}).get(n) else "")
+                  for n in baselines]
         pct = row["timings"]["specgen"].get("pct_of_matmul")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         lines.append("| " + " | ".join(cells) + " |")
@@ -781,7 +792,9 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
                          else f"{t['ms'] * 1000:.1f}" if t and t.get("ms") else _cell_error(t))
         pct = row["timings"]["specgen"].get("pct_of_copy")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
-        cells += [_ratio(_decode_ratio(row, n)) for n in baselines]
+        cells += [_ratio(_decode_ratio(row, n))
+                  + (DYNAMIC_MARK if n == "flex" and _dynamic_flex(row) and _decode_ratio(row, n) else "")
+                  for n in baselines]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -802,13 +815,23 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
 SHORT_LABELS = {"cudnn": "cuDNN", "flash": "FA2", "flex": "Flex", "fa3": "FA3", "tilegym": "TileGym"}
 
 
-def _against_fastest(ratios: dict[str, float | None]) -> str:
+def _dynamic_flex(row: dict) -> bool:
+    """Whether the row's Flex timing is of a Flex compiled for dynamic shapes (a run
+    before the bench compiled it per shape): its ratio overstates specgen's lead."""
+    from specgen.bench.baselines import FLEX_STATIC
+
+    t = row["timings"].get("flex") or {}
+    return bool(t.get("ms")) and t.get("note") != FLEX_STATIC
+
+
+def _against_fastest(ratios: dict[str, float | None], row: dict | None = None) -> str:
     """' (0.98× cuDNN)': the ratio to the fastest baseline that ran, and which."""
     ran = {name: r for name, r in ratios.items() if r}
     if not ran:
         return ""
     name = min(ran, key=ran.get)  # the smallest ratio: the fastest baseline
-    return f" ({ran[name]:.2f}× {SHORT_LABELS.get(name, name)})"
+    mark = DYNAMIC_MARK if name == "flex" and row is not None and _dynamic_flex(row) else ""
+    return f" ({ran[name]:.2f}× {SHORT_LABELS.get(name, name)}{mark})"
 
 
 SUMMARY_NOTE = ("In brackets: baseline time / specgen time for the fastest baseline that "
@@ -831,7 +854,7 @@ def _flops_summary(runs: list[dict]) -> list[str]:
             if row["seq_q"] != row["seq_k"]:
                 continue
             t = row["timings"]["specgen"]
-            by_seq[row["seq_q"]] = (f"{t['tflops']:.0f}" + _against_fastest(row.get("speedup", {}))
+            by_seq[row["seq_q"]] = (f"{t['tflops']:.0f}" + _against_fastest(row.get("speedup", {}), row)
                                     if t.get("ms") else "n/a")
         lines.append(f"| `{data['spec']}` | " + " | ".join(by_seq.get(s, "") for s in seqs) + " |")
     return lines + [""]
@@ -856,7 +879,7 @@ def _decode_summary(runs: list[dict]) -> list[str]:
             ms = row["timings"]["specgen"].get("ms")
             ratios = {n: _decode_ratio(row, n) for n in data["baselines"]}
             cells[(row["batch"], row["seq_k"], row["seq_q"])] = (
-                f"{ms * 1000:.1f}" + _against_fastest(ratios) if ms else "n/a")
+                f"{ms * 1000:.1f}" + _against_fastest(ratios, row) if ms else "n/a")
         heads = sorted({f"{r['heads_q']}/{r['heads_kv']}" for r in data["rows"]})
         lines.append(f"| `{data['spec']}` | {', '.join(heads)} | "
                      + " | ".join(cells.get(s, "") for s in shapes) + " |")

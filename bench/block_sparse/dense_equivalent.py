@@ -4,6 +4,7 @@ all of them set (its dense equivalent): time must scale with the listed tiles.
 Run on a GPU from the repository root: python3 bench/block_sparse/dense_equivalent.py OUT_DIR
 """
 
+import os
 import sys
 
 import torch
@@ -15,6 +16,7 @@ from generated import fmha_block_pattern as mod  # noqa: E402
 
 
 def main(out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
     rows = []
     for seq in (4096, 8192, 16384):
         gen = torch.Generator(device="cuda").manual_seed(seq)

@@ -54,6 +54,7 @@ def same_lists(a, b) -> bool:
 
 
 def main(out_dir: str, others: list[str]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
     versions = [("new", "generated")] + [tuple(o.split("=", 1)) for o in others]
     rows = []
     for name in SPECS:

@@ -129,7 +129,8 @@ class Backward(Suite):
         if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only
             dk, dv = (g.unflatten(1, (k.shape[1], ratio)).sum(2) for g in (dk, dv))
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip((dq, dk, dv), case.ours))
-        return timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], max_abs_diff_vs_specgen=diff)
+        return timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], max_abs_diff_vs_specgen=diff,
+                     note=baseline.note)
 
     def layout(self, plan) -> str:
         return ("Sq=Skv; backward only (torch.autograd.grad of a saved forward graph), "

@@ -89,6 +89,7 @@ class Baseline:
     absent: Mapping[str, str] = field(default_factory=dict)  # suite -> why there is no path
     probe: Callable[[], Optional[Reason]] = lambda: None  # why it is not installed here
     shape_limits: Optional[Callable[[str, Any], Optional[Reason]]] = None
+    note: Optional[str] = None  # how it ran, in every row it times (unless the row has its own)
 
     def input_dtype(self, plan) -> str:
         """The dtype of the q/k/v it is handed."""
@@ -185,6 +186,12 @@ def _sdpa_varlen(torch, backend_name: str, plan) -> Runner:
 
 
 # --- FlexAttention ---------------------------------------------------------------
+
+
+# The row note of every Flex timing: how it was compiled. The performance page marks
+# Flex figures without it (an earlier bench compiled Flex with torch's default,
+# which recompiles it for dynamic shapes at the second length: a slower kernel).
+FLEX_STATIC = "compiled per shape (torch.compile dynamic=False)"
 
 
 def _flex(torch, suite: str, plan) -> Runner:
@@ -454,7 +461,7 @@ REGISTRY: dict[str, Baseline] = {
         Baseline("flex", "FlexAttention",
                  {"prefill": frozenset({"window", "softcap", "score_mod", "mask_mod", "varlen"}),
                   "decode": _NONE, "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"})},
-                 _flex, default=True),
+                 _flex, default=True, note=FLEX_STATIC),
         Baseline("fa3", "FA3",
                  {"prefill": frozenset({"softcap"}), "decode": frozenset({"softcap"})},
                  _fa3, dtypes=frozenset({"bfloat16"}), float8=True,

@@ -168,7 +168,7 @@ class Decode(Suite):
         ctx.torch.cuda.synchronize()
         diff = (ref.transpose(1, 2).float() - case.ours).abs().max().item()
         note = (f"reads the cache dequantised to {case.row['dtype']} ({base_bytes} bytes)"
-                if base_bytes != case.row["bytes"] else None)
+                if base_bytes != case.row["bytes"] else baseline.note)
         return self._rate(ctx, case, [lambda x=x: fn(x) for x in case.inputs], base_bytes,
                           max_abs_diff_vs_specgen=diff, note=note)
 

@@ -168,7 +168,7 @@ class Prefill(Suite):
         diff = (ref.float() - case.ours.float()).abs().max().item()
         ms = median_ms(ctx.do_bench, lambda: fn(case.inputs))
         note = ("reads the float8 inputs (unit descales)"
-                if baseline.float8 and case.inputs.kernel_qkv is not None else None)
+                if baseline.float8 and case.inputs.kernel_qkv is not None else baseline.note)
         return timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"],
                      max_abs_diff_vs_specgen=diff, note=note)
 

@@ -176,3 +176,28 @@ def test_performance_reads_every_schema_version(tmp_path):
     (folder / "d-prefill.json").write_text(json.dumps(dict(current, schema=99)))
     with pytest.raises(DocsError, match="schema"):
         performance_markdown(tmp_path / "results")
+
+
+def test_flex_ratios_of_dynamic_shape_runs_are_marked(tmp_path):
+    """A Flex timing without the static-shape note (a run that compiled Flex for
+    dynamic shapes) gets the dagger in its run table and in the summary; one with
+    the note does not."""
+    import json
+
+    from specgen.bench.baselines import FLEX_STATIC
+    from specgen.docs import DYNAMIC_MARK, performance_markdown
+
+    source = json.loads((ROOT / "bench" / "results" / "h200" / "fmha_chunked_local-prefill.json").read_text())
+    assert all(r["timings"]["flex"]["note"] == FLEX_STATIC for r in source["rows"])
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "a-prefill.json").write_text(json.dumps(source))
+    page = performance_markdown(tmp_path / "results")
+    assert f"Flex{DYNAMIC_MARK})" not in page and f"×{DYNAMIC_MARK} |" not in page
+    for row in source["rows"]:
+        row["timings"]["flex"]["note"] = None
+    (folder / "a-prefill.json").write_text(json.dumps(source))
+    page = performance_markdown(tmp_path / "results")
+    ratio = source["rows"][0]["speedup"]["flex"]
+    assert f"{ratio:.2f}× Flex{DYNAMIC_MARK})" in page  # the summary
+    assert f"{ratio:.2f}×{DYNAMIC_MARK} |" in page  # the run's table

@@ -2,11 +2,14 @@
 needs no map, in one process on the same inputs (B4 Hq32 Hkv8 bf16 D128 causal).
 
 Variants of a generated sparse module, made by editing its key loops:
-  gather    as generated: each step loads its key tile's index from the map;
+  gather    each step loads its key tile's index from the map's list;
   prefetch  each step loads the next step's index, so the K/V loads of a step do
             not wait on a dependent load;
-  range     the full tiles as one ascending range from the map's first full tile
-            (right only where they are contiguous, as on every mask timed here:
+  range     the full tiles as one ascending run from the first full tile. The
+            shipped modules walk the run where the map records one (and the list
+            elsewhere): they are this variant, and the other two force the list.
+            On modules that only walk the list, the run is edited in (right only
+            where the full tiles are consecutive, as on every mask timed here:
             outputs are compared with gather's).
 The dense twin is the same spec without mask_mod and block_sparse (causal only):
 on a chunked-local mask below the chunk length the two compute the same thing.
@@ -84,6 +87,12 @@ def ranged(text: str) -> str:
     return out
 
 
+def as_list(text: str) -> str:
+    """A module that walks its full tiles as a run where it can, made to walk the
+    list everywhere (unchanged if it only walks the list)."""
+    return text.replace("    if full_run >= 0:\n", "    if full_run >= NO_TILE:  # never: the list walk\n", 1)
+
+
 def load(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -110,8 +119,11 @@ def main(out_dir: str) -> None:
     rows = []
     for name, seqs in CASES.items():
         source = Path(f"generated/{name}.py").read_text()
-        paths = {"gather": Path(f"generated/{name}.py")}
-        for label, edit in (("prefetch", prefetch), ("range", ranged)):
+        runs = "full_run = ct.load" in source
+        edits = {"gather": as_list, "prefetch": lambda text: prefetch(as_list(text)),
+                 "range": (lambda text: text) if runs else ranged}
+        paths = {}
+        for label, edit in edits.items():
             paths[label] = folder / f"{label}_{name}.py"
             paths[label].write_text(edit(source))
         twin = dense_twin(name, folder)

@@ -93,6 +93,32 @@ def as_list(text: str) -> str:
     return text.replace("    if full_run >= 0:\n", "    if full_run >= NO_TILE:  # never: the list walk\n", 1)
 
 
+def time_variant(row: dict, label: str, call, out, reference):
+    """Times call() (which writes out) into row by do_bench and in a CUDA graph of 20
+    calls, with its largest difference from reference (the first variant's output:
+    returned for the next); a variant that fails is an entry of row["errors"]."""
+    try:
+        call()
+        torch.cuda.synchronize()
+        reference = out.clone() if reference is None else reference
+        row["max_diff"][label] = (out.float() - reference.float()).abs().max().item()
+        row["ms"][label] = do_bench(call, warmup=25, rep=200, return_mode="median")
+        row["graph_ms"][label] = graph_time_ms(torch, call, do_bench, calls=20)
+    except Exception as exc:  # noqa: BLE001 - a failed variant is a row entry
+        row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {exc}"[:400]
+    return reference
+
+
+def time_flex(row: dict, flex, inputs) -> None:
+    """Flex on the same inputs, both ways, into row."""
+    flex(inputs)
+    row["ms"]["flex"] = do_bench(lambda: flex(inputs), warmup=25, rep=200, return_mode="median")
+    try:
+        row["graph_ms"]["flex"] = graph_time_ms(torch, lambda: flex(inputs), do_bench, calls=20)
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        row.setdefault("errors", {})["flex_graph"] = f"{type(exc).__name__}: {exc}"[:400]
+
+
 def load(path: Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -149,26 +175,9 @@ def main(out_dir: str) -> None:
                 if label == "dense" and (name != "fmha_chunked_local" or seq > 8192):
                     continue
 
-                def call(m=m, out=out, kwargs=kwargs):
-                    return m.attention(q, k, v, out=out, **kwargs)
-
-                try:
-                    call()
-                    torch.cuda.synchronize()
-                    if reference is None:
-                        reference = out.clone()
-                    row["max_diff"][label] = (out.float() - reference.float()).abs().max().item()
-                    row["ms"][label] = do_bench(call, warmup=25, rep=200, return_mode="median")
-                    row["graph_ms"][label] = graph_time_ms(torch, call, do_bench, calls=20)
-                except Exception as exc:  # noqa: BLE001 - a failed variant is a row entry
-                    row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {exc}"[:400]
-            x = Inputs(q=q, k=k, v=v, extra=extra)
-            flex(x)
-            row["ms"]["flex"] = do_bench(lambda: flex(x), warmup=25, rep=200, return_mode="median")
-            try:
-                row["graph_ms"]["flex"] = graph_time_ms(torch, lambda: flex(x), do_bench, calls=20)
-            except Exception as exc:  # noqa: BLE001
-                row.setdefault("errors", {})["flex_graph"] = f"{type(exc).__name__}: {exc}"[:400]
+                reference = time_variant(row, label, lambda m=m, out=out, kwargs=kwargs: m.attention(
+                    q, k, v, out=out, **kwargs), out, reference)
+            time_flex(row, flex, Inputs(q=q, k=k, v=v, extra=extra))
             tf = lambda ms: flops / ms / 1e9  # noqa: E731
             print(f"{name:20s} S={seq:5d} " + "  ".join(
                 f"{label} {tf(ms):5.0f}/{tf(row['graph_ms'].get(label, float('nan'))):5.0f}"

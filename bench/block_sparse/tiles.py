@@ -18,13 +18,11 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench/block_sparse")
-from loop_variants import BATCH, HEADS, KV_HEADS, load  # noqa: E402
+from loop_variants import BATCH, HEADS, KV_HEADS, load, time_flex, time_variant  # noqa: E402
 from specgen.bench.baselines import Inputs, _flex  # noqa: E402
-from specgen.bench.core import graph_time_ms  # noqa: E402
 from specgen.bench.flops import mask_mod_flops  # noqa: E402
 from specgen.check.cases import feature_inputs, random_qkv, shape_dims  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
@@ -67,22 +65,9 @@ def main(out_dir: str, name: str, seqs: str, *variants: str) -> None:
             out = torch.full_like(q, float("nan"))
             kwargs = dict(extra, block_map=m.make_block_map(BATCH, HEADS, seq, seq, device=q.device, **tensors))
 
-            def call(m=m, out=out, kwargs=kwargs):
-                return m.attention(q, k, v, out=out, **kwargs)
-
-            try:
-                call()
-                torch.cuda.synchronize()
-                reference = out.clone() if reference is None else reference
-                row["max_diff"][label] = (out.float() - reference.float()).abs().max().item()
-                row["ms"][label] = do_bench(call, warmup=25, rep=200, return_mode="median")
-                row["graph_ms"][label] = graph_time_ms(torch, call, do_bench, calls=20)
-            except Exception as exc:  # noqa: BLE001 - a failed variant is a row entry
-                row.setdefault("errors", {})[label] = f"{type(exc).__name__}: {exc}"[:400]
-        x = Inputs(q=q, k=k, v=v, extra=extra)
-        flex(x)
-        row["ms"]["flex"] = do_bench(lambda: flex(x), warmup=25, rep=200, return_mode="median")
-        row["graph_ms"]["flex"] = graph_time_ms(torch, lambda: flex(x), do_bench, calls=20)
+            reference = time_variant(row, label, lambda m=m, out=out, kwargs=kwargs: m.attention(
+                q, k, v, out=out, **kwargs), out, reference)
+        time_flex(row, flex, Inputs(q=q, k=k, v=v, extra=extra))
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
         print(f"{name} S={seq:5d} " + "  ".join(
             f"[{label}] {tf(ms):4.0f}/{tf(row['graph_ms'][label]):4.0f}" for label, ms in row["ms"].items()

@@ -369,3 +369,45 @@ def test_training_block_map_is_checked_before_the_op():
     assert forward_only.grads == ()
     with pytest.raises(ValueError, match="no backward maps, and gradients are required"):
         mod.attention(q, k, k, doc=doc, block_map=forward_only)
+
+
+def test_block_map_check_refuses_lists_of_other_shapes():
+    """BlockMap.check refuses a map whose tensors the kernels would read out of their
+    bounds (a map put together by hand, or one of another layout), naming the field."""
+    import torch
+
+    from tests.helpers import generated_module
+
+    mod = generated_module("fmha_train_document")
+    cpu = torch.device("cpu")
+    batch, seq_q, seq_k, tile = 2, 300, 700, (64, 128)
+
+    def ints(*shape):
+        return torch.zeros(shape, dtype=torch.int32)
+
+    def rows(n, t):
+        return -(-n // t)
+
+    counts, indices = ints(batch, 1, rows(seq_q, 64), 3), ints(batch, 1, rows(seq_q, 64), rows(seq_k, 128))
+    grads = (ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), 3),
+             ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), rows(seq_k, mod.BWD_DQ_TILE_N)),
+             ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), 3),
+             ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), rows(seq_q, mod.BWD_TILE_M)))
+
+    def made(**changes):
+        fields = dict(counts=counts, indices=indices, batch=batch, num_heads=1, seq_q=seq_q, seq_k=seq_k,
+                      q_offset=0, tile=tile, device=cpu, grads=grads)
+        return mod.BlockMap(**{**fields, **changes})
+
+    made().check(batch, 8, seq_q, seq_k, 0, tile, cpu)  # the shapes make_block_map gives
+    made(grads=()).check(batch, 8, seq_q, seq_k, 0, tile, cpu)
+    for changes, field in [
+        (dict(counts=ints(batch, 1, rows(seq_q, 64), 2)), "block_map.counts"),
+        (dict(counts=counts.long()), "block_map.counts"),
+        (dict(indices=ints(batch, 1, rows(seq_q, 64), 1)), "block_map.indices"),
+        (dict(indices=None), "block_map.indices"),
+        (dict(grads=grads[:3]), "block_map.grads must hold 4"),
+        (dict(grads=(grads[0], grads[1], grads[3], grads[2])), r"block_map.grads\[2\]"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            made(**changes).check(batch, 8, seq_q, seq_k, 0, tile, cpu)

@@ -411,3 +411,24 @@ def test_block_map_check_refuses_lists_of_other_shapes():
     ]:
         with pytest.raises(ValueError, match=field):
             made(**changes).check(batch, 8, seq_q, seq_k, 0, tile, cpu)
+
+
+@pytest.mark.parametrize("name", ["fmha_train_document", "fmha_block_pattern"])
+def test_maps_as_built_pass_their_check(name, monkeypatch):
+    """The tensors _block_map allocates (its launches stubbed out on the CPU) have the
+    shapes check() demands, at ragged lengths and an offset."""
+    import torch
+
+    from tests.helpers import generated_module
+
+    mod = generated_module(name)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(mod.ct, "launch", lambda *args: None)
+    cpu = torch.device("cpu")
+    extra = {"backward": True} if mod.SPEC["backward"] else {}
+    for batch, heads, seq_q, seq_k, q_offset, tile in [(2, 8, 300, 700, 400, (64, 128)),
+                                                      (1, 4, 129, 129, 0, (128, 128))]:
+        tensors = dict.fromkeys(mod.SPEC["tensors"])  # read only by the stubbed launches
+        block_map = mod._block_map(tensors, batch, heads, seq_q, seq_k, q_offset, cpu, tile, **extra)
+        block_map.check(batch, heads, seq_q, seq_k, q_offset, tile, cpu)
+        assert len(getattr(block_map, "grads", ())) == (4 if extra else 0)

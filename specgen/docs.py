@@ -678,6 +678,11 @@ def _ratio(value: float | None) -> str:
     return f"{value:.2f}×" if value else "–"
 
 
+def _ratio_cell(row: dict, name: str, value: float | None) -> str:
+    """A ratio column's cell, with the mark of a dynamic-shape Flex."""
+    return _ratio(value) + (DYNAMIC_MARK if value and name == "flex" and _dynamic_flex(row) else "")
+
+
 def _cell_error(timing: dict | None) -> str:
     reason = (timing or {}).get("error") or "missing"
     return "n/a: " + reason.replace("|", "/")
@@ -749,9 +754,7 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         for name in ["specgen", *baselines]:
             t = row["timings"].get(name)
             cells.append(f"{t['tflops']:.0f} ({t['ms']:.3f})" if t and t.get("ms") else _cell_error(t))
-        cells += [_ratio(row.get("speedup", {}).get(n))
-                  + (DYNAMIC_MARK if n == "flex" and _dynamic_flex(row) and row.get("speedup", {}).get(n) else "")
-                  for n in baselines]
+        cells += [_ratio_cell(row, n, row.get("speedup", {}).get(n)) for n in baselines]
         pct = row["timings"]["specgen"].get("pct_of_matmul")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         lines.append("| " + " | ".join(cells) + " |")
@@ -792,9 +795,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
                          else f"{t['ms'] * 1000:.1f}" if t and t.get("ms") else _cell_error(t))
         pct = row["timings"]["specgen"].get("pct_of_copy")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
-        cells += [_ratio(_decode_ratio(row, n))
-                  + (DYNAMIC_MARK if n == "flex" and _dynamic_flex(row) and _decode_ratio(row, n) else "")
-                  for n in baselines]
+        cells += [_ratio_cell(row, n, _decode_ratio(row, n)) for n in baselines]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",

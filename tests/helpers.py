@@ -30,6 +30,13 @@ QWEN2_SIZES = {
 }
 
 
+def expected_full_run(listed_full: list) -> int:
+    """A block map row's run count for its listed full tiles: the first of them where
+    they are consecutive (0 where there are none), else -1."""
+    first = min(listed_full, default=0)
+    return first if sorted(listed_full) == list(range(first, first + len(listed_full))) else -1
+
+
 def qwen2_model(implementation: str, size: str, dtype, device: str = "cpu", seed: int = 0):
     """A two-layer Qwen2 model of ``size`` with attn_implementation ``implementation``;
     the same seed gives the same weights whatever the implementation."""

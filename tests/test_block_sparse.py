@@ -242,6 +242,8 @@ def _tile_states(mask, tile_m, tile_n, by_keys):
 
 def _map_states(counts, indices, inner):
     """The same states read back from a map's lists, checking their order."""
+    from .helpers import expected_full_run
+
     states = np.zeros(counts.shape[:3] + (inner,), dtype=np.int64)
     capacity = indices.shape[3]
     for b, h, o in itertools.product(*map(range, counts.shape[:3])):
@@ -250,10 +252,7 @@ def _map_states(counts, indices, inner):
         listed_full = indices[b, h, o, capacity - full:].tolist()
         assert listed_partial == sorted(listed_partial) and listed_full == sorted(listed_full, reverse=True)
         assert len(set(listed_partial + listed_full)) == partial + full <= capacity
-        # The run: the first full tile where the full tiles are consecutive (0 where
-        # there are none), else -1.
-        consecutive = sorted(listed_full) == list(range(min(listed_full, default=0), min(listed_full, default=0) + full))
-        assert run == (min(listed_full, default=0) if consecutive else -1), (listed_full, run)
+        assert run == expected_full_run(listed_full), (listed_full, run)
         states[b, h, o, listed_partial] = 1
         states[b, h, o, listed_full] = 2
     return states

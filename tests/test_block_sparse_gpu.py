@@ -8,7 +8,7 @@ import torch
 from specgen.check.cases import compare, feature_inputs, random_qkv, reference_for, shape_dims
 from specgen.spec.hooks import evaluate
 
-from .helpers import generated_module
+from .helpers import expected_full_run, generated_module
 from .test_gpu import _check, _variant_module
 
 pytestmark = pytest.mark.gpu
@@ -66,11 +66,7 @@ def _map_states(counts, indices, inner):
                 listed_full = indices[b, h, o, capacity - full:].tolist()
                 listed = indices[b, h, o, :partial].tolist() + listed_full
                 assert len(set(listed)) == len(listed), "a tile listed twice"
-                # The run: the first full tile where the full tiles are consecutive
-                # (0 where there are none), else -1.
-                first = min(listed_full, default=0)
-                consecutive = sorted(listed_full) == list(range(first, first + full))
-                assert run == (first if consecutive else -1), (listed_full, run)
+                assert run == expected_full_run(listed_full), (listed_full, run)
                 states[b, h, o, indices[b, h, o, :partial]] = 1
                 states[b, h, o, indices[b, h, o, capacity - full:]] = 2
     return states

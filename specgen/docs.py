@@ -230,8 +230,8 @@ FAMILY_ONLY = {
     "kv_dtype": "decode", "max_q_len": "decode", "paged": "decode", "splits": "decode",
     "pdl": "decode",
     "out_dtype": "prefill", "v_head_dim": "prefill", "softcap": "prefill",
-    "tensors": "prefill", "score_mod": "prefill", "mask_mod": "prefill",
-    "skip_masked_tiles": "prefill", "block_sparse": "prefill", "dropout": "prefill", "varlen": "prefill",
+    "score_mod": "prefill",
+    "skip_masked_tiles": "prefill", "dropout": "prefill", "varlen": "prefill",
     "return_lse": "prefill", "loop_split": "prefill", "block_remap": "prefill",
     "prescale_q": "prefill", "q_subtiles": "prefill", "backward": "prefill",
 }
@@ -566,6 +566,8 @@ def _spec_summary(spec: Spec) -> str:
             parts.append(f"paged ({spec.paged.page_size}-token pages)")
         if spec.pdl is not False:
             parts.append(f"pdl {_yaml_value(spec.pdl)}")
+    if spec.block_sparse:
+        parts.append("block-sparse (a block map)")
     return ", ".join(parts)
 
 

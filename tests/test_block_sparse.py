@@ -33,9 +33,15 @@ def test_bad_block_sparse_specs_name_the_field(overrides, field, words):
     assert len(lines) == 1 and lines[0].startswith(f"specs/bad.yaml: {field}: ") and words in lines[0]
 
 
-def test_decode_refuses_block_sparse():
-    lines = _errors({"name": "d", "family": "decode", "block_sparse": True})
-    assert lines == ["specs/bad.yaml: block_sparse: a prefill field, not supported by family decode"]
+@pytest.mark.parametrize("overrides,field,words", [
+    ({}, "block_sparse", "needs a mask_mod"),
+    ({"tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_q"]}},
+      "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"}, "tensors.doc.shape[1]", "family decode has no seq_q"),
+    ({"mask_mod": "kv_idx > 3", "score_mod": "score * 2.0"}, "score_mod", "a prefill field"),
+])
+def test_bad_decode_block_sparse_specs_name_the_field(overrides, field, words):
+    lines = _errors({"name": "d", "family": "decode", "block_sparse": True, **overrides})
+    assert len(lines) == 1 and lines[0].startswith(f"specs/bad.yaml: {field}: ") and words in lines[0], lines
 
 
 class _Ct:
@@ -160,6 +166,11 @@ class _Tiles:
 
     def bid(self, axis):
         return self.block[axis]
+
+    @staticmethod
+    def load(array, index, shape):
+        assert shape == (), "the map kernels load scalars only"
+        return array[index]
 
     def num_blocks(self, axis):
         return self.grid[axis]
@@ -431,3 +442,122 @@ def test_maps_as_built_pass_their_check(name, monkeypatch):
         block_map = mod._block_map(tensors, batch, heads, seq_q, seq_k, q_offset, cpu, tile, **extra)
         block_map.check(batch, heads, seq_q, seq_k, q_offset, tile, cpu)
         assert len(getattr(block_map, "grads", ())) == (4 if extra else 0)
+
+
+# --- decode: the map kernel of a decode spec, on the CPU ------------------------
+
+DECODE_MAPS = {  # mask, tensors, other fields
+    "doc": {"tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+            "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+    "chunk_300_window": {"mask_mod": "q_idx // 300 == kv_idx // 300", "window": {"left": 500}},
+    "per_head_limit": {"tensors": {"lim": {"dtype": "int32", "shape": ["heads"]}}, "mask_mod": "kv_idx >= lim[h]"},
+    "scattered_blocks": {"tensors": {"f": {"dtype": "int32", "shape": ["batch", 64]}},
+                         "mask_mod": "f[b, kv_idx // 64] != 0"},
+}
+
+
+def _decode_map_module(name, gqa, max_q_len, tile_n):
+    from specgen.compile.export import load_module_from_source
+
+    spec = {"name": f"dmap_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": gqa,
+            "max_q_len": max_q_len, "block_sparse": True, **DECODE_MAPS[name],
+            "targets": {"default": {"tile_m": 16, "tile_n": tile_n}}}
+    return load_module_from_source(f"dmap_{name}", render(make_plan(validate_spec(spec)), "specs/x.yaml").text,
+                                   f"<dmap_{name}>")
+
+
+def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
+    """[B, H_map, 1, key tiles]: 0 empty, 1 partial, 2 full, from the mask's pairs
+    between each sequence's q_len last positions (and the map head's query heads)
+    and its keys."""
+    import torch
+
+    from specgen.spec.hooks import evaluate
+
+    spec, group = module.SPEC, module.GROUP_SIZE
+    uses = compile_hook(spec["mask_mod"], "mask_mod", {
+        n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()}).uses
+    map_heads = heads // group if "h" in uses else 1
+    tiles = -(-max_len // tile_n)
+    states = np.zeros((len(seq_lens), map_heads, 1, tiles), dtype=np.int64)
+    left = (spec.get("window") or {}).get("left")
+    keys = torch.arange(tiles * tile_n)[None, :]
+    for b, n in enumerate(seq_lens):
+        rows = torch.arange(n - q_len, n)[:, None]
+        vis = (keys < n) & (keys <= rows)
+        if left is not None:
+            vis &= keys >= rows - left
+        for m in range(map_heads):
+            group_heads = torch.arange(m * group, (m + 1) * group) if map_heads > 1 else torch.zeros(1, dtype=torch.long)
+            env = {"b": torch.tensor(b), "h": group_heads[:, None, None], "q_idx": rows[None], "kv_idx": keys[None]}
+            mask = evaluate(spec["mask_mod"], env, {k: torch.from_numpy(t) for k, t in tensors.items()})
+            pairs = (vis[None] & mask).reshape(-1, tiles, tile_n)  # [rows, tiles, tile_n]
+            full = pairs.all(dim=2).all(dim=0)
+            any_ = pairs.any(dim=2).any(dim=0)
+            states[b, m, 0] = torch.where(full, 2, torch.where(any_, 1, 0)).numpy()
+    return states
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_MAPS))
+def test_decode_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
+    """A decode spec's map kernel run through numpy: for ragged lengths, several
+    query tokens, GQA groups and step sizes, each sequence's lists equal a
+    classification of the cache's tiles from the mask's pairs."""
+    import types
+
+    rng = np.random.default_rng(len(name))
+    for gqa, max_q_len, tile_n in [(8, 1, 128), (4, 4, 64), (1, 3, 64)]:
+        module = _decode_map_module(name, gqa, max_q_len, tile_n)
+        kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_decode_map_"))._pyfunc
+        heads, max_len = 2 * gqa, 3000
+        for q_len, constants in itertools.product(sorted({1, max_q_len}), (None, {"MAP_STEP_PAIRS": 2048})):
+            seq_lens = np.array([q_len, 129, 1000, 2999, 3000][:4 if q_len > 1 else 5], dtype=np.int32)
+            seq_lens = np.maximum(seq_lens, q_len)
+            tensors = _hook_tensors(module.SPEC, len(seq_lens), heads, max_len, rng)
+            want = _decode_states(module, tensors, seq_lens.tolist(), heads, q_len, max_len, tile_n)
+            map_heads, tiles = want.shape[1], want.shape[3]
+            counts = np.full((len(seq_lens), map_heads, 1, 3), -2, dtype=np.int32)
+            indices = np.full((len(seq_lens), map_heads, 1, tiles), -1, dtype=np.int32)
+            ct = _Tiles((len(seq_lens) * map_heads, 1, 1))
+            run = types.FunctionType(kernel.__code__, {**kernel.__globals__, **(constants or {}), "ct": ct},
+                                     kernel.__name__)
+            for block in range(len(seq_lens) * map_heads):
+                ct.block = (block, 0, 0)
+                run(counts, indices, seq_lens, *[tensors[n] for n in module.SPEC["tensors"]], q_len, tile_n)
+            got = _map_states(counts, indices, tiles)
+            assert (got == want).all(), (name, gqa, max_q_len, tile_n, q_len, constants)
+
+
+def test_decode_block_map_is_checked_before_any_launch(monkeypatch):
+    """A decode map of other sizes, or lists the kernels would read out of bounds,
+    is refused with the field named; make_block_map checks its arguments."""
+    import torch
+
+    module = _decode_map_module("doc", 8, 1, 128)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(module.ct, "launch", lambda *args: None)
+    cpu = torch.device("cpu")
+    lens = torch.tensor([5, 300], dtype=torch.int32)
+    doc = torch.zeros(2, 1000, dtype=torch.int32)
+    built = module._block_map({"doc": doc}, lens, 2, 1, 1000, cpu, 128)
+    assert tuple(built.counts.shape) == (2, 1, 1, 3) and tuple(built.indices.shape) == (2, 1, 1, 8)
+    built.check(2, 2, 1, 1000, 128, cpu)
+    for args, words in [((3, 2, 1, 1000, 128, cpu), "built for batch 2, but this call has 3"),
+                        ((2, 2, 1, 999, 128, cpu), "built for max_len 1000, but this call has 999"),
+                        ((2, 2, 1, 1000, 64, cpu), "built for tile_n 128, but this call has 64")]:
+        with pytest.raises(ValueError, match=words):
+            built.check(*args)
+    import dataclasses
+
+    for changes, field in [(dict(counts=built.counts[..., :2]), "block_map.counts"),
+                           (dict(indices=built.indices[..., :7]), "block_map.indices"),
+                           (dict(indices=built.indices.long()), "block_map.indices")]:
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(built, **changes).check(2, 2, 1, 1000, 128, cpu)
+    for kwargs, words in [(dict(seq_lens=lens.long()), "seq_lens must be a 1-D int32 CUDA tensor"),
+                          (dict(num_heads=12), "num_heads must be a multiple of 8"),
+                          (dict(q_len=2), r"q_len must be in \[1, 1\]"),
+                          (dict(max_len=0), "max_len must be an int >= 1")]:
+        call = {**dict(seq_lens=lens, num_heads=16, max_len=1000, q_len=1, doc=doc), **kwargs}
+        with pytest.raises(ValueError, match=words):
+            module.make_block_map(call.pop("seq_lens"), call.pop("num_heads"), call.pop("max_len"), **call)

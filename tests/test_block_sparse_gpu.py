@@ -204,3 +204,86 @@ def test_chunk_boundary_variant_matches_reference():
                                          "dtype": "bfloat16"})
     _check(mod, 1, 2, 1000, 1000)
     _check(mod, 2, 1, 128, 1000, 872)
+
+
+# --- decode ------------------------------------------------------------------------
+
+
+def _decode_sparse(name):
+    from .test_gpu import DECODE_VARIANTS, _decode_module
+
+    return generated_module(name) if name.startswith("fmha_") else _decode_module(name, DECODE_VARIANTS[name])
+
+
+@pytest.mark.parametrize("name", ["fmha_decode_chunked_local", "doc_sparse_gqa8",
+                                  "per_head_sparse_f16_d64_q4_paged64_window_sinks", "blocks_sparse_gqa8_q2"])
+def test_decode_block_map_lists_exactly_the_visible_tiles(name):
+    from specgen.check.cases import random_decode
+
+    from .test_block_sparse import _decode_states, _map_states as map_states_np
+
+    mod = _decode_sparse(name)
+    spec = mod.SPEC
+    q_len = spec["max_q_len"]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    batch = random_decode(spec, [q_len, 700, 8191, 8193, 20000], 2, q_len, gen)
+    extra = feature_inputs(spec, batch.dims(), gen)
+    tensors = {n: extra[n] for n in spec["tensors"]}
+    heads = batch.q.shape[2]
+    block_map = mod.make_block_map(batch.seq_lens, heads, batch.capacity, q_len=q_len, **tensors)
+    want = _decode_states(mod, {n: t.cpu().numpy() for n, t in tensors.items()}, batch.seq_lens.tolist(), heads,
+                          q_len, batch.capacity, block_map.tile_n)
+    got = map_states_np(block_map.counts.cpu().numpy(), block_map.indices.cpu().numpy(), want.shape[3])
+    assert (got == want).all()
+
+
+def test_decode_map_is_reused_across_layers_and_refused_for_other_sizes():
+    from specgen.check.cases import decode_reference, random_decode
+
+    mod = _decode_sparse("doc_sparse_gqa8")
+    spec = mod.SPEC
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    batch = random_decode(spec, [300, 5000, 12345], 2, 1, gen)
+    extra = feature_inputs(spec, batch.dims(), gen)
+    block_map = mod.make_block_map(batch.seq_lens, 16, batch.capacity, doc=extra["doc"])
+    once = mod.attention(*batch.args(), doc=extra["doc"])
+    for _ in range(3):  # one map, several layers
+        assert torch.equal(mod.attention(*batch.args(), doc=extra["doc"], block_map=block_map), once)
+    assert compare(once, decode_reference(spec, batch, extra), spec["dtype"]).ok
+    with pytest.raises(ValueError, match="block_map was built for max_len 12345, but this call has 12344"):
+        mod.attention(batch.q, batch.k_cache[:, :12344], batch.v_cache[:, :12344], batch.seq_lens,
+                      doc=extra["doc"][:, :12344], block_map=block_map)
+    with pytest.raises(ValueError, match="block_map must be a BlockMap"):
+        mod.attention(*batch.args(), doc=extra["doc"], block_map=block_map.counts)
+    with pytest.raises(ValueError, match=r"doc must be a torch.int32 tensor of shape \(3, 12345\)"):
+        mod.make_block_map(batch.seq_lens, 16, batch.capacity, doc=extra["doc"][:, :100])
+
+
+def test_decode_map_and_step_replay_in_a_cuda_graph_as_lengths_advance():
+    """A serving loop: one graph holds the map build and the attention; each replay
+    follows seq_lens and the caches updated in place."""
+    from specgen.check.cases import decode_reference, random_decode
+
+    mod = generated_module("fmha_decode_chunked_local")
+    spec = mod.SPEC
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    batch = random_decode(spec, [8190, 16385, 20000], 1, 1, gen)
+    full = random_decode(spec, [20000, 20000, 20000], 1, 1, gen)  # keys for the steps ahead
+    k_cache, v_cache = full.k_cache.clone(), full.v_cache.clone()
+    seq_lens = batch.seq_lens.clone()
+    q = batch.q.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mod.attention(q, k_cache, v_cache, seq_lens)  # warm: compiled before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block_map = mod.make_block_map(seq_lens, q.shape[2], k_cache.shape[1])
+        out = mod.attention(q, k_cache, v_cache, seq_lens, block_map=block_map)
+    for lens in ([8190, 16385, 19000], [8192, 16386, 19999], [8193, 8192, 1]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        step = type(batch)(q, k_cache, v_cache, seq_lens, None)
+        assert compare(out, decode_reference(spec, step, {}), spec["dtype"]).ok, lens

@@ -388,6 +388,28 @@ DECODE_VARIANTS = {
         "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     "vt_f16_gqa8_q2": {"dtype": "float16", "gqa_ratio": 8, "max_q_len": 2, "v_cache_transposed": True,
                        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    # mask_mod hooks: evaluated on every tile, or through a block map (block_sparse).
+    "doc_sparse_gqa8": {"gqa_ratio": 8, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True,
+                        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "doc_masked_gqa4_q4_paged64": {
+        "gqa_ratio": 4, "max_q_len": 4, "paged": {"page_size": 64},
+        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    # A mask per query head (the map is per KV head), paged, a window and sinks.
+    "per_head_sparse_f16_d64_q4_paged64_window_sinks": {
+        "dtype": "float16", "head_dim": 64, "gqa_ratio": 4, "max_q_len": 4, "paged": {"page_size": 64},
+        "window": {"left": 1000}, "sinks": True, "tensors": {"lim": {"dtype": "int32", "shape": ["heads"]}},
+        "mask_mod": "kv_idx >= lim[h]", "block_sparse": True, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "chunk300_sparse_fp8kv_vt_splits3": {
+        "gqa_ratio": 4, "kv_dtype": "float8_e4m3fn", "v_cache_transposed": True, "splits": 3,
+        "mask_mod": "q_idx // 300 == kv_idx // 300", "block_sparse": True,
+        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    # Scattered full tiles: the split kernel reads them from the list, not as a run.
+    "blocks_sparse_gqa8_q2": {
+        "gqa_ratio": 8, "max_q_len": 2, "tensors": {"f": {"dtype": "int32", "shape": ["batch", 1024]}},
+        "mask_mod": "f[b, kv_idx // 64] != 0", "block_sparse": True,
+        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
 }
 
 

@@ -198,7 +198,8 @@ def _flex(torch, suite: str, plan) -> Runner:
     """FlexAttention compiled once per spec. Prefill: the window and mask_mod as a
     block mask, the soft-cap and score_mod as its score_mod (both evaluated from
     the spec's checked expressions); varlen as one packed sequence whose block mask
-    keeps each query in its own sequence. Decode: its decoding path. Backward: the
+    keeps each query in its own sequence. Decode: its decoding path, the window and
+    mask_mod as a block mask whose query index is the new token's position. Backward: the
     prefill's block mask and score_mod, differentiated by Flex."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -216,15 +217,43 @@ def _flex(torch, suite: str, plan) -> Runner:
     # Static shapes: a kernel specialised to each case, as a model with fixed
     # lengths gets (with the default, a second shape recompiles it dynamic, slower).
     compiled = torch.compile(flex_attention, dynamic=False)
-    if suite == "decode":
-        return lambda x: compiled(x.q, x.k, x.v, enable_gqa=ratio > 1)
-
     left, right = window_of(plan) or (None, None)
-    softcap = plan.softcap
-    score_fn = torch_fn(plan.spec.score_mod) if plan.score_mod else None
     mask_fn = torch_fn(plan.spec.mask_mod) if plan.mask_mod else None
+    # A mask_mod that reads h needs a block mask per query head.
+    mask_heads = mask_fn is not None and "h" in plan.mask_mod.uses
     tensor_names = tuple(plan.spec.tensors)
     hook_tensors: dict = {}  # the current call's extra tensors, read by the hooks
+    if suite == "decode":
+        if mask_fn is None and left is None:
+            return lambda x: compiled(x.q, x.k, x.v, enable_gqa=ratio > 1)
+        decode_masks: dict[tuple, Any] = {}
+
+        def run_decode(x: Inputs):
+            # Every sequence of a bench case holds L keys; its q_len new tokens are
+            # the last positions: Flex's query index i is position L - q_len + i.
+            q_len, length = x.q.shape[2], x.k.shape[2]
+            hook_tensors.clear()
+            hook_tensors.update({n: x.extra[n] for n in tensor_names})
+
+            def visible(b, h, qi, ki):
+                pos = qi + (length - q_len)
+                allowed = visible_rule(pos, ki, causal=True, left=left)
+                if mask_fn:
+                    env = {"b": b, "h": h, "q_idx": pos, "kv_idx": ki}
+                    allowed = allowed & mask_fn(env, hook_tensors)
+                return allowed
+
+            key = (x.q.shape[0], q_len, length)
+            if key not in decode_masks:
+                decode_masks[key] = create_block_mask(
+                    visible, x.q.shape[0], x.q.shape[1] if mask_heads else None, q_len, length,
+                    device="cuda")
+            return compiled(x.q, x.k, x.v, block_mask=decode_masks[key], enable_gqa=ratio > 1)
+
+        return run_decode
+
+    softcap = plan.softcap
+    score_fn = torch_fn(plan.spec.score_mod) if plan.score_mod else None
 
     def modify(score, b, h, qi, ki):
         if softcap:
@@ -272,7 +301,8 @@ def _flex(torch, suite: str, plan) -> Runner:
         hook_tensors.clear()
         hook_tensors.update({n: x.extra[n] for n in tensor_names})
         if masked and key not in masks:
-            masks[key] = create_block_mask(visible, x.q.shape[0] if mask_fn else None, None,
+            masks[key] = create_block_mask(visible, x.q.shape[0] if mask_fn else None,
+                                           x.q.shape[1] if mask_heads else None,
                                            key[0], key[1], device="cuda")
         return compiled(x.q, x.k, x.v, block_mask=masks.get(key), enable_gqa=ratio > 1,
                         score_mod=score_mod)
@@ -460,7 +490,8 @@ REGISTRY: dict[str, Baseline] = {
                  default=True),
         Baseline("flex", "FlexAttention",
                  {"prefill": frozenset({"window", "softcap", "score_mod", "mask_mod", "varlen"}),
-                  "decode": _NONE, "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"})},
+                  "decode": frozenset({"window", "mask_mod"}),
+                  "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"})},
                  _flex, default=True, note=FLEX_STATIC),
         Baseline("fa3", "FA3",
                  {"prefill": frozenset({"softcap"}), "decode": frozenset({"softcap"})},

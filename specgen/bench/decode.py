@@ -40,6 +40,8 @@ from specgen.bench.baselines import label
 
 # (batch, KV heads, cached length); query heads = gqa_ratio * KV heads.
 DECODE_SHAPES = ((1, 8, 8192), (1, 8, 32768), (8, 8, 8192), (64, 8, 4096))
+# block_sparse specs add long caches, where a mask (a chunk, a document) hides most keys.
+SPARSE_SHAPES = ((8, 8, 32768), (1, 8, 131072))
 
 
 def kv_bytes(batch: int, kv_heads: int, length: int, head_dim: int, dtype_bits: int) -> int:
@@ -106,7 +108,7 @@ class Decode(Suite):
         return None if plan.spec.family == "decode" else "not a decode spec (use --suite prefill)"
 
     def shapes(self, plan, override=None) -> list:
-        return list(override or DECODE_SHAPES)
+        return list(override or DECODE_SHAPES + (SPARSE_SHAPES if plan.block_sparse else ()))
 
     def case(self, ctx: Context, module, plan, shape) -> Case:
         from specgen.check.cases import feature_inputs, random_decode
@@ -124,11 +126,33 @@ class Decode(Suite):
         label_ = f"B{batch} Hq{ratio * kv_heads}/Hkv{kv_heads} L{length}"
         ctx.log(f"[{plan.module_name}] {label_}: {copies} input copies, {calls} calls per steady-state graph")
         datas = [random_decode(spec, [length] * batch, kv_heads, 1, gen) for _ in range(copies)]
-        extra = feature_inputs(spec, {"batch": batch, "heads": ratio * kv_heads, "kv_heads": kv_heads}, gen)
+        extra = feature_inputs(spec, datas[0].dims(), gen)
         outs = [torch.empty_like(data.q) for data in datas]
+        map_fields, kwargs = {}, {}
+        if hasattr(module, "make_block_map"):
+            # One map serves every copy (the same lengths and hook tensors); a serving
+            # loop builds it once per step for all layers, so its build is timed apart.
+            tensors = {n: extra[n] for n in spec["tensors"]}
+
+            def build():
+                return module.make_block_map(datas[0].seq_lens, ratio * kv_heads, datas[0].capacity,
+                                             **tensors)
+
+            kwargs["block_map"] = build()
+            partial, full, _ = kwargs["block_map"].tile_counts()
+            map_heads = kwargs["block_map"].num_heads
+            tile_n = kwargs["block_map"].tile_n
+            # The bytes the kernel reads: the listed tiles' keys, for every KV head.
+            nbytes = base_bytes = kv_bytes(1, kv_heads // map_heads, (partial + full) * tile_n, d,
+                                           torch.finfo(getattr(torch, plan.kv_dtype)).bits)
+            map_fields = dict(block_map_ms=graph_time_ms(torch, build, ctx.do_bench, calls=16),
+                              tiles_visited=(partial + full) / (batch * map_heads * -(-length // tile_n)))
+            ctx.log(f"[{plan.module_name}] {label_}: the block map lists {partial} partial + {full} full "
+                    f"tiles of {tile_n} keys")
 
         def call(i):
-            return lambda: module.attention(*datas[i].args(), out=outs[i], max_seq_len=length, **extra)
+            return lambda: module.attention(*datas[i].args(), out=outs[i], max_seq_len=length, **extra,
+                                            **kwargs)
 
         # Baselines read [B, H, L, D] copies of the caches, made outside the timing
         # (a float8 cache dequantised to the query dtype).
@@ -140,13 +164,15 @@ class Decode(Suite):
                 return cache.contiguous()
             return (cache.float() * descales[which]).to(data.q.dtype).contiguous()
 
+        hooks = {n: extra[n] for n in spec.get("tensors") or {}}
         inputs = [Inputs(q=data.q.transpose(1, 2).contiguous(), k=baseline_cache(data, 0),
-                         v=baseline_cache(data, 1)) for data in datas]
+                         v=baseline_cache(data, 1), extra=hooks) for data in datas]
         _, splits, pdl = module.launch_plan(batch, kv_heads, length, torch.device("cuda"))
         row = dict(batch=batch, heads_q=ratio * kv_heads, heads_kv=kv_heads, seq_q=1, seq_k=length,
                    head_dim=d, dtype=plan.dtype, causal=plan.causal, bytes=nbytes, splits=splits,
                    pdl=pdl, input_copies=copies, calls_per_graph=calls)
-        return Case(label_, row, inputs, kernel=([call(i) for i in range(copies)], outs, base_bytes))
+        return Case(label_, row, inputs, kernel=([call(i) for i in range(copies)], outs, base_bytes,
+                                                 map_fields))
 
     def _rate(self, ctx: Context, case: Case, fns, read_bytes: int, **more) -> Timing:
         torch, do_bench = ctx.torch, ctx.do_bench
@@ -156,11 +182,11 @@ class Decode(Suite):
                       ms_one_call=graph_time_ms(torch, fns[0], do_bench), **more)
 
     def time_kernel(self, ctx: Context, module, case: Case) -> Timing:
-        ours, outs, _ = case.kernel
+        ours, outs, _, map_fields = case.kernel
         ours[0]()
         ctx.torch.cuda.synchronize()
         case.ours = outs[0].float().clone()
-        return self._rate(ctx, case, ours, case.row["bytes"])
+        return self._rate(ctx, case, ours, case.row["bytes"], **map_fields)
 
     def time_baseline(self, ctx: Context, case: Case, baseline, fn) -> Timing:
         base_bytes = case.kernel[2]

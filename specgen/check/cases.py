@@ -205,7 +205,7 @@ def call_kernel(module, q, k, v, extra: dict, **kwargs):
 
 
 def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None,
-                  p_dtype=None, compute_dtype=torch.float64):
+                  p_dtype=None, compute_dtype=torch.float64, batch_offset: int = 0):
     """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse).
     ``p_dtype``: the P-rounding model of attention_reference (see p_rounding)."""
     from specgen.check.reference import attention_reference
@@ -221,7 +221,7 @@ def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=
         softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
         score_mod=spec.get("score_mod"), mask_mod=spec.get("mask_mod"), tensors=tensors,
         dropout_p=extra.get("dropout_p", 0.0), seed=extra.get("seed", 0), p_dtype=p_dtype,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, batch_offset=batch_offset,
     )
 
 
@@ -276,6 +276,19 @@ class DecodeBatch:
     def args(self) -> tuple:
         return ((self.q, self.k_cache, self.v_cache, self.seq_lens)
                 + ((self.page_table,) if self.page_table is not None else ()))
+
+    @property
+    def capacity(self) -> int:
+        """Key positions of the cache: max_len, or the page table's pages x page_size."""
+        if self.page_table is None:
+            return self.k_cache.shape[1]
+        return self.page_table.shape[1] * self.k_cache.shape[1]
+
+    def dims(self) -> dict:
+        """The sizes hook tensors are declared in (seq_k: the cache's positions)."""
+        heads, kv_heads = self.q.shape[2], self.k_cache.shape[2]
+        return {"batch": self.q.shape[0], "heads": heads, "kv_heads": kv_heads,
+                "seq_k": self.capacity}
 
     def keys(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's cached K and V, [Hkv, seq_len, D] each."""
@@ -354,7 +367,7 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
 
 def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) -> torch.Tensor:
     """The fp64 reference of a decode call: each sequence's q_len new tokens are its
-    last positions, against its cached keys (window, sinks)."""
+    last positions, against its cached keys (window, sinks, mask_mod)."""
     outs = []
     q_len = batch.q.shape[1]
     for b in range(batch.q.shape[0]):
@@ -365,6 +378,6 @@ def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) ->
         q = batch.q[b].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         n = int(batch.seq_lens[b])
         out, _ = reference_for({**spec, "causal": True}, q, k[None], v[None], extra,
-                               q_offset=n - q_len, scale=scale)
+                               q_offset=n - q_len, scale=scale, batch_offset=b)
         outs.append(out[0].transpose(0, 1))
     return torch.stack(outs)

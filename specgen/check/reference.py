@@ -99,6 +99,7 @@ def attention_reference(
     seed: int = 0,
     p_dtype: torch.dtype | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    batch_offset: int = 0,
 ):
     """softmax(scale * q k^T + mask) v in float64, for q [B, Hq, Sq, D] and k/v
     [B, Hkv, Skv, D] with Hq a multiple of Hkv (query head h reads KV head h // ratio).
@@ -116,7 +117,8 @@ def attention_reference(
     with no visible key gives zeros and an LSE of -inf (or the sink alone).
     ``compute_dtype`` (float64 by default) is the type all of it is computed in:
     the input dtype gives "the same math in the input dtype" of FlashAttention's
-    gradient rule. With
+    gradient rule. ``batch_offset``: the hooks' b of q's first sequence (a caller
+    that passes one sequence of a batch at a time). With
     ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
@@ -136,7 +138,7 @@ def attention_reference(
         batch, heads, seq_q, seq_k = scores.shape
         env = {
             "score": scores,
-            "b": torch.arange(batch, device=q.device).view(-1, 1, 1, 1),
+            "b": (torch.arange(batch, device=q.device) + batch_offset).view(-1, 1, 1, 1),
             "h": torch.arange(heads, device=q.device).view(1, -1, 1, 1),
             "q_idx": (torch.arange(seq_q, device=q.device) + q_offset).view(1, 1, -1, 1),
             "kv_idx": torch.arange(seq_k, device=q.device).view(1, 1, 1, -1),

@@ -221,8 +221,7 @@ def run_decode_case(torch, module, case: Case, generator) -> dict:
     """A decode case: NaN-poisoned cache slots past every length, fp64 reference."""
     spec = module.SPEC
     batch = random_decode(spec, list(case.decode_lens), case.kv_heads, case.seq_q, generator)
-    extra = feature_inputs(spec, {"batch": len(case.decode_lens), "heads": batch.q.shape[2],
-                                  "kv_heads": case.kv_heads}, generator)
+    extra = feature_inputs(spec, batch.dims(), generator)
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device="cuda")
     module.attention(*batch.args(), out=out, **extra)
     torch.cuda.synchronize()

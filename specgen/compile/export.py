@@ -191,7 +191,8 @@ def pdl_value(plan: Plan, target: str) -> bool:
 
 
 def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
-    """The decode family's two kernels: {kernel name: its signatures}."""
+    """The decode family's kernels (split, combine and, block_sparse, the map
+    kernel): {kernel name: its signatures}."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
@@ -212,12 +213,21 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     split_tiles = ([1 << (fixed - 1).bit_length()] if fixed else
                    [1 << i for i in range(1, plan.max_splits.bit_length())])
     pdl = pdl_value(plan, target)
-    return {
-        plan.kernel_name: [KernelSignature(split + sinks + parts + scalars + [config.tile_n, single, pdl],
-                                           convention) for single in (True, False)],
+    # The mask_mod's tensors (small, any alignment) and the block map (counts, indices).
+    hooks = [array(getattr(ct, dtype), len(dims)) for _, _, dtype, dims in plan.extra_tensors]
+    tables = [array(ct.int32, 4)] * 2 if plan.block_sparse else []
+    builds = {
+        plan.kernel_name: [KernelSignature(split + sinks + hooks + tables + parts + scalars
+                                           + [config.tile_n, single, pdl], convention)
+                           for single in (True, False)],
         plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
                             for tile in split_tiles if tile > 1],
     }
+    if plan.block_sparse:  # the map kernel: counts, indices, seq_lens, hooks, q_len
+        builds[plan.map_kernel_name] = [KernelSignature(
+            tables + [array(ct.int32, 1)] + hooks + [ScalarConstraint(ct.int32), config.tile_n],
+            convention)]
+    return builds
 
 
 def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:

@@ -67,7 +67,15 @@ def _environment(path: str) -> jinja2.Environment:
     # Literals reach the source only through repr(): a string from a spec can never
     # become code.
     env.filters["pyrepr"] = repr
+    env.filters["dedent"] = _dedent
     return env
+
+
+def _dedent(text: str, width: int = 4) -> str:
+    """``text`` with ``width`` leading spaces taken off each line (a macro printed at
+    a shallower block than it was written for); a line with fewer is left as is."""
+    pad = " " * width
+    return "\n".join(line[width:] if line.startswith(pad) else line for line in text.split("\n"))
 
 
 def template_hash(path: Path | None = None) -> str:

@@ -526,7 +526,13 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
 
 def _row_mask(spec: Spec) -> tuple[str, ...]:
     terms = []
-    if spec.causal:
+    if spec.family == "decode":
+        # A decode query sees the cache up to its own position (causal among the new
+        # tokens); the terms are printed where a mask_mod is evaluated.
+        if spec.mask_mod is None:
+            return ()
+        terms.append("keys <= rows")
+    elif spec.causal:
         terms.append("keys <= rows")
     elif spec.window is not None and spec.window.right is not None:
         terms.append("keys <= rows + WINDOW_RIGHT")
@@ -664,9 +670,16 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
 
 def _block_sparse(spec: Spec, mask: Hook | None) -> dict:
     """The map fields of a block_sparse spec; ``mask``: its compiled mask_mod."""
-    if not (spec.block_sparse and spec.family == "prefill"):
+    if not spec.block_sparse:
         return {}
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
+    if spec.family == "decode":
+        # One map row per (sequence, KV head where the mask_mod reads h): the key tiles
+        # that some row of the kernel's packed query tile sees, classified a step of
+        # CHUNK tiles at a time (few rows: every pair of a step at once is cheap).
+        return dict(block_sparse=True, map_per_head="h" in mask.uses, map_steps=True,
+                    map_span=_map_span(spec.mask_mod, tensors, mask, "keys", rename=False),
+                    map_kernel_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_map", 1))
     blocks = block_quotients(spec.mask_mod)
     if (spec.causal or spec.window or blocks is None
             or any(d is not None and d & (d - 1) for d in blocks)):

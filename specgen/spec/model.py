@@ -121,7 +121,8 @@ class Spec(_Strict):
     mask_mod: Optional[str] = Field(
         None,
         description="Condition: key kv_idx is visible to query q_idx (documents: "
-        "'doc[b, q_idx] == doc[b, kv_idx]'); ANDed with causal and window. null: none.",
+        "'doc[b, q_idx] == doc[b, kv_idx]'); ANDed with causal and window (decode: "
+        "q_idx is the new token's cache position). null: none.",
     )
     skip_masked_tiles: bool = Field(
         False,
@@ -132,10 +133,10 @@ class Spec(_Strict):
     block_sparse: bool = Field(
         False,
         description="With a mask_mod: the kernels visit only the key tiles that hold a "
-        "visible pair, from a block map built on the GPU once per batch "
-        "(make_block_map in the generated module, reusable across layers); full tiles "
-        "run without evaluating the mask. Wins where the mask hides most tiles "
-        "(documents, chunked-local attention, block patterns).",
+        "visible pair, from a block map built on the GPU once per batch (decode: once "
+        "per step) by make_block_map in the generated module, reusable across layers; "
+        "full tiles run without evaluating the mask. Wins where the mask hides most "
+        "tiles (documents, chunked-local attention, block patterns).",
     )
     dropout: bool = Field(
         False,
@@ -347,8 +348,8 @@ class Spec(_Strict):
     def _family_problems(self) -> list[tuple[str, str]]:
         """Each family takes only its own fields (a field another family owns is an error)."""
         decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
-        prefill_only = ("v_head_dim", "out_dtype", "softcap", "tensors", "score_mod", "mask_mod",
-                        "skip_masked_tiles", "block_sparse", "dropout", "varlen", "return_lse", "block_remap",
+        prefill_only = ("v_head_dim", "out_dtype", "softcap", "score_mod",
+                        "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
                         "loop_split", "prescale_q", "q_subtiles", "backward", "deterministic", "context_parallel")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
@@ -364,6 +365,12 @@ class Spec(_Strict):
                                           "(a float8 cache is kv_dtype: float8_e4m3fn)"))
             if self.window is not None and self.window.right not in (None, 0):
                 problems.append(("window.right", f"family decode takes null or 0, got {self.window.right}"))
+            # A decode query sits at a cache position: tables along positions are seq_k long.
+            problems += [(f"tensors.{name}.shape[{i}]", "family decode has no seq_q (its queries "
+                                                         "sit at cache positions): use seq_k, the "
+                                                         "cache's length")
+                         for name, t in self.tensors.items() for i, d in enumerate(t.shape)
+                         if d == "seq_q"]
         if self.family == "decode" or self.varlen:
             what = "family decode" if self.family == "decode" else "varlen"
             for name, cfg in self.targets.items():
@@ -402,7 +409,7 @@ class Spec(_Strict):
                 for name in self.tensors if not _indexes(used, name)]
 
     def _block_sparse_problems(self) -> list[tuple[str, str]]:
-        if not self.block_sparse or self.family != "prefill":
+        if not self.block_sparse:
             return []
         problems = []
         if self.mask_mod is None:

@@ -169,8 +169,20 @@ class _Tiles:
 
     @staticmethod
     def load(array, index, shape):
-        assert shape == (), "the map kernels load scalars only"
-        return array[index]
+        """A scalar (shape ()), or the tile at tile index ``index`` (zeros outside)."""
+        if shape == ():
+            return array[index]
+        out = np.zeros(shape, array.dtype)
+        part = array[tuple(slice(i * n, (i + 1) * n) for i, n in zip(index, shape))]
+        out[tuple(slice(0, n) for n in part.shape)] = part
+        return out
+
+    @staticmethod
+    def store(array, index, tile):
+        """The tile at tile index ``index`` (the part inside the array)."""
+        where = tuple(slice(i * n, (i + 1) * n) for i, n in zip(index, tile.shape))
+        part = array[where]
+        part[...] = tile[tuple(slice(0, n) for n in part.shape)]
 
     def num_blocks(self, axis):
         return self.grid[axis]
@@ -498,33 +510,61 @@ def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
     return states
 
 
+# Small steps: a row's tiles are classified by many CTAs, and listed in several steps.
+SMALL_DECODE_STEPS = {"MAP_STEP_PAIRS": 512, "LIST_CHUNK": 16}
+
+
+def _run_decode_map(module, constants, seq_lens, tensors, map_heads, tiles, q_len, tile_n):
+    """(counts, indices) of a decode module's two map kernels run CTA by CTA on the
+    CPU, as _block_map launches them."""
+    import types
+
+    def kernel(listing):
+        """The map's classifying kernel, or (``listing``) its listing kernel, run on ``ct``."""
+        names = [n for n in dir(module) if n.startswith("fmha_decode_map_")]
+        fn = getattr(module, next(n for n in names if n.startswith("fmha_decode_map_list_") == listing))._pyfunc
+        return lambda ct: types.FunctionType(fn.__code__, {**fn.__globals__, **(constants or {}), "ct": ct},
+                                             fn.__name__)
+
+    values = {**vars(module), **(constants or {})}
+    rows, list_chunk = values["MAP_ROWS"], values["LIST_CHUNK"]
+    chunk = max(values["MAP_STEP_PAIRS"] // (rows * tile_n), 1)
+    padded = -(-tiles // list_chunk) * list_chunk
+    batch = len(seq_lens)
+    state = np.full((batch, map_heads, 1, padded), -7, dtype=np.int32)
+    counts = np.full((batch, map_heads, 1, 3), -2, dtype=np.int32)
+    indices = np.full((batch, map_heads, 1, tiles), -1, dtype=np.int32)
+    ct = _Tiles((padded // chunk, batch * map_heads, 1))
+    classify = kernel(False)(ct)
+    for block in itertools.product(range(padded // chunk), range(batch * map_heads)):
+        ct.block = (*block, 0)
+        classify(state, seq_lens, *[tensors[n] for n in module.SPEC["tensors"]], q_len, tile_n)
+    assert (state >= 0).all(), "a state left unwritten"
+    ct = _Tiles((batch * map_heads, 1, 1))
+    listing = kernel(True)(ct)
+    for block in range(batch * map_heads):
+        ct.block = (block, 0, 0)
+        listing(counts, indices, state)
+    return counts, indices
+
+
 @pytest.mark.parametrize("name", sorted(DECODE_MAPS))
 def test_decode_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
     """A decode spec's map kernel run through numpy: for ragged lengths, several
     query tokens, GQA groups and step sizes, each sequence's lists equal a
     classification of the cache's tiles from the mask's pairs."""
-    import types
-
     rng = np.random.default_rng(len(name))
     for gqa, max_q_len, tile_n in [(8, 1, 128), (4, 4, 64), (1, 3, 64)]:
         module = _decode_map_module(name, gqa, max_q_len, tile_n)
-        kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_decode_map_"))._pyfunc
         heads, max_len = 2 * gqa, 3000
-        for q_len, constants in itertools.product(sorted({1, max_q_len}), (None, {"MAP_STEP_PAIRS": 2048})):
+        for q_len, constants in itertools.product(sorted({1, max_q_len}), (None, SMALL_DECODE_STEPS)):
             seq_lens = np.array([q_len, 129, 1000, 2999, 3000][:4 if q_len > 1 else 5], dtype=np.int32)
             seq_lens = np.maximum(seq_lens, q_len)
             tensors = _hook_tensors(module.SPEC, len(seq_lens), heads, max_len, rng)
             want = _decode_states(module, tensors, seq_lens.tolist(), heads, q_len, max_len, tile_n)
-            map_heads, tiles = want.shape[1], want.shape[3]
-            counts = np.full((len(seq_lens), map_heads, 1, 3), -2, dtype=np.int32)
-            indices = np.full((len(seq_lens), map_heads, 1, tiles), -1, dtype=np.int32)
-            ct = _Tiles((len(seq_lens) * map_heads, 1, 1))
-            run = types.FunctionType(kernel.__code__, {**kernel.__globals__, **(constants or {}), "ct": ct},
-                                     kernel.__name__)
-            for block in range(len(seq_lens) * map_heads):
-                ct.block = (block, 0, 0)
-                run(counts, indices, seq_lens, *[tensors[n] for n in module.SPEC["tensors"]], q_len, tile_n)
-            got = _map_states(counts, indices, tiles)
+            counts, indices = _run_decode_map(module, constants, seq_lens, tensors, want.shape[1], want.shape[3],
+                                              q_len, tile_n)
+            got = _map_states(counts, indices, want.shape[3])
             assert (got == want).all(), (name, gqa, max_q_len, tile_n, q_len, constants)
 
 
@@ -539,7 +579,7 @@ def test_decode_block_map_is_checked_before_any_launch(monkeypatch):
     cpu = torch.device("cpu")
     lens = torch.tensor([5, 300], dtype=torch.int32)
     doc = torch.zeros(2, 1000, dtype=torch.int32)
-    built = module._block_map({"doc": doc}, lens, 2, 1, 1000, cpu, 128)
+    built = module._block_map({"doc": doc}, lens, 2, 1, 1000, cpu, 128)  # (launches stubbed)
     assert tuple(built.counts.shape) == (2, 1, 1, 3) and tuple(built.indices.shape) == (2, 1, 1, 8)
     built.check(2, 2, 1, 1000, 128, cpu)
     for args, words in [((3, 2, 1, 1000, 128, cpu), "built for batch 2, but this call has 3"),

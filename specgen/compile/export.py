@@ -223,10 +223,11 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
         plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
                             for tile in split_tiles if tile > 1],
     }
-    if plan.block_sparse:  # the map kernel: counts, indices, seq_lens, hooks, q_len
+    if plan.block_sparse:  # the map's kernels: states, seq_lens, hooks, q_len; the lists
+        state = array(ct.int32, 4, 4, True)
         builds[plan.map_kernel_name] = [KernelSignature(
-            tables + [array(ct.int32, 1)] + hooks + [ScalarConstraint(ct.int32), config.tile_n],
-            convention)]
+            [state, array(ct.int32, 1)] + hooks + [ScalarConstraint(ct.int32), config.tile_n], convention)]
+        builds[plan.map_list_kernel_name] = [KernelSignature(tables + [state], convention)]
     return builds
 
 

@@ -241,6 +241,17 @@ class Plan:
     map_blocks: tuple[int | None, int | None] | None = None
 
     @property
+    def decode_map_rows(self) -> int:
+        """Rows of a decode map kernel's query tile: the split kernel's packed rows
+        where the mask_mod reads h, else one per query token (padded to a power of two)."""
+        return self.decode_tile_m if self.map_per_head else _pow2_ceil(self.max_q_len)
+
+    @property
+    def map_list_kernel_name(self) -> str:
+        """A decode map's second kernel, which lists the tiles the first classified."""
+        return self.map_kernel_name.replace("fmha_decode_map", "fmha_decode_map_list", 1)
+
+    @property
     def bwd_prescale(self) -> str | None:
         """What the forward multiplies Q by before rounding it (prescale_q), as the
         kernels write it from qk_scale; None without prescale_q. The backward takes
@@ -675,10 +686,10 @@ def _block_sparse(spec: Spec, mask: Hook | None) -> dict:
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
     if spec.family == "decode":
         # One map row per (sequence, KV head where the mask_mod reads h): the key tiles
-        # that some row of the kernel's packed query tile sees, classified a step of
-        # CHUNK tiles at a time (few rows: every pair of a step at once is cheap).
-        return dict(block_sparse=True, map_per_head="h" in mask.uses, map_steps=True,
-                    map_span=_map_span(spec.mask_mod, tensors, mask, "keys", rename=False),
+        # that some row of the kernel's packed query tile sees. Few rows, many tiles: a
+        # row's tiles are classified by many CTAs, then listed by one per row (one CTA
+        # stepping through a row took 60-280 µs on an H100, 4-20x the decode call).
+        return dict(block_sparse=True, map_per_head="h" in mask.uses,
                     map_kernel_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_map", 1))
     blocks = block_quotients(spec.mask_mod)
     if (spec.causal or spec.window or blocks is None

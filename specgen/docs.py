@@ -646,7 +646,10 @@ backends, FlexAttention is torch's `flex_attention`, compiled with static shapes
 default, which recompiles it for dynamic shapes once a second length is seen: a
 kernel up to 1.5× slower than the static one (packed documents at S=2048: 85
 against 132 TFLOPS on the H200). Such a ratio can overstate specgen's lead; the
-unmarked ones are against the static kernel.
+unmarked ones are against the static kernel. In the decode suite those runs also
+called Flex without a block mask, which on an H100 ran up to 18× slower than with
+one that marks every block full (B1 L8192: 284 against 22 µs; B1 L32768: 1101
+against 60 µs; B64 L4096: about the same): their Flex ratios are not Flex's speed.
 """
 
 DYNAMIC_MARK = "†"

@@ -36,8 +36,9 @@ def test_shipped_spec_compiles(path, target):
     result = compile_target(plan, source, f"generated/{path.stem}.py", target)
     # One cubin per kernel of each distinct launch config (by_seq_k buckets and the
     # own config): decode adds its combine, backward: true its three kernels.
-    # block_sparse adds the map kernel.
-    per_config = (2 if plan.spec.family == "decode" else 4 if plan.backward else 1) + plan.block_sparse
+    # block_sparse adds the map kernel (decode: its two, classifying and listing).
+    per_config = ((2 if plan.spec.family == "decode" else 4 if plan.backward else 1)
+                  + plan.block_sparse * (2 if plan.spec.family == "decode" else 1))
     assert len(result.paths) == per_config * len(target_configs(plan, target))
     assert len(set(result.paths)) == len(result.paths)
     sizes = [p.stat().st_size for p in result.paths]

@@ -26,7 +26,7 @@ def built(tmp_path_factory):
     major, minor = torch.cuda.get_device_capability()
     work = tmp_path_factory.mktemp("aot_gpu")
     shutil.copytree(ROOT / "specs", work / "specs")
-    names = ["fmha_gqa_causal", "fmha_decode_gqa8_bf16", "fmha_gqa8_bf16"]
+    names = ["fmha_gqa_causal", "fmha_decode_gqa8_bf16", "fmha_gqa8_bf16", "fmha_decode_chunked_local"]
     done = subprocess.run(
         [sys.executable, "-m", "specgen", "build", *[f"specs/{n}.yaml" for n in names],
          "--targets", f"sm_{major}{minor}", "--out", "gen"],
@@ -35,7 +35,8 @@ def built(tmp_path_factory):
     return {n: str(work / "gen" / f"{n}.py") for n in names}
 
 
-@pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_decode_gqa8_bf16", "fmha_gqa8_bf16"])
+@pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_decode_gqa8_bf16", "fmha_gqa8_bf16",
+                                  "fmha_decode_chunked_local"])
 def test_first_call_is_served_from_the_aot_cubins(built, name):
     with tempfile.TemporaryDirectory() as cache:
         aot = first_call.child(built[name], cache, aot=True)

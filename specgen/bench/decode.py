@@ -127,16 +127,15 @@ class Decode(Suite):
         ctx.log(f"[{plan.module_name}] {label_}: {copies} input copies, {calls} calls per steady-state graph")
         datas = [random_decode(spec, [length] * batch, kv_heads, 1, gen) for _ in range(copies)]
         extra = feature_inputs(spec, datas[0].dims(), gen)
+        hooks = {n: extra[n] for n in spec.get("tensors") or {}}  # the mask_mod's tensors
         outs = [torch.empty_like(data.q) for data in datas]
         map_fields, kwargs = {}, {}
         if hasattr(module, "make_block_map"):
             # One map serves every copy (the same lengths and hook tensors); a serving
             # loop builds it once per step for all layers, so its build is timed apart.
-            tensors = {n: extra[n] for n in spec["tensors"]}
-
             def build():
                 return module.make_block_map(datas[0].seq_lens, ratio * kv_heads, datas[0].capacity,
-                                             **tensors)
+                                             **hooks)
 
             kwargs["block_map"] = build()
             partial, full, _ = kwargs["block_map"].tile_counts()
@@ -164,7 +163,6 @@ class Decode(Suite):
                 return cache.contiguous()
             return (cache.float() * descales[which]).to(data.q.dtype).contiguous()
 
-        hooks = {n: extra[n] for n in spec.get("tensors") or {}}
         inputs = [Inputs(q=data.q.transpose(1, 2).contiguous(), k=baseline_cache(data, 0),
                          v=baseline_cache(data, 1), extra=hooks) for data in datas]
         _, splits, pdl = module.launch_plan(batch, kv_heads, length, torch.device("cuda"))

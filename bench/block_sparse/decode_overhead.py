@@ -1,7 +1,9 @@
 """Where the block-sparse decode's extra time goes where its map lists the whole
 cache (L <= 8192 for chunked-local): the shipped kernel, the same kernel with the
 map's three counts computed from seq_len instead of loaded (no map read before the
-loop), and the dense decode kernel, in one process on the same inputs.
+loop), the kernel without its loops over listed tiles (the partial tiles' and the
+scattered full tiles': none runs at these shapes), and the dense decode kernel, in
+one process on the same inputs.
 
     python3 bench/block_sparse/decode_overhead.py OUT_DIR
 """
@@ -28,6 +30,10 @@ COMPUTED = """    num_partial = 0 * seq_len
 """
 
 
+# The loop over listed tiles (partial ones, scattered full ones)..
+LISTED_LOOPS = re.compile(r"    # \(Each loop below sits in an if.*?\n(?=\n    if SINGLE_SPLIT:)", re.S)
+
+
 def module(name: str, text: str):
     return load_module_from_source(name, text, f"<{name}>")
 
@@ -39,6 +45,7 @@ def main(out_dir: str):
     kernels = {
         "sparse": module("dec_sparse", sparse_text),
         "sparse_no_map_reads": module("dec_nomap", LOADS.sub(COMPUTED, sparse_text, count=1)),
+        "sparse_no_listed_loops": module("dec_noloops", LISTED_LOOPS.sub("", sparse_text, count=1)),
         "dense": module("dec_dense", open("generated/fmha_decode_gqa8_bf16.py").read()),
     }
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -52,7 +59,7 @@ def main(out_dir: str):
         for name, mod in kernels.items():
             out = torch.empty_like(data.q)
             extra = {} if name == "dense" else {"block_map": block_map}
-            if name == "sparse_no_map_reads":  # its own module's BlockMap class
+            if name.startswith("sparse_no_"):  # its own module's BlockMap class
                 extra = {"block_map": mod.make_block_map(data.seq_lens, heads, data.capacity)}
 
             def call(mod=mod, out=out, extra=extra):

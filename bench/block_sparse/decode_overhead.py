@@ -31,7 +31,7 @@ COMPUTED = """    num_partial = 0 * seq_len
 
 
 # The loop over listed tiles (partial ones, scattered full ones)..
-LISTED_LOOPS = re.compile(r"    # \(Each loop below sits in an if.*?\n(?=\n    if SINGLE_SPLIT:)", re.S)
+LISTED_LOOPS = re.compile(r"    # The listed tiles: the partial ones.*?\n(?=\n    if SINGLE_SPLIT:)", re.S)
 
 
 def module(name: str, text: str):

@@ -558,7 +558,8 @@ def test_decode_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
         module = _decode_map_module(name, gqa, max_q_len, tile_n)
         heads, max_len = 2 * gqa, 3000
         for q_len, constants in itertools.product(sorted({1, max_q_len}), (None, SMALL_DECODE_STEPS)):
-            seq_lens = np.array([q_len, 129, 1000, 2999, 3000][:4 if q_len > 1 else 5], dtype=np.int32)
+            # (3100: a length past the cache, which the map must not list past its end)
+            seq_lens = np.array([q_len, 129, 1000, 2999, 3000, 3100][:5 if q_len > 1 else 6], dtype=np.int32)
             seq_lens = np.maximum(seq_lens, q_len)
             tensors = _hook_tensors(module.SPEC, len(seq_lens), heads, max_len, rng)
             want = _decode_states(module, tensors, seq_lens.tolist(), heads, q_len, max_len, tile_n)

@@ -370,6 +370,17 @@ def test_decode_markdown_shows_steady_state_and_one_call_tables():
                for line in format_markdown(pdl).splitlines())
 
 
+def test_markdown_reports_a_block_maps_build_apart_where_there_is_one():
+    assert "Block map" not in format_markdown(_decode_result())
+    sparse = _decode_result()
+    sparse.rows[0].timings["specgen"].block_map_ms = 0.0059
+    sparse.rows[0].timings["specgen"].tiles_visited = 0.25
+    lines = format_markdown(sparse).splitlines()
+    header = next(line for line in lines if line.endswith("| map build µs | of one call | tiles visited |"))
+    assert header.startswith("| B | Hq/Hkv | L | splits |")
+    assert "| 1 | 64/8 | 8192 | 16 | 5.9 | 36.0% | 25.0% |" in lines
+
+
 @pytest.mark.parametrize("make", [_prefill_result, _decode_result])
 def test_results_round_trip_through_json_with_a_schema_version(make, tmp_path):
     result = make()

@@ -323,7 +323,32 @@ def format_markdown(result: BenchResult, report: Optional[Report] = None) -> str
         keys = [value(row) for _, value in report.keys]
         lines.append("| " + " | ".join(keys + cells + ratios + [pct]) + " |")
     lines += report.more(result)
+    lines += _block_map_table(result, report)
     return "\n".join(lines) + "\n"
+
+
+def _block_map_table(result: BenchResult, report: Report) -> list[str]:
+    """For a block-sparse spec: each row's block map build (timed apart: built once
+    and reused, it is not in the times above), its share of one specgen call, and
+    the share of the tiles the kernel visits."""
+    mapped = [row for row in result.rows if row.timings["specgen"].block_map_ms is not None]
+    if not mapped:
+        return []
+    lines = [
+        "",
+        "Block map: built once per batch (decode: per step) and reused by every call, so "
+        "timed apart; its share of one specgen call, and the share of all tiles the kernel visits:",
+        "",
+        "| " + " | ".join(key for key, _ in report.keys) + " | map build µs | of one call | tiles visited |",
+        "|" + "---:|" * (len(report.keys) + 3),
+    ]
+    for row in mapped:
+        t = row.timings["specgen"]
+        share = f"{100 * t.block_map_ms / t.ms:.1f}%" if t.ms else "n/a"
+        visited = f"{100 * t.tiles_visited:.1f}%" if t.tiles_visited is not None else "n/a"
+        keys = [value(row) for _, value in report.keys]
+        lines.append("| " + " | ".join(keys + [f"{1000 * t.block_map_ms:.1f}", share, visited]) + " |")
+    return lines
 
 
 def plot(result: BenchResult, report: Report, path: Path) -> Optional[str]:

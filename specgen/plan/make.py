@@ -624,8 +624,9 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         loop_split=spec.loop_split,
         block_remap=block_remap,
         # (varlen: seq_k differs per sequence, so the masked tiles always bound-check)
-        even_n_param=(bool(row_mask) and spec.loop_split and not spec.varlen
-                      and not spec.block_sparse),
+        # (decode masks its tail tiles itself: no EVEN_N)
+        even_n_param=(spec.family == "prefill" and bool(row_mask) and spec.loop_split
+                      and not spec.varlen and not spec.block_sparse),
         tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
                           if tile_order_param is None else tile_order_param),
         v_layout_param=(any(c.v_transposed for t in targets for c in t.configs)

@@ -2,4 +2,6 @@ import sys
 
 from specgen.commands.cli import main
 
-sys.exit(main())
+# The guard keeps worker processes (spawned by `specgen test -j`) from running the CLI.
+if __name__ == "__main__":
+    sys.exit(main())

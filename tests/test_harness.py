@@ -103,6 +103,7 @@ def test_fuzz_cases_are_valid_replayable_and_varied():
     (["--fuzz", "-1"], "--fuzz: expected a count in [0, 100000], got -1"),
     (["--fuzz-case", "7"], "--fuzz-case: expected SEED:I as a fuzz failure prints it, got '7'"),
     (["--fuzz-case", "a:b"], "--fuzz-case: expected SEED:I"),
+    (["--fuzz", "8", "-j", "0"], "--jobs: expected a worker count in [1, 64], got 0"),
 ])
 def test_fuzz_arguments_are_checked(args, message):
     import subprocess
@@ -113,3 +114,31 @@ def test_fuzz_arguments_are_checked(args, message):
     result = subprocess.run([sys.executable, "-m", "specgen", "test", "specs/fmha_gqa_causal.yaml", *args],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def _fake_worker(module_path, case, generator_seed):
+    import time
+
+    time.sleep(0.02 * (3 - case))  # later cases finish first
+    return {"case": case, "seed": generator_seed, "module": module_path}
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_cases_on_workers_keep_their_order_and_inputs(jobs):
+    import concurrent.futures
+
+    from specgen.check.runner import case_generator_seed, run_cases
+
+    cases = [0, 1, 2, 3]
+    seeds = [case_generator_seed(5, i, None) for i in cases]
+    assert len(set(seeds)) == 4 and seeds == [case_generator_seed(5, i, None) for i in cases]
+    # A fuzz case's generator depends on its SEED:I only, as --fuzz-case replays it.
+    assert case_generator_seed(5, 0, "9:3") == case_generator_seed(0, 7, "9:3")
+    reported = []
+    rows = run_cases(cases, seeds, "m.py", jobs, lambda i, row: reported.append(i),
+                     run_one=lambda case, seed: _fake_worker("m.py", case, seed),
+                     executor=concurrent.futures.ThreadPoolExecutor(3), worker=_fake_worker)
+    assert [r["case"] for r in rows] == cases and [r["seed"] for r in rows] == seeds
+    assert sorted(reported) == cases
+    if jobs > 1:
+        assert reported != cases  # reported as they finish, not in order

@@ -358,10 +358,58 @@ def parse_fuzz_case(text: str) -> str:
     return f"{int(seed)}:{int(index)}"
 
 
+def case_generator_seed(seed: int, index: int, fuzz_seed: str | None) -> int:
+    """The seed of case ``index``'s own input generator: every case draws its inputs
+    from its own generator, so a case gives the same inputs alone, in order, or in a
+    worker process (a fuzz case's depends on its SEED:I only, as --fuzz-case replays it)."""
+    return random.Random(fuzz_seed if fuzz_seed else f"{seed}:matrix:{index}").getrandbits(63)
+
+
+def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
+    """One case in a worker process: the module imported from its file (once per
+    worker), a generator of its own."""
+    import torch
+
+    from specgen.check.gpu import import_module_file
+
+    module = import_module_file(Path(module_path))
+    return run_case(torch, module, case, torch.Generator(device="cuda").manual_seed(generator_seed))
+
+
+def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: int, report,
+              run_one=None, executor=None, worker=_worker_case) -> list[dict]:
+    """Run ``cases`` (case i with generator_seeds[i]), on ``jobs`` worker processes
+    sharing the GPU where jobs > 1, and return their rows in case order. ``report(i,
+    row)`` is called as each case finishes (in finishing order). ``run_one(case,
+    seed)`` runs a case in this process (jobs == 1); ``executor`` and ``worker``
+    replace the process pool and the worker's function (tests)."""
+    if jobs <= 1:
+        rows = []
+        for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds)):
+            rows.append(run_one(case, gen_seed))
+            report(i, rows[-1])
+        return rows
+    import concurrent.futures
+    import multiprocessing
+
+    pool = executor or concurrent.futures.ProcessPoolExecutor(
+        max_workers=min(jobs, len(cases)) or 1, mp_context=multiprocessing.get_context("spawn"))
+    rows: list = [None] * len(cases)
+    with pool:
+        futures = {pool.submit(worker, module_path, case, gen_seed): i
+                   for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds))}
+        for future in concurrent.futures.as_completed(futures):
+            i = futures[future]
+            rows[i] = future.result()
+            report(i, rows[i])
+    return rows
+
+
 def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int = 0,
-             fuzz_case_seed: str | None = None) -> int:
+             fuzz_case_seed: str | None = None, jobs: int = 1) -> int:
     """The shape matrix (or ``fuzz`` random cases per spec, or the one fuzz case
-    ``fuzz_case_seed``) for each spec; exit 1 on any failure."""
+    ``fuzz_case_seed``) for each spec, on ``jobs`` worker processes; exit 1 on any
+    failure."""
     torch = require_cuda("test")
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     failed = 0
@@ -374,22 +422,27 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         else:
             seeds = []
         cases = ([fuzz_case(spec, s) for s in seeds] if seeds else case_matrix(quick, spec))
-        generator = torch.Generator(device="cuda").manual_seed(seed)
-        rows, failures = [], []
-        for i, case in enumerate(cases, 1):
-            log(f"[{job.plan.module_name} {i}/{len(cases)}] {case.label(spec['gqa_ratio'])}")
-            if seeds:  # each fuzz case owns its inputs: replayable alone
-                generator = torch.Generator(device="cuda").manual_seed(
-                    random.Random(seeds[i - 1]).getrandbits(63))
-            row = run_case(torch, module, case, generator)
+        generator_seeds = [case_generator_seed(seed, i, seeds[i] if seeds else None)
+                           for i in range(len(cases))]
+        name, total = job.plan.module_name, len(cases)
+        if jobs > 1:
+            log(f"[{name}] {total} cases on {min(jobs, total)} worker processes")
+
+        def report(i, row, name=name, total=total, cases=cases, seeds=seeds):
             # The verdict as it comes, so a run cut short still says what it found.
-            log(f"[{job.plan.module_name} {i}/{len(cases)}] {case_verdict(row)}"
-                + (f"; replay: --fuzz-case {seeds[i - 1]}" if seeds and not row["ok"] else ""))
+            log(f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
+                + (f"; replay: --fuzz-case {seeds[i]}" if seeds and not row["ok"] else ""))
+
+        def run_one(case, gen_seed, module=module):
+            return run_case(torch, module, case, torch.Generator(device="cuda").manual_seed(gen_seed))
+
+        rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, run_one)
+        failures = []
+        for i, row in enumerate(rows):
             if seeds:
-                row["shape"] = f"[{seeds[i - 1]}] {row['shape']}"
+                row["shape"] = f"[{seeds[i]}] {row['shape']}"
                 if not row["ok"]:
-                    failures.append(seeds[i - 1])
-            rows.append(row)
+                    failures.append(seeds[i])
         print(format_table(job.plan.module_name, spec["dtype"], rows))
         bad = sum(not r["ok"] for r in rows)
         worst = max(r["rel_err"] for r in rows)

@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                       "shuffled page tables); a failure prints the --fuzz-case that replays it")
     test.add_argument("--fuzz-case", metavar="SEED:I",
                       help="replay one fuzz case (as a failure prints it)")
+    test.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                      help="run the cases on N worker processes sharing the GPU (default 1); "
+                      "every case draws its inputs from its own generator, so results do "
+                      "not depend on N")
     test.add_argument("--gen", "--out", dest="gen", default="generated", metavar="DIR",
                       help="folder of generated modules (default: generated); --out is the "
                       "same option")
@@ -185,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.fuzz < 0 or args.fuzz > 100000:
                 raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
+            if not 1 <= args.jobs <= 64:
+                raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
             case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
             return run_test(args.paths, Path(args.gen), quick=args.quick, seed=args.seed,
-                            fuzz=args.fuzz, fuzz_case_seed=case)
+                            fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs)
         if args.command == "tune":
             from specgen.bench import parse_suite
             from specgen.compile.jobs import parse_targets

@@ -1,0 +1,158 @@
+"""The packed-document forward's ceiling: the smallest kernels that walk the same
+block map, timed beside the shipped kernel and Flex in one process.
+
+`fmha_document_mask` (B4 Hq32 Hkv8 bf16 D128 causal, documents of about 256 tokens,
+the bench suite's inputs). Kernels, each the shipped module with its attention kernel
+replaced (same launcher, grid, tiles, block map and compiler hints):
+
+  shipped      the generated kernel;
+  no_mask      the partial tiles are not masked (the document ids are not read):
+               what evaluating the mask_mod costs (wrong output, timing only);
+  mma_only     per visited key tile only the two MMAs, S = Q K^T and acc += S V, and
+               the Q load and the store: no softmax, no mask (wrong output, timing
+               only). Whatever a kernel that visits these tiles at this tile shape
+               does beyond its matrix products comes on top of this time.
+
+TFLOPS count the visible pairs only (the suite's count). Flex: the Triton backend
+compiled for one shape (`dynamic=False`) with the same mask as a block mask.
+
+    python3 bench/block_sparse/ceiling.py OUT_DIR [SEQS]
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, ".")
+from specgen.bench.baselines import Inputs, _flex  # noqa: E402
+from specgen.bench.core import graph_time_ms  # noqa: E402
+from specgen.bench.flops import mask_mod_flops  # noqa: E402
+from specgen.check.cases import feature_inputs, random_qkv, shape_dims  # noqa: E402
+from specgen.compile.export import load_module_from_source  # noqa: E402
+from specgen.plan.make import make_plan  # noqa: E402
+from specgen.spec.load import load_spec  # noqa: E402
+
+BATCH, HEADS, KV_HEADS = 4, 32, 8
+SEQS = (1024, 2048, 4096, 8192, 16384)
+NAME = "fmha_document_mask"
+
+# The body of the generated kernel: from the Q load to the store.
+STEP_HEAD = """\
+    tile_bid, num_tiles, batch_head = ct.bid(0), ct.num_blocks(0), ct.bid(1)
+    tile_idx = num_tiles - 1 - tile_bid
+    batch = batch_head // num_heads
+    head = batch_head % num_heads
+    kv_head = head // GROUP_SIZE
+    acc = ct.full((TILE_M, HEAD_DIM), 0.0, dtype=ct.float32)
+    q = ct.load(
+        Q, index=(batch, head, tile_idx, 0), shape=(1, 1, TILE_M, HEAD_DIM)
+    ).reshape((TILE_M, HEAD_DIM))
+    map_head = 0
+    num_partial = ct.load(MapCounts, (batch, map_head, tile_idx, 0), shape=())
+    num_full = ct.load(MapCounts, (batch, map_head, tile_idx, 1), shape=())
+    full_run = ct.load(MapCounts, (batch, map_head, tile_idx, 2), shape=())
+    first = ct.where(full_run >= 0, full_run, 0)
+    for j in range(first, first + num_full):
+{step}
+    for i in range(0, num_partial):
+        j = ct.load(MapIdx, (batch, map_head, tile_idx, i), shape=())
+{step}
+    out = acc.reshape((1, 1, TILE_M, HEAD_DIM)).astype(Out.dtype)
+    ct.store(Out, index=(batch, head, tile_idx, 0), tile=out)
+"""
+
+MMA_STEP = """\
+        k_t = ct.load(
+            K, index=(batch, kv_head, 0, j), shape=(1, 1, HEAD_DIM, TILE_N),
+            order=(0, 1, 3, 2), latency=2,
+        ).reshape((HEAD_DIM, TILE_N))
+        s = ct.mma(q, k_t, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
+        v = ct.load(
+            V, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, HEAD_DIM), latency=4,
+            padding_mode=ct.PaddingMode.ZERO,
+        ).reshape((TILE_N, HEAD_DIM))
+        acc = ct.mma(s.astype(Q.dtype), v, acc)"""
+
+
+def replace_body(text: str, kernel: str, body: str) -> str:
+    """``text`` with the body of ``kernel`` (after its docstring) replaced by ``body``."""
+    start = text.index(f"def {kernel}(")
+    doc = text.index('"""', text.index('"""', start) + 3) + 4  # past the docstring's line
+    end = text.index("\n\n\n", doc)
+    head = "    num_heads = Q.shape[1]\n"
+    return text[:doc] + head + body + text[end:]
+
+
+def mma_only(text: str, kernel: str) -> str:
+    return replace_body(text, kernel, STEP_HEAD.format(step=MMA_STEP))
+
+
+def no_mask(text: str, kernel: str) -> str:
+    """Partial tiles of ``kernel`` run unmasked: the doc gathers and the where removed
+    (the map kernels after it keep theirs)."""
+    start = text.index(f"def {kernel}(")
+    end = text.index("\n\n\n", start)
+    body = text[start:end]
+    body, n = re.subn(r"\n +doc_1 = ct\.gather\(Doc, \(batch, keys\)\).*", "", body)
+    assert n == 1, n
+    body, n = re.subn(r"\n +visible = visible & \(\n +doc_0 == doc_1\n +\).*", "", body)
+    assert n == 1, n
+    return text[:start] + body + text[end:]
+
+
+def main(out_dir: str, seqs=SEQS) -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    source = Path(f"generated/{NAME}.py").read_text()
+    kernel = re.search(r"^def (fmha_prefill_\w+)\(", source, re.M)[1]
+    texts = {"shipped": source, "no_mask": no_mask(source, kernel), "mma_only": mma_only(source, kernel)}
+    modules = {label: load_module_from_source(f"ceil_{label}", t, f"<{label}>") for label, t in texts.items()}
+    plan = make_plan(load_spec(f"specs/{NAME}.yaml"))
+    flex = _flex(torch, "prefill", plan)
+    rows = []
+    for seq in seqs:
+        gen = torch.Generator(device="cuda").manual_seed(seq)
+        ship = modules["shipped"]
+        q, k, v = random_qkv(ship.SPEC, BATCH, KV_HEADS, seq, seq, generator=gen)
+        extra = feature_inputs(ship.SPEC, shape_dims(q, k), gen)
+        tensors = {n: extra[n] for n in ship.SPEC["tensors"]}
+        flops = mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq)
+        row = {"seq": seq, "flops": flops, "ms": {}, "graph_ms": {}}
+        for label, m in modules.items():
+            out = torch.full_like(q, float("nan"))
+            block_map = m.make_block_map(BATCH, HEADS, seq, seq, device=q.device, **tensors)
+
+            def call(m=m, out=out, block_map=block_map):
+                return m.attention(q, k, v, out=out, block_map=block_map, **extra)
+
+            call()
+            torch.cuda.synchronize()
+            if label == "shipped":
+                counts = block_map.counts[..., :2].sum(-1).double()
+                row["tiles_visited"] = counts.sum().item() * HEADS
+                row["shipped_out"] = out.clone()
+            row["ms"][label] = do_bench(call, warmup=25, rep=200, return_mode="median")
+            row["graph_ms"][label] = graph_time_ms(torch, call, do_bench, calls=20)
+        ref = row.pop("shipped_out")
+        inputs = Inputs(q=q, k=k, v=v, extra=extra)
+        try:  # Flex against the shipped kernel: both compute the same mask
+            row["flex_max_diff"] = (flex(inputs).float() - ref.float()).abs().max().item()
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            row["flex_max_diff"] = f"{type(exc).__name__}: {exc}"[:200]
+        row["ms"]["flex"] = do_bench(lambda: flex(inputs), warmup=25, rep=200, return_mode="median")
+        row["graph_ms"]["flex"] = graph_time_ms(torch, lambda: flex(inputs), do_bench, calls=20)
+        row["tflops"] = {label: flops / ms / 1e9 for label, ms in row["ms"].items()}
+        row["over_flex"] = {label: row["ms"]["flex"] / ms for label, ms in row["ms"].items()}
+        print(f"S={seq:6d} " + "  ".join(f"{label} {tf:5.0f} TFLOPS ({row['over_flex'][label]:.2f}x Flex)"
+                                          for label, tf in row["tflops"].items()), flush=True)
+        rows.append(row)
+        Path(out_dir, "document_ceiling.json").write_text(json.dumps(
+            {"device": torch.cuda.get_device_name(), "spec": NAME, "batch": BATCH, "heads": HEADS,
+             "kv_heads": KV_HEADS, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], tuple(int(s) for s in sys.argv[2].split(",")) if len(sys.argv) > 2 else SEQS)

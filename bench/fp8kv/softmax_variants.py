@@ -1,0 +1,121 @@
+"""What the online softmax of the float8-cache decode costs, and cheaper forms of it.
+
+Times, in one process on the same inputs, the shipped float8-cache decode
+(``fmha_decode_gqa8_fp8kv``), edited copies of its module, and the bf16-cache
+decode (``fmha_decode_gqa8_bf16``, on a bf16 copy of the same cache):
+
+- ``deferred_sum``: each row's sum of P is kept per column ([TILE_M, TILE_N]) and
+  reduced once after the loop, so a step makes one row reduction (the max), not two.
+  With 16 query rows an MMA's columns lie across the CTA's warps, so every row
+  reduction crosses warps through shared memory.
+- ``max_first_tile`` (diagnostic, not a correct kernel for every input): the row
+  max is taken on the first tile only and never updated, so a step makes no row
+  reduction at all and needs no rescale. It bounds what any max bookkeeping costs.
+
+Each variant's output is compared with the shipped kernel's. Timing as the decode
+suite's steady state: CUDA graphs of 16 calls, median replay per call.
+
+    python3 bench/fp8kv/softmax_variants.py OUT_DIR
+"""
+
+import json
+import os
+import re
+import sys
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, ".")
+from specgen.bench.core import graph_time_ms  # noqa: E402
+from specgen.check.cases import FP8_DESCALES, random_decode  # noqa: E402
+from specgen.compile.export import load_module_from_source  # noqa: E402
+
+SHAPES = ((64, 8, 4096), (8, 8, 8192), (1, 8, 32768), (1, 8, 8192))
+
+
+def edit(text: str, pattern: str, repl: str, count: int) -> str:
+    new, n = re.subn(pattern, repl, text)
+    assert n == count, (pattern, n)
+    return new
+
+
+def deferred_sum(text: str) -> str:
+    text = edit(text, re.escape("l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)"),
+                "l_i = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)", 1)
+    text = edit(text, re.escape("l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)"),
+                "l_i = l_i * alpha + p", 2)
+    return edit(text, r"\n    if SINGLE_SPLIT:\n",
+                "\n    l_i = ct.sum(l_i, axis=-1, keepdims=True)\n    if SINGLE_SPLIT:\n", 1)
+
+
+def max_once(text: str) -> str:
+    """The diagnostic: the row max of the first unmasked tile, computed before the loop."""
+    text = deferred_sum(text)
+    loop = "    for j in range(start, hi):\n"
+    first = ("    if start < hi:\n"
+             "        k0 = (ct.load(K, index=(batch, 0, kv_head, start), shape=(1, HEAD_DIM, 1, TILE_N),"
+             " order=(0, 3, 2, 1)).reshape((HEAD_DIM, TILE_N)).astype(ct.float16))\n"
+             "        s0 = ct.mma(q, k0, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))\n"
+             "        m_i = ct.max(s0, axis=-1, keepdims=True) * scale + 8.0\n")
+    text = edit(text, re.escape(loop), first + loop, 1)
+    # Inside the unmasked loop only: no max, no rescale.
+    head, sep, tail = text.partition(loop)
+    body, sep2, rest = tail.partition("\n    j = hi\n")
+    body = edit(body, r"        m_new = max\(m_i, ct\.max\(s, axis=-1, keepdims=True\) \* scale\)\n",
+                "        m_new = m_i\n", 1)
+    body = edit(body, r"        alpha = ct\.exp2\(m_i - m_new, flush_to_zero=True\)\n", "", 1)
+    body = edit(body, r"        l_i = l_i \* alpha \+ p\n", "        l_i = l_i + p\n", 1)
+    body = edit(body, r"        acc = acc \* alpha\n", "", 1)
+    return head + sep + body + sep2 + rest
+
+
+def main(out_dir: str):
+    os.makedirs(out_dir, exist_ok=True)
+    fp8_text = open("generated/fmha_decode_gqa8_fp8kv.py").read()
+    kernels = {
+        "shipped": load_module_from_source("fp8_shipped", fp8_text, "<shipped>"),
+        "deferred_sum": load_module_from_source("fp8_dsum", deferred_sum(fp8_text), "<dsum>"),
+        "max_once": load_module_from_source("fp8_maxonce", max_once(fp8_text), "<maxonce>"),
+    }
+    import generated.fmha_decode_gqa8_bf16 as bf16_mod
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for batch_size, kv_heads, length in SHAPES:
+        data = random_decode(kernels["shipped"].SPEC, [length] * batch_size, kv_heads, 1, gen)
+        kd, vd = FP8_DESCALES["k_descale"], FP8_DESCALES["v_descale"]
+        k16 = (data.k_cache.float() * kd).to(torch.bfloat16)
+        v16 = (data.v_cache.float() * vd).to(torch.bfloat16)[..., :length].permute(0, 3, 1, 2).contiguous()
+        row = dict(batch=batch_size, kv_heads=kv_heads, seq_k=length)
+        outs = {}
+        for name, mod in kernels.items():
+            out = torch.empty_like(data.q)
+
+            def call(mod=mod, out=out):
+                return mod.attention(*data.args(), out=out, max_seq_len=length, k_descale=kd, v_descale=vd)
+
+            call()
+            torch.cuda.synchronize()
+            outs[name] = out.clone()
+            row[name + "_us"] = round(1000 * graph_time_ms(torch, call, do_bench, calls=16), 2)
+        out16 = torch.empty_like(data.q)
+
+        def call16():
+            return bf16_mod.attention(data.q, k16, v16, data.seq_lens, out=out16, max_seq_len=length)
+
+        call16()
+        torch.cuda.synchronize()
+        row["bf16_cache_us"] = round(1000 * graph_time_ms(torch, call16, do_bench, calls=16), 2)
+        for name, out in outs.items():
+            row[name + "_maxdiff_vs_shipped"] = float((out.float() - outs["shipped"].float()).abs().max())
+            row[name + "_speed_over_bf16"] = round(row["bf16_cache_us"] / row[name + "_us"], 3)
+        row["bf16_maxdiff_vs_shipped"] = float((out16.float() - outs["shipped"].float()).abs().max())
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir, "fp8kv_softmax_variants.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -5,8 +5,10 @@ of the cache, a loop over key tiles of TILE_N that loads K^T [D, TILE_N] and V
 [TILE_N, D] exactly as ``fmha_decode_gqa8_fp8kv`` does (K as [B, L, Hkv, D], V keys
 last as [B, Hkv, D, L]; float8 tiles cast to float16), with the two MMAs of a
 16-row query tile and no softmax: S = Q K^T, acc += S V. Whatever the softmax, the
-masks and the split combine cost comes on top, so the float8 / bf16 speed ratio of
-these two kernels bounds the ratio any decode of this shape reaches in cuTile.
+masks and the split combine cost comes on top. The stream is timed at several split
+counts around two CTAs per SM and the fastest is kept per cache, so the fastest
+float8 stream bounds what any float8 decode of this shape reaches in cuTile; its
+speed over the shipped bf16-cache decode bounds the float8 / bf16 ratio.
 Beside them, in the same process and timed the same way: the shipped decode
 modules (float8 and bf16 caches) and a torch copy of the float8 cache's bytes.
 
@@ -84,39 +86,46 @@ def main() -> None:
         bf16_mod = fp8_mod = None
     rows = []
     for batch, length in SHAPES:
-        # Splits so that about two CTAs per SM run (132 SMs on an H100/H200).
-        splits = max(1, math.ceil(2 * 132 / (batch * HKV)))
-        chunk = math.ceil(length / splits / TILE_N) * TILE_N
-        padded = chunk * splits
-        row = {"batch": batch, "length": length, "splits": splits}
-        for name, fp8 in (("bf16", False), ("fp8", True)):
-            cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
-            sets = []
-            for _ in range(COPIES):
-                k = torch.randn(batch, padded, HKV, D, device="cuda").to(cdt)
-                v_t = torch.randn(batch, HKV, D, padded, device="cuda").to(cdt)
-                q = torch.randn(
-                    batch, HKV, 16, D, device="cuda", dtype=torch.float16 if fp8 else torch.bfloat16
+        # Splits so that about two CTAs per SM run (132 SMs on an H100/H200), and the
+        # split counts around it: the stream is timed at each, the best kept per cache.
+        base = max(1, math.ceil(2 * 132 / (batch * HKV)))
+        tiles = length // TILE_N
+        counts = sorted({max(1, min(s, tiles // 2)) for s in (base // 2, base, 2 * base, 4 * base)})
+        row = {"batch": batch, "length": length, "splits_tried": counts}
+        for splits in counts:
+            chunk = math.ceil(length / splits / TILE_N) * TILE_N
+            padded = chunk * splits
+            for name, fp8 in (("bf16", False), ("fp8", True)):
+                cdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+                sets = []
+                for _ in range(COPIES):
+                    k = torch.randn(batch, padded, HKV, D, device="cuda").to(cdt)
+                    v_t = torch.randn(batch, HKV, D, padded, device="cuda").to(cdt)
+                    q = torch.randn(
+                        batch, HKV, 16, D, device="cuda", dtype=torch.float16 if fp8 else torch.bfloat16
+                    )
+                    out = torch.empty(batch, HKV, splits, 16, D, device="cuda", dtype=torch.float32)
+                    sets.append((q, k, v_t, out))
+                grid = (splits, batch * HKV, 1)
+                # The stream is read inside: under capture it is the graph's stream.
+                us = per_call_us(
+                    lambda i: ct.launch(
+                        torch.cuda.current_stream(), grid, kernel, (*sets[i], chunk, D, TILE_N, fp8)
+                    )
                 )
-                out = torch.empty(batch, HKV, splits, 16, D, device="cuda", dtype=torch.float32)
-                sets.append((q, k, v_t, out))
-            grid = (splits, batch * HKV, 1)
-            # The stream is read inside: under capture it is the graph's stream.
-            us = per_call_us(
-                lambda i: ct.launch(
-                    torch.cuda.current_stream(), grid, kernel, (*sets[i], chunk, D, TILE_N, fp8)
-                )
-            )
-            cache_bytes = 2 * batch * length * HKV * D * (1 if fp8 else 2)
-            row[f"stream_{name}_us"] = us
-            row[f"stream_{name}_tbps"] = cache_bytes * padded / length / us / 1e6
-            if name == "fp8":
-                src = sets[0][1]
-                dst = torch.empty_like(src)
-                row["copy_fp8_k_cache_tbps"] = (
-                    2 * src.numel() / per_call_us(lambda i: dst.copy_(src)) / 1e6
-                )
-            del sets
+                row[f"stream_{name}_us_splits{splits}"] = us
+                if us < row.get(f"stream_{name}_us", math.inf):
+                    cache_bytes = 2 * batch * length * HKV * D * (1 if fp8 else 2)
+                    row[f"stream_{name}_us"] = us
+                    row[f"stream_{name}_splits"] = splits
+                    row[f"stream_{name}_tbps"] = cache_bytes * padded / length / us / 1e6
+                if fp8 and splits == counts[0]:
+                    src = sets[0][1]
+                    dst = torch.empty_like(src)
+                    row["copy_fp8_k_cache_tbps"] = (
+                        2 * src.numel() / per_call_us(lambda i: dst.copy_(src)) / 1e6
+                    )
+                del sets
         if bf16_mod is not None:
             for name, mod, cdt in (
                 ("bf16", bf16_mod, torch.bfloat16),
@@ -136,6 +145,9 @@ def main() -> None:
                 row[f"shipped_{name}_us"] = per_call_us(lambda i: mod.attention(*sets[i], **kw))
                 del sets
             row["shipped_fp8_over_bf16_speed"] = row["shipped_bf16_us"] / row["shipped_fp8_us"]
+            # The bound: the fastest float8 stream (no softmax, no combine) against the
+            # shipped bf16-cache decode.
+            row["best_stream_fp8_over_shipped_bf16_speed"] = row["shipped_bf16_us"] / row["stream_fp8_us"]
         row["stream_fp8_over_bf16_speed"] = row["stream_bf16_us"] / row["stream_fp8_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)

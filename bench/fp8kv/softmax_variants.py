@@ -7,15 +7,19 @@ decode (``fmha_decode_gqa8_bf16``, on a bf16 copy of the same cache):
 - ``deferred_sum``: each row's sum of P is kept per column ([TILE_M, TILE_N]) and
   reduced once after the loop, so a step makes one row reduction (the max), not two.
   With 16 query rows an MMA's columns lie across the CTA's warps, so every row
-  reduction crosses warps through shared memory.
-- ``max_first_tile`` (diagnostic, not a correct kernel for every input): the row
-  max is taken on the first tile only and never updated, so a step makes no row
-  reduction at all and needs no rescale. It bounds what any max bookkeeping costs.
+  reduction crosses warps through shared memory. (The shipped template does this
+  now; on such a module this variant is the shipped kernel, and ``row_sums`` edits
+  the per-step row sum back in.)
+- ``max_once`` (diagnostic, not a correct kernel for every input): the row max is
+  taken once, from the first tile, plus 8, and never updated, so the unmasked loop
+  makes no row reduction and no rescale. It bounds what the max bookkeeping costs.
+- ``lat{k}_{v}``: the K and V loads' latency hints (the spec's k_latency and
+  v_latency, shipped 2 and 4) set to k and v.
 
 Each variant's output is compared with the shipped kernel's. Timing as the decode
 suite's steady state: CUDA graphs of 16 calls, median replay per call.
 
-    python3 bench/fp8kv/softmax_variants.py OUT_DIR
+    python3 bench/fp8kv/softmax_variants.py OUT_DIR [VARIANT,...] [SHAPES: B:L,...]
 """
 
 import json
@@ -40,13 +44,33 @@ def edit(text: str, pattern: str, repl: str, count: int) -> str:
     return new
 
 
+SHIPPED_SUM = "l_cols = l_cols * alpha + p"
+
+
 def deferred_sum(text: str) -> str:
+    if SHIPPED_SUM in text:
+        return text
     text = edit(text, re.escape("l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)"),
-                "l_i = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)", 1)
-    text = edit(text, re.escape("l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)"),
-                "l_i = l_i * alpha + p", 2)
+                "l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)", 1)
+    text = edit(text, re.escape("l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)"), SHIPPED_SUM, 2)
     return edit(text, r"\n    if SINGLE_SPLIT:\n",
-                "\n    l_i = ct.sum(l_i, axis=-1, keepdims=True)\n    if SINGLE_SPLIT:\n", 1)
+                "\n    l_i = ct.sum(l_cols, axis=-1, keepdims=True)\n    if SINGLE_SPLIT:\n", 1)
+
+
+def row_sums(text: str) -> str:
+    """The per-step row sum of P (the template before the deferred sum)."""
+    text = edit(text, re.escape("l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)"),
+                "l_cols = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)", 1)
+    text = edit(text, re.escape(SHIPPED_SUM), "l_cols = l_cols * alpha + ct.sum(p, axis=-1, keepdims=True)", 2)
+    return edit(text, re.escape("l_i = ct.sum(l_cols, axis=-1, keepdims=True)"), "l_i = l_cols", 1)
+
+
+def latency(k: int, v: int):
+    def apply(text: str) -> str:
+        text = edit(text, r"latency=2,", "latency=K_LATENCY,", 2)
+        text = edit(text, r"latency=4,", f"latency={v},", 2)
+        return text.replace("latency=K_LATENCY,", f"latency={k},")
+    return apply
 
 
 def max_once(text: str) -> str:
@@ -65,7 +89,7 @@ def max_once(text: str) -> str:
     body = edit(body, r"        m_new = max\(m_i, ct\.max\(s, axis=-1, keepdims=True\) \* scale\)\n",
                 "        m_new = m_i\n", 1)
     body = edit(body, r"        alpha = ct\.exp2\(m_i - m_new, flush_to_zero=True\)\n", "", 1)
-    body = edit(body, r"        l_i = l_i \* alpha \+ p\n", "        l_i = l_i + p\n", 1)
+    body = edit(body, r"        l_cols = l_cols \* alpha \+ p\n", "        l_cols = l_cols + p\n", 1)
     body = edit(body, r"        acc = acc \* alpha\n", "", 1)
     return head + sep + body + sep2 + rest
 
@@ -73,16 +97,21 @@ def max_once(text: str) -> str:
 def main(out_dir: str):
     os.makedirs(out_dir, exist_ok=True)
     fp8_text = open("generated/fmha_decode_gqa8_fp8kv.py").read()
-    kernels = {
-        "shipped": load_module_from_source("fp8_shipped", fp8_text, "<shipped>"),
-        "deferred_sum": load_module_from_source("fp8_dsum", deferred_sum(fp8_text), "<dsum>"),
-        "max_once": load_module_from_source("fp8_maxonce", max_once(fp8_text), "<maxonce>"),
-    }
+    variants = {"shipped": lambda text: text, "row_sums": row_sums, "max_once": max_once,
+                "lat3_6": latency(3, 6), "lat4_8": latency(4, 8), "lat1_3": latency(1, 3),
+                "lat2_2": latency(2, 2)}
+    chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)
+    kernels = {name: load_module_from_source(f"fp8_{name}", variants[name](fp8_text), f"<{name}>")
+               for name in chosen}
     import generated.fmha_decode_gqa8_bf16 as bf16_mod
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for batch_size, kv_heads, length in SHAPES:
+    shapes = SHAPES
+    if len(sys.argv) > 3:
+        shapes = tuple((int(b), 8, int(n)) for b, n in (s.split(":") for s in sys.argv[3].split(",")))
+    repeats = int(os.environ.get("REPEATS", "1"))
+    for batch_size, kv_heads, length in shapes * repeats:
         data = random_decode(kernels["shipped"].SPEC, [length] * batch_size, kv_heads, 1, gen)
         kd, vd = FP8_DESCALES["k_descale"], FP8_DESCALES["v_descale"]
         k16 = (data.k_cache.float() * kd).to(torch.bfloat16)

@@ -9,6 +9,9 @@ launchers, grids, tiles, maps and compiler hints):
   shipped   the generated kernels;
   no_mask   the document ids are not read: what evaluating the mask_mod costs
             (wrong gradients, timing only);
+  all_full  every visited tile is treated as full: the exponentials and dS, no mask
+            at all (wrong gradients on partial tiles, timing only): the smallest
+            kernels that compute the backward of these tiles;
   mma_only  per visited tile the loads and the MMAs only (S, dP, dV, dK in the
             dK/dV kernel; S, dP, dQ in the dQ kernel): no exponentials, no mask, no
             delta (wrong gradients, timing only). Whatever a backward that visits
@@ -65,6 +68,20 @@ def no_mask(body: str) -> str:
     return body
 
 
+VISIBLE = re.compile(r"\n +visible = \(\n(?: +.*\n)*? +\)\n")
+WHERE = re.compile(r"p = ct\.where\(visible, (ct\.exp2\(\(s - lse\) \* INV_LN2\)), 0\.0\)")
+
+
+def all_full(body: str) -> str:
+    body, n = DOCS.subn("", body)
+    assert n == 1, n
+    body, n = VISIBLE.subn("\n", body)
+    assert n == 1, n
+    body, n = WHERE.subn(lambda m: f"p = {m[1]}", body)
+    assert n == 1, n
+    return body
+
+
 def mma_only(body: str) -> str:
     body, n = SOFTMAX.subn(lambda m: f"\n{m[1]}p = s", body)
     assert n == 1, n
@@ -86,7 +103,7 @@ def main(out_dir: str, seqs=SEQS) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     source = Path(f"generated/{NAME}.py").read_text()
     texts = {"shipped": source, "no_mask": edit_kernels(source, no_mask),
-             "mma_only": edit_kernels(source, mma_only)}
+             "all_full": edit_kernels(source, all_full), "mma_only": edit_kernels(source, mma_only)}
     # Each variant registers its own custom op: a module loaded twice reuses the op
     # registered first, which would run the first variant's kernels.
     modules = {label: load_module_from_source(

@@ -8,6 +8,9 @@ replaced (same launcher, grid, tiles, block map and compiler hints):
   shipped      the generated kernel;
   no_mask      the partial tiles are not masked (the document ids are not read):
                what evaluating the mask_mod costs (wrong output, timing only);
+  all_full     every visited tile runs the unmasked step (the online softmax, no
+               mask at all; wrong output on partial tiles, timing only): the smallest
+               kernel that computes attention over these tiles;
   mma_only     per visited key tile only the two MMAs, S = Q K^T and acc += S V, and
                the Q load and the store: no softmax, no mask (wrong output, timing
                only). Whatever a kernel that visits these tiles at this tile shape
@@ -104,11 +107,30 @@ def no_mask(text: str, kernel: str) -> str:
     return text[:start] + body + text[end:]
 
 
+PARTIAL_MASK = re.compile(
+    r"\n +keys = j \* TILE_N \+ cols.*"
+    r"|\n +doc_1 = ct\.gather\(Doc, \(batch, keys\)\).*"
+    r"|\n +visible = keys <= rows.*"
+    r"|\n +visible = visible & \(keys < seq_k\).*"
+    r"|\n +visible = visible & \(\n +doc_0 == doc_1\n +\).*"
+    r"|\n +s = ct\.where\(visible, s, -math\.inf\).*")
+
+
+def all_full(text: str, kernel: str) -> str:
+    """The partial tiles of ``kernel`` run with no mask at all."""
+    start = text.index(f"def {kernel}(")
+    end = text.index("\n\n\n", start)
+    body, n = PARTIAL_MASK.subn("", text[start:end])
+    assert n == 6, n
+    return text[:start] + body + text[end:]
+
+
 def main(out_dir: str, seqs=SEQS) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     source = Path(f"generated/{NAME}.py").read_text()
     kernel = re.search(r"^def (fmha_prefill_\w+)\(", source, re.M)[1]
-    texts = {"shipped": source, "no_mask": no_mask(source, kernel), "mma_only": mma_only(source, kernel)}
+    texts = {"shipped": source, "no_mask": no_mask(source, kernel), "all_full": all_full(source, kernel),
+             "mma_only": mma_only(source, kernel)}
     modules = {label: load_module_from_source(f"ceil_{label}", t, f"<{label}>") for label, t in texts.items()}
     plan = make_plan(load_spec(f"specs/{NAME}.yaml"))
     flex = _flex(torch, "prefill", plan)

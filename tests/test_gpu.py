@@ -698,6 +698,16 @@ BACKWARD_VARIANTS = {
         "tensors": {"temp": {"dtype": "float32", "shape": ["heads"], "learnable": True},
                     "rel": {"dtype": "float32", "shape": [2048], "learnable": True}},
         "score_mod": "score * temp[h] + rel[q_idx - kv_idx + 1024]"},
+    # Block maps: full tiles skip the mask; a score_mod, a window, dropout and a
+    # learnable table still apply on them.
+    "document_sparse_alibi_window": {
+        "backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]},
+                                      "slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True, "window": {"left": 150},
+        "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+    "chunk_sparse_dropout_softcap_f16_d64": {
+        "backward": True, "dtype": "float16", "head_dim": 64, "gqa_ratio": 2, "dropout": True,
+        "softcap": 20.0, "mask_mod": "q_idx // 96 == kv_idx // 96", "block_sparse": True},
     # gpt-oss: sinks (with their gradient) and a window.
     "sinks_window_gqa8_d64": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "sinks": True,
                               "window": {"left": 127}, "return_lse": True},

@@ -6,9 +6,9 @@ of about 256 tokens, the suites' inputs).
 Variants, each the shipped module with its dK/dV and dQ kernels edited (same
 launchers, grids, tiles, maps and compiler hints):
 
-  shipped   the generated kernels;
-  no_mask   the document ids are not read: what evaluating the mask_mod costs
-            (wrong gradients, timing only);
+  shipped   the generated kernels (full tiles unmasked, partial tiles masked);
+  no_mask   the document ids are not read on partial tiles either: what evaluating
+            the mask_mod costs (wrong gradients, timing only);
   all_full  every visited tile is treated as full: the exponentials and dS, no mask
             at all (wrong gradients on partial tiles, timing only): the smallest
             kernels that compute the backward of these tiles;
@@ -72,21 +72,32 @@ VISIBLE = re.compile(r"\n +visible = \(\n(?: +.*\n)*? +\)\n")
 WHERE = re.compile(r"p = ct\.where\(visible, (ct\.exp2\(\(s - lse\) \* INV_LN2\)), 0\.0\)")
 
 
+FULL_VISIBLE = re.compile(r"\n +visible = rows < q_offset \+ seq_q")
+
+
 def all_full(body: str) -> str:
+    """Both loops (the partial tiles' and, where the kernels split them, the full
+    tiles') without any mask."""
     body, n = DOCS.subn("", body)
     assert n == 1, n
     body, n = VISIBLE.subn("\n", body)
     assert n == 1, n
+    body, n = FULL_VISIBLE.subn("", body)
+    assert n <= 1, n
     body, n = WHERE.subn(lambda m: f"p = {m[1]}", body)
-    assert n == 1, n
+    assert n in (1, 2), n
     return body
 
 
 def mma_only(body: str) -> str:
     body, n = SOFTMAX.subn(lambda m: f"\n{m[1]}p = s", body)
     assert n == 1, n
+    body, n = FULL_VISIBLE.subn("", body)
+    assert n <= 1, n
+    body, n = WHERE.subn("p = s", body)  # the full tiles' loop
+    assert n <= 1, n
     body, n = re.subn(r"ds = p \* \(dp - delta\)", "ds = dp", body)
-    assert n == 1, n
+    assert n in (1, 2), n
     return body
 
 

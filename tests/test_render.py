@@ -238,3 +238,18 @@ def test_docstring_names_the_output_buffer_shape_and_dtype(name):
     assert dims.split(",")[0] == want_first
     returns = text.split("Returns:")[1].split("Raises:")[0]
     assert f"[{dims}]" in returns and dtype in returns
+
+
+@pytest.mark.parametrize("name", ["fmha_decode_gqa8_fp8kv", "fmha_decode_chunked_local", "fmha_decode_paged_mtp"])
+def test_decode_reduces_the_row_sums_once_after_the_loop(name):
+    """The decode kernels keep each row's sum of P per key column and reduce it once,
+    after the loops: a step makes one row reduction (the max), not two."""
+    from .helpers import ROOT
+
+    text = (ROOT / "generated" / f"{name}.py").read_text()
+    start = text.index("def fmha_decode_", text.index("@AotKernel"))
+    kernel = text[start:text.index("\n\n\n", start)]
+    loops, _, tail = kernel.partition("l_i = ct.sum(l_cols, axis=-1, keepdims=True)")
+    assert tail and "ct.sum(p" not in kernel
+    assert loops.count("l_cols = l_cols * alpha + p") >= 2  # the unmasked and the masked step
+    assert "l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)" in loops

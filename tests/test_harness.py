@@ -136,7 +136,6 @@ def test_cases_on_workers_keep_their_order_and_inputs(jobs):
     assert case_generator_seed(5, 0, "9:3") == case_generator_seed(0, 7, "9:3")
     reported = []
     rows = run_cases(cases, seeds, "m.py", jobs, lambda i, row: reported.append(i),
-                     run_one=lambda case, seed: _fake_worker("m.py", case, seed),
                      executor=concurrent.futures.ThreadPoolExecutor(3), worker=_fake_worker)
     assert [r["case"] for r in rows] == cases and [r["seed"] for r in rows] == seeds
     assert sorted(reported) == cases

@@ -366,8 +366,8 @@ def case_generator_seed(seed: int, index: int, fuzz_seed: str | None) -> int:
 
 
 def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
-    """One case in a worker process: the module imported from its file (once per
-    worker), a generator of its own."""
+    """One case, in this process or a worker: the module imported from its file (once
+    per process; fresh_modules' import in this one), a generator of its own."""
     import torch
 
     from specgen.check.gpu import import_module_file
@@ -377,16 +377,15 @@ def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
 
 
 def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: int, report,
-              run_one=None, executor=None, worker=_worker_case) -> list[dict]:
-    """Run ``cases`` (case i with generator_seeds[i]), on ``jobs`` worker processes
-    sharing the GPU where jobs > 1, and return their rows in case order. ``report(i,
-    row)`` is called as each case finishes (in finishing order). ``run_one(case,
-    seed)`` runs a case in this process (jobs == 1); ``executor`` and ``worker``
-    replace the process pool and the worker's function (tests)."""
+              executor=None, worker=_worker_case) -> list[dict]:
+    """Run ``cases`` (case i with generator_seeds[i]), in this process or on ``jobs``
+    worker processes sharing the GPU where jobs > 1, and return their rows in case
+    order. ``report(i, row)`` is called as each case finishes (in finishing order).
+    ``executor`` and ``worker`` replace the process pool and the case function (tests)."""
     if jobs <= 1:
         rows = []
         for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds)):
-            rows.append(run_one(case, gen_seed))
+            rows.append(worker(module_path, case, gen_seed))
             report(i, rows[-1])
         return rows
     import concurrent.futures
@@ -410,7 +409,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
     """The shape matrix (or ``fuzz`` random cases per spec, or the one fuzz case
     ``fuzz_case_seed``) for each spec, on ``jobs`` worker processes; exit 1 on any
     failure."""
-    torch = require_cuda("test")
+    require_cuda("test")
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     failed = 0
     for job, module in fresh_modules(paths, out_dir, log):
@@ -433,10 +432,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
             log(f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
                 + (f"; replay: --fuzz-case {seeds[i]}" if seeds and not row["ok"] else ""))
 
-        def run_one(case, gen_seed, module=module):
-            return run_case(torch, module, case, torch.Generator(device="cuda").manual_seed(gen_seed))
-
-        rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, run_one)
+        rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report)
         failures = []
         for i, row in enumerate(rows):
             if seeds:

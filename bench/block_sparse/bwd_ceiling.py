@@ -34,15 +34,12 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, ".")
+sys.path[:0] = [".", str(Path(__file__).parent)]
+from ceiling import BATCH, HEADS, KV_HEADS, document_inputs, edit_kernel  # noqa: E402  (this folder's forward script)
 from specgen.bench.baselines import Inputs, _flex  # noqa: E402
-from specgen.bench.flops import mask_mod_flops  # noqa: E402
-from specgen.check.cases import feature_inputs, random_qkv, shape_dims  # noqa: E402
 from specgen.compile.export import load_module_from_source  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.spec.load import load_spec  # noqa: E402
-
-BATCH, HEADS, KV_HEADS = 4, 32, 8
 SEQS = (1024, 4096, 16384)
 NAME = "fmha_train_document"
 DOCS = re.compile(r"\n +doc_0 = ct\.gather\(Doc, \(batch, rows\)\).*\n +doc_1 = ct\.gather\(Doc, \(batch, keys\)\).*")
@@ -54,9 +51,7 @@ SOFTMAX = re.compile(r"\n( +)doc_0 = ct\.gather\(Doc, \(batch, rows\)\).*?"
 def edit_kernels(text: str, edit) -> str:
     """``text`` with ``edit`` applied to the body of each backward dK/dV and dQ kernel."""
     for prefix in ("fmha_bwd_dkdv_", "fmha_bwd_dq_"):
-        start = text.index(f"def {prefix}")
-        end = text.index("\n\n\n", start)
-        text = text[:start] + edit(text[start:end]) + text[end:]
+        text = edit_kernel(text, prefix, edit)
     return text
 
 
@@ -124,13 +119,9 @@ def main(out_dir: str, seqs=SEQS) -> None:
     flex = _flex(torch, "backward", plan)
     rows = []
     for seq in seqs:
-        gen = torch.Generator(device="cuda").manual_seed(seq)
-        ship = modules["shipped"]
-        q, k, v = random_qkv(ship.SPEC, BATCH, KV_HEADS, seq, seq, generator=gen)
-        extra = feature_inputs(ship.SPEC, shape_dims(q, k), gen)
-        tensors = {n: extra[n] for n in ship.SPEC["tensors"]}
+        q, k, v, extra, tensors, gen, flops = document_inputs(modules["shipped"].SPEC, plan, seq)
         dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
-        flops = 2.5 * mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq)
+        flops = 2.5 * flops
         row = {"seq": seq, "flops": flops, "ms": {}}
         reference = None
         for label, m in modules.items():

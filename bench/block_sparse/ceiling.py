@@ -94,17 +94,26 @@ def mma_only(text: str, kernel: str) -> str:
     return replace_body(text, kernel, STEP_HEAD.format(step=MMA_STEP))
 
 
-def no_mask(text: str, kernel: str) -> str:
-    """Partial tiles of ``kernel`` run unmasked: the doc gathers and the where removed
-    (the map kernels after it keep theirs)."""
-    start = text.index(f"def {kernel}(")
+def edit_kernel(text: str, name: str, edit) -> str:
+    """``text`` with ``edit`` applied to the source of the function whose name starts
+    with ``name`` (from its def to the blank lines after it)."""
+    start = text.index(f"def {name}")
     end = text.index("\n\n\n", start)
-    body = text[start:end]
+    return text[:start] + edit(text[start:end]) + text[end:]
+
+
+def _unmasked_documents(body: str) -> str:
     body, n = re.subn(r"\n +doc_1 = ct\.gather\(Doc, \(batch, keys\)\).*", "", body)
     assert n == 1, n
     body, n = re.subn(r"\n +visible = visible & \(\n +doc_0 == doc_1\n +\).*", "", body)
     assert n == 1, n
-    return text[:start] + body + text[end:]
+    return body
+
+
+def no_mask(text: str, kernel: str) -> str:
+    """Partial tiles of ``kernel`` run unmasked: the doc gathers and the where removed
+    (the map kernels after it keep theirs)."""
+    return edit_kernel(text, f"{kernel}(", _unmasked_documents)
 
 
 PARTIAL_MASK = re.compile(
@@ -116,13 +125,26 @@ PARTIAL_MASK = re.compile(
     r"|\n +s = ct\.where\(visible, s, -math\.inf\).*")
 
 
+def _no_partial_mask(body: str) -> str:
+    body, n = PARTIAL_MASK.subn("", body)
+    assert n == 6, n
+    return body
+
+
 def all_full(text: str, kernel: str) -> str:
     """The partial tiles of ``kernel`` run with no mask at all."""
-    start = text.index(f"def {kernel}(")
-    end = text.index("\n\n\n", start)
-    body, n = PARTIAL_MASK.subn("", text[start:end])
-    assert n == 6, n
-    return text[:start] + body + text[end:]
+    return edit_kernel(text, f"{kernel}(", _no_partial_mask)
+
+
+def document_inputs(spec: dict, plan, seq: int):
+    """One length's inputs, as both ceiling scripts draw them from a generator seeded
+    by ``seq``: (q, k, v, the hook tensors, the map's tensors, the generator for any
+    further draws, the forward FLOPs of the visible pairs)."""
+    gen = torch.Generator(device="cuda").manual_seed(seq)
+    q, k, v = random_qkv(spec, BATCH, KV_HEADS, seq, seq, generator=gen)
+    extra = feature_inputs(spec, shape_dims(q, k), gen)
+    tensors = {n: extra[n] for n in spec["tensors"]}
+    return q, k, v, extra, tensors, gen, mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq)
 
 
 def main(out_dir: str, seqs=SEQS) -> None:
@@ -136,12 +158,7 @@ def main(out_dir: str, seqs=SEQS) -> None:
     flex = _flex(torch, "prefill", plan)
     rows = []
     for seq in seqs:
-        gen = torch.Generator(device="cuda").manual_seed(seq)
-        ship = modules["shipped"]
-        q, k, v = random_qkv(ship.SPEC, BATCH, KV_HEADS, seq, seq, generator=gen)
-        extra = feature_inputs(ship.SPEC, shape_dims(q, k), gen)
-        tensors = {n: extra[n] for n in ship.SPEC["tensors"]}
-        flops = mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq)
+        q, k, v, extra, tensors, _, flops = document_inputs(modules["shipped"].SPEC, plan, seq)
         row = {"seq": seq, "flops": flops, "ms": {}, "graph_ms": {}}
         for label, m in modules.items():
             out = torch.full_like(q, float("nan"))

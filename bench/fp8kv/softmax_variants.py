@@ -4,12 +4,11 @@ Times, in one process on the same inputs, the shipped float8-cache decode
 (``fmha_decode_gqa8_fp8kv``), edited copies of its module, and the bf16-cache
 decode (``fmha_decode_gqa8_bf16``, on a bf16 copy of the same cache):
 
-- ``deferred_sum``: each row's sum of P is kept per column ([TILE_M, TILE_N]) and
-  reduced once after the loop, so a step makes one row reduction (the max), not two.
-  With 16 query rows an MMA's columns lie across the CTA's warps, so every row
-  reduction crosses warps through shared memory. (The shipped template does this
-  now; on such a module this variant is the shipped kernel, and ``row_sums`` edits
-  the per-step row sum back in.)
+- ``shipped``: the module as generated, which keeps each row's sum of P per column
+  ([TILE_M, TILE_N]) and reduces it once after the loop, so a step makes one row
+  reduction (the max). With 16 query rows an MMA's columns lie across the CTA's
+  warps, so every row reduction crosses warps through shared memory.
+- ``row_sums``: the per-step row sum edited back in (two reductions per step).
 - ``max_once`` (diagnostic, not a correct kernel for every input): the row max is
   taken once, from the first tile, plus 8, and never updated, so the unmasked loop
   makes no row reduction and no rescale. It bounds what the max bookkeeping costs.
@@ -47,18 +46,8 @@ def edit(text: str, pattern: str, repl: str, count: int) -> str:
 SHIPPED_SUM = "l_cols = l_cols * alpha + p"
 
 
-def deferred_sum(text: str) -> str:
-    if SHIPPED_SUM in text:
-        return text
-    text = edit(text, re.escape("l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)"),
-                "l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)", 1)
-    text = edit(text, re.escape("l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)"), SHIPPED_SUM, 2)
-    return edit(text, r"\n    if SINGLE_SPLIT:\n",
-                "\n    l_i = ct.sum(l_cols, axis=-1, keepdims=True)\n    if SINGLE_SPLIT:\n", 1)
-
-
 def row_sums(text: str) -> str:
-    """The per-step row sum of P (the template before the deferred sum)."""
+    """The per-step row sum of P (the template before the sum per column)."""
     text = edit(text, re.escape("l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)"),
                 "l_cols = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)", 1)
     text = edit(text, re.escape(SHIPPED_SUM), "l_cols = l_cols * alpha + ct.sum(p, axis=-1, keepdims=True)", 2)
@@ -75,7 +64,6 @@ def latency(k: int, v: int):
 
 def max_once(text: str) -> str:
     """The diagnostic: the row max of the first unmasked tile, computed before the loop."""
-    text = deferred_sum(text)
     loop = "    for j in range(start, hi):\n"
     first = ("    if start < hi:\n"
              "        k0 = (ct.load(K, index=(batch, 0, kv_head, start), shape=(1, HEAD_DIM, 1, TILE_N),"

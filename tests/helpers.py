@@ -14,6 +14,13 @@ DENSE_SPEC_NAMES = [n for n in SPEC_NAMES if n not in DECODE_SPEC_NAMES + VARLEN
 TRAINING_SPEC_NAMES = [p.stem for p in SPECS if "\nbackward: true" in p.read_text()]
 
 
+def kernel_source(text: str, prefix: str, after: int = 0) -> str:
+    """The source of the first function of a module's ``text`` (from ``after`` on) whose
+    name starts with ``prefix``: from its def to the blank lines after it."""
+    start = text.index(f"def {prefix}", after)
+    return text[start:text.index("\n\n\n", start)]
+
+
 def generated_module(name: str):
     return importlib.import_module(f"generated.{name}")
 

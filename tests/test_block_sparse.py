@@ -12,6 +12,8 @@ from specgen.plan.make import make_plan
 from specgen.spec import validate_spec
 from specgen.spec.hooks import block_quotients, compile_hook, tile_pretest
 
+from .helpers import kernel_source
+
 DOC = {"name": "doc", "causal": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True}
 
@@ -151,18 +153,13 @@ def test_dense_and_sparse_renders():
     assert render(make_plan(validate_spec(DOC)), "specs/doc.yaml").text == sparse
 
 
-def _kernel_source(text: str, prefix: str) -> str:
-    start = text.index(f"def {prefix}")
-    return text[start:text.index("\n\n\n", start)]
-
-
 def test_sparse_backward_masks_partial_tiles_only():
     """The dK/dV and dQ kernels walk a map row in two loops: its partial tiles with
     the mask_mod, its full ones with no mask (only rows past seq_q zeroed) and
     without reading the mask_mod's operands."""
     text = render(make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml").text
     for prefix, index in (("fmha_bwd_dkdv_", "kv_tile"), ("fmha_bwd_dq_", "tile")):
-        kernel = _kernel_source(text, prefix)
+        kernel = kernel_source(text, prefix)
         partial, _, full = kernel.partition("for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):")
         assert full, prefix
         assert "for e in range(0, num_partial):" in partial and "doc_0 == doc_1" in partial
@@ -175,7 +172,7 @@ def test_sparse_backward_masks_partial_tiles_only():
         **DOC, "backward": True, "score_mod": "score - slope[h] * (q_idx - kv_idx)",
         "tensors": {**DOC["tensors"], "slope": {"dtype": "float32", "shape": ["heads"]}}})),
         "specs/doc.yaml").text
-    full = _kernel_source(alibi, "fmha_bwd_dq_").partition(
+    full = kernel_source(alibi, "fmha_bwd_dq_").partition(
         "for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):")[2]
     assert "slope" in full and "doc_0 == doc_1" not in full
 
@@ -184,7 +181,7 @@ def test_backward_delta_is_the_diagonal_of_the_dp_mma():
     """D = rowsum(dO O) comes from an MMA (dO O^T), as dP = dO V^T does, so a row
     with one visible key gets dP - D = 0 exactly."""
     text = render(make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml").text
-    delta = _kernel_source(text, "fmha_bwd_delta_")
+    delta = kernel_source(text, "fmha_bwd_delta_")
     assert "ct.mma(" in delta and "ct.permute(o, (1, 0))" in delta
     assert "ct.sum(o.astype(ct.float32) * do.astype(ct.float32)" not in delta
 

@@ -17,7 +17,7 @@ from specgen.plan.make import make_plan
 from specgen.emit.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
 from specgen.spec import spec_to_dict, validate_spec
 
-from .helpers import ROOT, SPECS, SPEC_NAMES, generated_module
+from .helpers import ROOT, SPECS, SPEC_NAMES, generated_module, kernel_source
 
 
 def _render_shipped(path):
@@ -244,11 +244,8 @@ def test_docstring_names_the_output_buffer_shape_and_dtype(name):
 def test_decode_reduces_the_row_sums_once_after_the_loop(name):
     """The decode kernels keep each row's sum of P per key column and reduce it once,
     after the loops: a step makes one row reduction (the max), not two."""
-    from .helpers import ROOT
-
     text = (ROOT / "generated" / f"{name}.py").read_text()
-    start = text.index("def fmha_decode_", text.index("@AotKernel"))
-    kernel = text[start:text.index("\n\n\n", start)]
+    kernel = kernel_source(text, "fmha_decode_", text.index("@AotKernel"))
     loops, _, tail = kernel.partition("l_i = ct.sum(l_cols, axis=-1, keepdims=True)")
     assert tail and "ct.sum(p" not in kernel
     assert loops.count("l_cols = l_cols * alpha + p") >= 2  # the unmasked and the masked step

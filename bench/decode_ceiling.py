@@ -9,6 +9,11 @@ masks and the split combine cost comes on top. The stream is timed at several sp
 counts around two CTAs per SM and the fastest is kept per cache, so the fastest
 float8 stream bounds what any float8 decode of this shape reaches in cuTile; its
 speed over the shipped bf16-cache decode bounds the float8 / bf16 ratio.
+A split decode also has to merge its splits: the stream is timed a second time
+followed by the float8 module's own combine kernel, launched as the module launches
+it (programmatic dependent launch on sm_90, the stream waiting for the previous
+combine as the split kernel does). The fastest of these is the bound of a split
+decode with its combine; with one split no combine runs.
 Beside them, in the same process and timed the same way: the shipped decode
 modules (float8 and bf16 caches) and a torch copy of the float8 cache's bytes.
 
@@ -36,10 +41,15 @@ HQ, HKV, D, TILE_M, TILE_N = 64, 8, 128, 16, 128
 COPIES, CALLS = 4, 20
 
 
-def stream_kernel(Q, K, V, Out, CHUNK: ConstInt, D: ConstInt, TILE_N: ConstInt, FP8: ConstBool):
+def stream_kernel(
+    Q, K, V, Out, Lse, CHUNK: ConstInt, D: ConstInt, TILE_N: ConstInt, FP8: ConstBool, PDL: ConstBool
+):
     split, bh = ct.bid(0), ct.bid(1)
     num_kv = K.shape[2]
     b, kv = bh // num_kv, bh % num_kv
+    if PDL:  # as the shipped split kernel: wait for the previous combine, let the next start
+        ct.grid_dependency_control_wait()
+        ct.grid_dependency_control_launch_dependents()
     q = ct.load(Q, index=(b, kv, 0, 0), shape=(1, 1, 16, D)).reshape((16, D))
     acc = ct.full((16, D), 0.0, dtype=ct.float32)
     start = split * (CHUNK // TILE_N)
@@ -56,6 +66,8 @@ def stream_kernel(Q, K, V, Out, CHUNK: ConstInt, D: ConstInt, TILE_N: ConstInt, 
         s = ct.mma(q, k_t, ct.full((16, TILE_N), 0.0, dtype=ct.float32))
         acc = ct.mma(s.astype(q.dtype), v, acc)
     ct.store(Out, index=(b, kv, split, 0, 0), tile=acc.reshape((1, 1, 1, 16, D)))
+    if PDL:  # a row value per split for the combine to weigh (the real decode's LSE)
+        ct.store(Lse, index=(b, kv, split, 0), tile=ct.max(acc, axis=1).reshape((1, 1, 1, 16)))
 
 
 def per_call_us(fn_for_copy) -> float:
@@ -105,14 +117,47 @@ def main() -> None:
                         batch, HKV, 16, D, device="cuda", dtype=torch.float16 if fp8 else torch.bfloat16
                     )
                     out = torch.empty(batch, HKV, splits, 16, D, device="cuda", dtype=torch.float32)
-                    sets.append((q, k, v_t, out))
+                    lse = torch.zeros(batch, HKV, splits, 16, device="cuda", dtype=torch.float32)
+                    sets.append((q, k, v_t, out, lse))
                 grid = (splits, batch * HKV, 1)
                 # The stream is read inside: under capture it is the graph's stream.
                 us = per_call_us(
                     lambda i: ct.launch(
-                        torch.cuda.current_stream(), grid, kernel, (*sets[i], chunk, D, TILE_N, fp8)
+                        torch.cuda.current_stream(),
+                        grid,
+                        kernel,
+                        (*sets[i], chunk, D, TILE_N, fp8, False),
                     )
                 )
+                if fp8_mod is not None and splits > 1:
+                    final = torch.empty(batch, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
+                    pdl = torch.cuda.get_device_capability()[0] >= 9
+                    rows_out = batch * HKV * (HQ // HKV)
+                    repeats = -(-fp8_mod.PDL_MIN_COMBINE_CTAS // rows_out) if pdl else 1
+                    split_tile = 1 << (splits - 1).bit_length()
+
+                    def with_combine(i):
+                        stream = torch.cuda.current_stream()
+                        ct.launch(
+                            stream,
+                            grid,
+                            kernel,
+                            (*sets[i], chunk, D, TILE_N, fp8, pdl),
+                            programmatic_dependent_launch=pdl,
+                        )
+                        ct.launch(
+                            stream,
+                            (batch * HKV, repeats * (HQ // HKV), 1),
+                            fp8_mod.fmha_decode_combine_gqa8_bf16_kve4m3_d128_vt,
+                            (final, sets[i][3], sets[i][4], 1, split_tile, pdl),
+                            programmatic_dependent_launch=pdl,
+                        )
+
+                    combined = per_call_us(with_combine)
+                    row[f"stream_combine_{name}_us_splits{splits}"] = combined
+                    if combined < row.get(f"stream_combine_{name}_us", math.inf):
+                        row[f"stream_combine_{name}_us"] = combined
+                        row[f"stream_combine_{name}_splits"] = splits
                 row[f"stream_{name}_us_splits{splits}"] = us
                 if us < row.get(f"stream_{name}_us", math.inf):
                     cache_bytes = 2 * batch * length * HKV * D * (1 if fp8 else 2)
@@ -148,6 +193,15 @@ def main() -> None:
             # The bound: the fastest float8 stream (no softmax, no combine) against the
             # shipped bf16-cache decode.
             row["best_stream_fp8_over_shipped_bf16_speed"] = row["shipped_bf16_us"] / row["stream_fp8_us"]
+            # The bound of a split decode: the fastest float8 stream that merges its
+            # splits, or the one-split stream where that is faster still.
+            candidates = [row["stream_fp8_us"]] if row["stream_fp8_splits"] == 1 else []
+            if "stream_combine_fp8_us" in row:
+                candidates.append(row["stream_combine_fp8_us"])
+            if candidates:
+                row["best_split_decode_fp8_over_shipped_bf16_speed"] = row["shipped_bf16_us"] / min(
+                    candidates
+                )
         row["stream_fp8_over_bf16_speed"] = row["stream_bf16_us"] / row["stream_fp8_us"]
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -268,6 +268,19 @@ class Plan:
                     or self.softcap is not None or self.hooks or self.sinks)
 
     @property
+    def bwd_split_dkdv(self) -> bool:
+        """The dK/dV kernel runs the query tiles that see all of its keys in a loop of
+        their own with no mask (causal and bounds masks only; not block-sparse), where
+        its accumulators are at most [TILE_N, 128]: with the padded-256 head's
+        one-CTA-per-SM kernel the three loops ran 21% slower on an H200 than one."""
+        return not (self.bwd_masked or self.block_sparse) and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
+
+    @property
+    def bwd_split_dq(self) -> bool:
+        """The dQ kernel runs its key tiles wholly visible to all rows with no mask."""
+        return not (self.bwd_masked or self.block_sparse)
+
+    @property
     def bwd_gathers(self) -> tuple[Gather, ...]:
         """The hook operands the backward's key steps gather (hooks and derivative)."""
         hooks = self.hooks + ((self.score_mod_grad,) if self.score_mod_grad else ())

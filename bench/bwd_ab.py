@@ -1,0 +1,165 @@
+"""Backward kernels of several generated training modules, timed in one process.
+
+Each variant is a module path, optionally followed by ``#`` and hint replacements for
+its backward kernels: ``delta=OCC:WARPS``, ``dkdv=OCC:WARPS``, ``dq=OCC:WARPS``
+(0: the compiler's choice), comma-separated. The script times the backward alone
+(autograd.grad of the module's output) at B4 Hq32, causal, the module's GQA ratio,
+beside cuDNN on the same inputs. The variants are timed in turn for several rounds,
+so that a drift of the card's clocks touches them alike, and each variant's median
+over the rounds is reported. Every variant's gradients are compared with cuDNN's
+before it is timed. With ``--tilegym``, TileGym's backward (tile_fmha_with_backward,
+autotuned on its first call) is timed last on the same inputs: importing it patches
+cuda.tile.launch, so it comes after every specgen call.
+
+Usage:  python bench/bwd_ab.py /tmp/old/fmha_train_d64.py generated/x.py#dq=2:0
+        [--seqs 2048,8192] [--rounds 3] [--tilegym] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from results_json import write_rows
+from triton.testing import do_bench
+
+PREFIXES = {"delta": "fmha_bwd_delta", "dkdv": "fmha_bwd_dkdv", "dq": "fmha_bwd_dq"}
+
+
+def load(variant: str, index: int):
+    """The module of ``variant`` with its hint replacements applied. A generated module
+    registers its custom op once per process under its spec's name, and a second
+    module of that name would reuse the first's op (and so its kernels): each
+    variant's op gets a name of its own."""
+    path, _, hints = variant.partition("#")
+    source = re.sub(
+        r'^OP_NAME = "specgen::(\w+)"$',
+        rf'OP_NAME = "specgen::\1_ab{index}"',
+        Path(path).read_text(),
+        count=1,
+        flags=re.M,
+    )
+    if f"_ab{index}\"" not in source:
+        raise SystemExit(f"{path}: no OP_NAME line to rename")
+    mod = types.ModuleType(f"ab{index}_{Path(path).stem}")
+    mod.__file__ = str(Path(path).resolve())
+    sys.modules[mod.__name__] = mod
+    exec(compile(source, mod.__file__, "exec"), mod.__dict__)
+    for item in filter(None, hints.split(",")):
+        which, _, value = item.partition("=")
+        if which not in PREFIXES:
+            raise SystemExit(f"{variant}: unknown kernel {which!r}; expected one of {sorted(PREFIXES)}")
+        occ, warps = (int(x) for x in value.split(":"))
+        names = [n for n in vars(mod) if n.startswith(PREFIXES[which])]
+        for name in names:
+            setattr(
+                mod,
+                name,
+                getattr(mod, name).replace_hints(occupancy=occ or None, num_worker_warps=warps or None),
+            )
+    return mod
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="+")
+    parser.add_argument("--seqs", default="2048,8192")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tilegym", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    mods = [load(v, i) for i, v in enumerate(args.variants)]
+    ratio, d, dtype = mods[0].GROUP_SIZE, mods[0].HEAD_DIM, mods[0].DTYPE
+    B, HQ = 4, 32
+    rows, inputs = [], {}
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        torch.manual_seed(0)
+        flops = 2.5 * 4 * B * HQ * seq * seq * d / 2  # FlashAttention's count, causal
+        q = torch.randn(B, HQ, seq, d, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (
+            torch.randn(B, HQ // ratio, seq, d, device="cuda", dtype=dtype, requires_grad=True)
+            for _ in range(2)
+        )
+        do = torch.randn(B, HQ, seq, d, device="cuda", dtype=dtype)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            ref_out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True
+            )
+            ref = torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True)
+        outs, errs, times = [], [], {v: [] for v in args.variants}
+        for mod in mods:
+            out = mod.attention(q, k, v)
+            grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+            errs.append(
+                max(
+                    ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                    for g, r in zip(grads, ref)
+                )
+            )
+            outs.append(out)
+        cudnn = []
+        for _ in range(args.rounds):
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                cudnn.append(
+                    do_bench(lambda: torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True))
+                )
+            for variant, out in zip(args.variants, outs):
+                times[variant].append(
+                    do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                )
+        ms = statistics.median(cudnn)
+        rows.append({"seq": seq, "kernel": "cudnn", "ms": ms, "tflops": flops / ms / 1e9, "runs_ms": cudnn})
+        print(json.dumps(rows[-1]), flush=True)
+        for variant, err in zip(args.variants, errs):
+            ms = statistics.median(times[variant])
+            rows.append(
+                {
+                    "seq": seq,
+                    "kernel": variant,
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "runs_ms": times[variant],
+                    "max_rel_diff_vs_cudnn": err,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+        inputs[seq] = (flops, q, k, v, do, ref)
+    if args.tilegym:
+        from tilegym.ops.cutile.attention import tile_fmha_with_backward
+
+        for seq, (flops, q, k, v, do, ref) in inputs.items():
+            out = tile_fmha_with_backward(q, k, v, None, True)
+            grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+            err = max(
+                ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                for g, r in zip(grads, ref)
+            )
+            runs = [
+                do_bench(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+                for _ in range(args.rounds)
+            ]
+            ms = statistics.median(runs)
+            rows.append(
+                {
+                    "seq": seq,
+                    "kernel": "tilegym",
+                    "ms": ms,
+                    "tflops": flops / ms / 1e9,
+                    "runs_ms": runs,
+                    "max_rel_diff_vs_cudnn": err,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        write_rows(args.json, rows, batch=B, heads_q=HQ, rounds=args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The backward kernels' structure: the dQ kernel's exact D for one-key-tile rows (and
+the launch order it needs), the loop split of the plain masks, checked by running the
+generated loop bounds against a brute-force classification of every tile."""
+
+import ast
+import itertools
+import math
+
+import pytest
+
+from specgen.emit.render import render
+from specgen.plan.make import make_plan
+from specgen.spec import load_spec
+
+from .helpers import ROOT, kernel_source
+
+
+def _text(name: str) -> str:
+    return (ROOT / "generated" / f"{name}.py").read_text()
+
+
+def _launch_order(text: str) -> list[str]:
+    """The backward kernels in the order the launcher starts them."""
+    backward = text[text.index("def _backward("):]
+    backward = backward[: backward.index("\n\n\n")]
+    return sorted(("fmha_bwd_dq_", "fmha_bwd_dkdv_"), key=lambda n: backward.index(f"        {n}"))
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks",
+                                  "fmha_train_gemma2", "fmha_train_document"])
+def test_dq_forms_the_exact_delta_of_a_one_tile_row_and_runs_before_dkdv(name):
+    """Where a query tile sees one key tile, D = rowsum(P dP) from the dQ kernel's own
+    P and dP replaces dO . O (the rounded output), and dK/dV reads it after."""
+    text = _text(name)
+    dq = kernel_source(text, "fmha_bwd_dq_")
+    head, _, loops = dq.partition("== 1:")
+    assert "if num_n" in head or "if num_partial + num_full" in head
+    block = loops[: loops.index("    for ")]
+    assert "delta = ct.sum(p * dp, axis=-1, keepdims=True)" in block
+    assert "ct.store(Delta" in block
+    assert _launch_order(text) == ["fmha_bwd_dq_", "fmha_bwd_dkdv_"]
+
+
+def test_backward_exponentials_flush_to_zero():
+    for name in ("fmha_train_gqa_causal", "fmha_train_gemma2"):
+        text = _text(name)
+        for prefix in ("fmha_bwd_dkdv_", "fmha_bwd_dq_"):
+            source = kernel_source(text, prefix)
+            calls = source.count("ct.exp2(")
+            assert calls and source.count("flush_to_zero=True") == calls, (name, prefix)
+
+
+def _loops(source: str, var: str) -> list[str]:
+    """The bodies of the kernel's ``for <var> in range(...)`` loops, in order."""
+    parts = source.split(f"for {var} in range(")[1:]
+    return [p.partition(f"for {var} in range(")[0] for p in parts]
+
+
+def test_plain_causal_backward_runs_interior_tiles_without_a_mask():
+    text = _text("fmha_train_gqa_causal")
+    dkdv = kernel_source(text, "fmha_bwd_dkdv_")
+    assert [line.strip() for line in dkdv.splitlines() if "for i in range(" in line] == [
+        "for i in range(first_m, lo_m):", "for i in range(lo_m, hi_m):", "for i in range(hi_m, end_m):"]
+    first, interior, last = _loops(dkdv, "i")
+    assert "visible =" in first and "visible =" in last and "visible =" not in interior
+    dq = kernel_source(text, "fmha_bwd_dq_")
+    interior, edge = _loops(dq, "j")
+    assert "visible =" not in interior and "visible =" in edge
+
+
+@pytest.mark.parametrize("spec", ["specs/fmha_train_gemma2.yaml", "bench/train/fmha_train_d256.yaml"])
+def test_no_dkdv_split_for_masked_or_wide_heads(spec):
+    """Windows/soft-cap keep one masked loop; a padded-256 head keeps one dK/dV loop
+    (three were slower there) but its dQ still splits."""
+    plan = make_plan(load_spec(ROOT / spec))
+    text = render(plan, spec).text
+    assert "lo_m" not in kernel_source(text, "fmha_bwd_dkdv_")
+    assert ("hi_n" in kernel_source(text, "fmha_bwd_dq_")) == (not plan.bwd_masked)
+
+
+class _Ct:
+    @staticmethod
+    def cdiv(a, b):
+        return -(-a // b)
+
+
+def _bounds(source: str, names: set, **values) -> dict:
+    """Run the kernel's top-level statements that set ``names`` (assignments, and ifs
+    that only assign them) with ``values`` bound, as Python integers."""
+    fn = ast.parse(source).body[0]
+    keep = []
+    for stmt in fn.body:
+        if isinstance(stmt, ast.Assign) and all(
+            isinstance(t, ast.Name) and t.id in names for t in stmt.targets
+        ):
+            keep.append(stmt)
+        elif isinstance(stmt, ast.If) and all(
+            isinstance(s, ast.Assign) and all(isinstance(t, ast.Name) and t.id in names for t in s.targets)
+            for s in stmt.body
+        ) and not stmt.orelse:
+            keep.append(stmt)
+    scope = {"ct": _Ct, "min": min, "max": max, **values}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "<bounds>", "exec"), scope)
+    return scope
+
+
+def _visible(row, key, seq_q, seq_k, q_offset):
+    return row < q_offset + seq_q and key < seq_k and key <= row
+
+
+CASES = list(itertools.product([1, 63, 64, 130, 257], [1, 64, 100, 256, 300], [0, 5, 64, -3, 200]))
+
+
+@pytest.mark.parametrize("seq_q,seq_k,q_offset", CASES)
+def test_causal_loop_split_bounds_classify_every_tile(seq_q, seq_k, q_offset):
+    """The dK/dV and dQ loop bounds of the plain causal backward, run as Python: the
+    unmasked loops visit only tiles whose every pair is visible, and the loops
+    together visit every tile with a visible pair."""
+    text = _text("fmha_train_gqa_causal")
+    dkdv = kernel_source(text, "fmha_bwd_dkdv_")
+    dq = kernel_source(text, "fmha_bwd_dq_")
+    TM, TN = 64, 64
+    for kv_tile in range(math.ceil(seq_k / TN)):
+        b = _bounds(dkdv, {"first_m", "end_m", "lo_m", "hi_m"}, kv_tile=kv_tile, TILE_M=TM, TILE_N=TN,
+                    seq_q=seq_q, seq_k=seq_k, q_offset=q_offset)
+        masked = [*range(b["first_m"], b["lo_m"]), *range(b["hi_m"], b["end_m"])]
+        interior = list(range(b["lo_m"], b["hi_m"]))
+        assert len(set(masked + interior)) == len(masked + interior), (kv_tile, b)  # once each
+        for i in range(math.ceil(seq_q / TM)):
+            pairs = [(q_offset + i * TM + r, kv_tile * TN + c) for r in range(TM) for c in range(TN)]
+            seen = [_visible(row, key, seq_q, seq_k, q_offset) for row, key in pairs]
+            if i in interior:
+                assert all(seen), (kv_tile, i)
+            if any(seen):
+                assert i in masked or i in interior, (kv_tile, i)
+    TM, TN = 128, 64
+    for tile in range(math.ceil(seq_q / TM)):
+        b = _bounds(dq, {"end_row", "num_n", "hi_n"}, tile=tile, TILE_M=TM, TILE_N=TN,
+                    seq_q=seq_q, seq_k=seq_k, q_offset=q_offset)
+        assert 0 <= b["hi_n"] <= max(b["num_n"], 0)  # range(0, hi_n), then range(hi_n, num_n)
+        for j in range(math.ceil(seq_k / TN)):
+            pairs = [(q_offset + tile * TM + r, j * TN + c) for r in range(TM) for c in range(TN)]
+            seen = [_visible(row, key, seq_q, seq_k, q_offset) for row, key in pairs]
+            if j < b["hi_n"]:
+                assert all(seen), (tile, j)
+            if any(seen):
+                assert j < b["num_n"], (tile, j)

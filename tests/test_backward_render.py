@@ -37,6 +37,8 @@ def test_dq_forms_the_exact_delta_of_a_one_tile_row_and_runs_before_dkdv(name):
     assert "if num_n" in head or "if num_partial + num_full" in head
     block = loops[: loops.index("    for ")]
     assert "delta = ct.sum(p * dp, axis=-1, keepdims=True)" in block
+    if "sinks" not in name:
+        assert "delta / ct.where(total > 0.0, total, 1.0)" in block
     assert "ct.store(Delta" in block
     assert _launch_order(text) == ["fmha_bwd_dq_", "fmha_bwd_dkdv_"]
 

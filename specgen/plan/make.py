@@ -273,7 +273,7 @@ class Plan:
         their own with no mask (causal and bounds masks only; not block-sparse), where
         its accumulators are at most [TILE_N, 128]: with the padded-256 head's
         one-CTA-per-SM kernel the three loops ran 21% slower on an H200 than one."""
-        return not (self.bwd_masked or self.block_sparse) and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
+        return self.bwd_split_dq and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
 
     @property
     def bwd_split_dq(self) -> bool:

@@ -145,9 +145,11 @@ DESCRIPTIONS: dict[str, str] = {
     "`false`: never (the generated code is then the same as without the field).",
     "backward": "Also generate FlashAttention-2's backward kernels (D = rowsum(dO·O); dK "
     "and dV per key tile, summed over each KV head's query heads; dQ per query tile) and "
-    "make `attention` differentiable through a `torch.library` custom op. Covers causal "
-    "and non-causal attention, any `gqa_ratio` and power-of-two head dims; other "
-    "features are refused with a one-line error.",
+    "make `attention` differentiable through a `torch.library` custom op. Covers every "
+    "prefill feature (masks, windows, soft-cap, hooks and learnable hook tensors, sinks, "
+    "dropout, varlen, any head dim 16-256, `v_head_dim`, any `gqa_ratio`); a float8 "
+    "`dtype` (and its `out_dtype`) is refused with a one-line error. See "
+    "[features](features.md#training-backward-true).",
     "compile_for": "The targets `specgen build` AOT-compiles, one cubin per launch config "
     "of each; the cubins are left in `generated/<name>.aot/` for the module's first "
     "call. `--targets` overrides the list.",

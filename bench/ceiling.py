@@ -13,7 +13,11 @@ tile of TILE_M rows, a loop over key tiles doing S = Q K^T and acc += P V, with
   - ``softmax_poly``: the full online softmax over two key half-tiles, the second
     half's exponentials computed by a cubic polynomial on the FMA units instead of
     the MUFU ex2 unit (the two units then work side by side);
-  - ``softmax_lazy_poly``: both.
+  - ``softmax_lazy_poly``: both;
+  - ``softmax_skew``: the full online softmax with S of key tile j+1 computed
+    before the softmax of tile j (FA3's intra-warpgroup overlap written in the
+    source: the next QK^T MMA has no dependence on this tile's exponentials, so
+    the tensor cores may run it while the softmax runs).
 Non-causal, [B, H, S, D] inputs, B4 H32 D128, the same tiles and hints as the shipped
 sm_90 configs (128x128, occupancy 1, two warp groups). ``mma`` is an upper bound on
 any attention kernel cuTile builds with this loop: whatever the softmax costs comes
@@ -44,6 +48,7 @@ KINDS = (
     "softmax_lazy",
     "softmax_poly",
     "softmax_lazy_poly",
+    "softmax_skew",
 )
 # 2**f on [0, 1) to 8.6e-5 relative (weighted least squares; p(0) = 1 exactly).
 POLY = (0.69511545, 0.22765097, 0.07706157)
@@ -78,7 +83,7 @@ def _half_tiles(K, V, b, h, j, HALF, D, V_T):
 
 
 def split_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND):
-    """The KIND >= 4 loops: TILE_N keys per step as two half-tiles."""
+    """The KIND 4-6 loops: TILE_N keys per step as two half-tiles."""
     HALF = TILE_N // 2
     M = q.shape[0]
     lazy = KIND == 4 or KIND == 6
@@ -119,6 +124,53 @@ def split_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND):
     return acc, l_i
 
 
+def _k_tile(K, b, h, j, TILE_N, D):
+    """K^T [D, TILE_N] of key tile j."""
+    return ct.load(
+        K, index=(b, h, 0, j), shape=(1, 1, D, TILE_N), order=(0, 1, 3, 2), latency=2
+    ).reshape((D, TILE_N))
+
+
+def _v_tile(V, b, h, j, TILE_N, D, V_T):
+    """V [TILE_N, D] of key tile j (read from V^T where V_T)."""
+    if V_T:
+        return ct.load(
+            V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), order=(0, 1, 3, 2), latency=4
+        ).reshape((TILE_N, D))
+    return ct.load(V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), latency=4).reshape(
+        (TILE_N, D)
+    )
+
+
+def _softmax_step(s, v, acc, m_i, l_i, qk_scale, dtype):
+    """One online-softmax step on the scores s [M, N] of a key tile with values v."""
+    m_new = max(m_i, ct.max(s, axis=-1, keepdims=True) * qk_scale)
+    p = ct.exp2(s * qk_scale - m_new, flush_to_zero=True)
+    alpha = ct.exp2(m_i - m_new, flush_to_zero=True)
+    l_i = l_i * alpha + ct.sum(p, axis=-1, keepdims=True)
+    acc = ct.mma(p.astype(dtype), v, acc * alpha)
+    return acc, m_new, l_i
+
+
+def skew_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T):
+    """KIND 7: S of the next key tile is formed before this tile's softmax."""
+    M = q.shape[0]
+    n = ct.cdiv(K.shape[2], TILE_N)
+    s = ct.mma(q, _k_tile(K, b, h, 0, TILE_N, D), ct.full((M, TILE_N), 0.0, dtype=ct.float32))
+    for j in range(n - 1):
+        s_next = ct.mma(
+            q,
+            _k_tile(K, b, h, j + 1, TILE_N, D),
+            ct.full((M, TILE_N), 0.0, dtype=ct.float32),
+        )
+        v = _v_tile(V, b, h, j, TILE_N, D, V_T)
+        acc, m_i, l_i = _softmax_step(s, v, acc, m_i, l_i, qk_scale, Q.dtype)
+        s = s_next
+    v = _v_tile(V, b, h, n - 1, TILE_N, D, V_T)
+    acc, m_i, l_i = _softmax_step(s, v, acc, m_i, l_i, qk_scale, Q.dtype)
+    return acc, l_i
+
+
 def ceiling_loop(
     Q,
     K,
@@ -140,7 +192,9 @@ def ceiling_loop(
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
     l_acc = ct.full((TILE_M, 16), 0.0, dtype=ct.float32)  # KIND 3: row sums by an MMA
     ones = ct.full((TILE_N, 16), 1.0, dtype=Q.dtype)
-    if KIND >= 4:
+    if KIND == 7:
+        acc, l_i = skew_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T)
+    elif KIND >= 4:
         acc, l_i = split_loop(
             Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND
         )

@@ -60,7 +60,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
 
 
 def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
-               generator=None, layout: str = "contiguous"):
+               generator=None, layout: str = "contiguous", device="cuda"):
     """Random q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] for
     ``spec`` (its SPEC dict), N(0, 1) in the spec's dtype. ``layout`` "transposed"
     makes each a [B, S, H, D] tensor seen as [B, H, S, D] (non-contiguous);
@@ -71,11 +71,11 @@ def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
 
     def rand(heads: int, seq: int, dim: int) -> torch.Tensor:
         if layout == "sliced":  # a view of the first seq rows of a longer buffer
-            t = torch.randn((batch, heads, seq + 37, dim), generator=generator, device="cuda",
+            t = torch.randn((batch, heads, seq + 37, dim), generator=generator, device=device,
                             dtype=torch.float32).to(dtype)
             return t[:, :, :seq]
         shape = (batch, seq, heads, dim) if layout == "transposed" else (batch, heads, seq, dim)
-        t = torch.randn(shape, generator=generator, device="cuda", dtype=torch.float32).to(dtype)
+        t = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
         return t.transpose(1, 2) if layout == "transposed" else t
 
     heads = kv_heads * spec["gqa_ratio"]
@@ -101,17 +101,18 @@ class Packed:
                 "max_seqlen_k": max(k for _, k in self.lengths)}
 
 
-def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, generator=None) -> Packed:
+def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, generator=None,
+                  device="cuda") -> Packed:
     """A packed varlen batch of (seq_q, seq_k) per sequence, N(0, 1) in the spec's dtype."""
     dtype = getattr(torch, spec["dtype"])
     d, dv = spec["head_dim"], spec.get("v_head_dim") or spec["head_dim"]
     total_q, total_k = sum(q for q, _ in lengths), sum(k for _, k in lengths)
 
     def rand(*shape):
-        return torch.randn(shape, generator=generator, device="cuda").to(dtype)
+        return torch.randn(shape, generator=generator, device=device).to(dtype)
 
     def cumulative(values):
-        return torch.tensor([0] + list(itertools.accumulate(values)), dtype=torch.int32, device="cuda")
+        return torch.tensor([0] + list(itertools.accumulate(values)), dtype=torch.int32, device=device)
 
     heads = kv_heads * spec["gqa_ratio"]
     return Packed(rand(total_q, heads, d), rand(total_k, kv_heads, d), rand(total_k, kv_heads, dv),
@@ -151,21 +152,21 @@ def poisoned_out(spec: dict, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 DROPOUT_P = 0.15  # what tests and benchmarks of a dropout spec use
 
 
-def feature_inputs(spec: dict, dims: dict, generator=None) -> dict:
+def feature_inputs(spec: dict, dims: dict, generator=None, device="cuda") -> dict:
     """The extra keyword tensors a spec's ``attention`` takes (``sinks`` [Hq], hook
     tensors), drawn at random: sinks around the scale of real logits, so they
     matter. ``dims``: batch, heads, kv_heads, seq_q, seq_k (see shape_dims)."""
     extra = {}
     if spec.get("sinks"):
-        extra["sinks"] = torch.randn(dims["heads"], device="cuda", generator=generator) * 2.0
-    extra.update(hook_tensors(spec, dims, generator))
+        extra["sinks"] = torch.randn(dims["heads"], device=device, generator=generator) * 2.0
+    extra.update(hook_tensors(spec, dims, generator, device))
     if spec["dtype"] == "float8_e4m3fn":
         extra.update(FP8_DESCALES)
     if spec.get("kv_dtype") == "float8_e4m3fn":  # a decode spec's float8 cache
         extra.update({n: FP8_DESCALES[n] for n in ("k_descale", "v_descale")})
     if spec.get("dropout"):
         extra["dropout_p"] = DROPOUT_P
-        extra["seed"] = int(torch.randint(0, 2**31 - 1, (1,), device="cuda", generator=generator))
+        extra["seed"] = int(torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator))
     return extra
 
 
@@ -305,7 +306,7 @@ class DecodeBatch:
 
 
 def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
-                  generator=None) -> DecodeBatch:
+                  generator=None, device="cuda") -> DecodeBatch:
     """Random q and caches for ``seq_lens``; every cache slot past a sequence's
     length holds NaN, so a kernel that reads one into its result fails the check.
     A paged cache gets its pages in a shuffled order (and one spare page). A
@@ -321,7 +322,7 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
     k_descale, v_descale = (FP8_DESCALES["k_descale"], FP8_DESCALES["v_descale"]) if fp8 else (1.0, 1.0)
 
     def rand(*shape, descale=1.0, to=dtype):
-        return (torch.randn(shape, generator=generator, device="cuda") / descale).to(to)
+        return (torch.randn(shape, generator=generator, device=device) / descale).to(to)
 
     def rand_k(*shape):
         return rand(*shape, descale=k_descale, to=kv_dtype)
@@ -330,7 +331,7 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
         return rand(*shape, descale=v_descale, to=kv_dtype)
 
     q = rand(batch, q_len, heads, d)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     paged = spec.get("paged")
     transposed = bool(spec.get("v_cache_transposed"))
     if not paged:
@@ -341,22 +342,22 @@ def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
             v[b, n:] = float("nan")
         if transposed:
             padded = torch.full((batch, kv_heads, d, -(-max_len // 16) * 16), float("nan"),
-                                dtype=kv_dtype, device="cuda")
+                                dtype=kv_dtype, device=device)
             padded[..., :max_len] = v.permute(0, 2, 3, 1)
             v = padded
         return DecodeBatch(q, k, v, lens, None, transposed)
     size = paged["page_size"]
     per_seq = [-(-n // size) for n in seq_lens]
     num_pages = sum(per_seq) + 1
-    order = torch.randperm(num_pages, generator=generator, device="cuda").to(torch.int32)
-    table = torch.zeros(batch, max(per_seq), dtype=torch.int32, device="cuda")
-    k = torch.full((num_pages, size, kv_heads, d), float("nan"), dtype=kv_dtype, device="cuda")
+    order = torch.randperm(num_pages, generator=generator, device=device).to(torch.int32)
+    table = torch.zeros(batch, max(per_seq), dtype=torch.int32, device=device)
+    k = torch.full((num_pages, size, kv_heads, d), float("nan"), dtype=kv_dtype, device=device)
     v = torch.full_like(k, float("nan"))
     used = 0
     for b, (n, count) in enumerate(zip(seq_lens, per_seq)):
         table[b, :count] = order[used:used + count]
         used += count
-        pos = torch.arange(n, device="cuda")
+        pos = torch.arange(n, device=device)
         pages = table[b, pos // size].long()
         k[pages, pos % size] = rand_k(n, kv_heads, d)
         v[pages, pos % size] = rand_v(n, kv_heads, d)

@@ -26,14 +26,18 @@ def require_cuda(command: str):
     return torch
 
 
-def fresh_modules(paths: list[str], out_dir: Path, log) -> list[tuple[Job, ModuleType]]:
-    """Build stale modules (render only; the JIT compiles at first launch), then
-    import each from its file."""
+def fresh_jobs(paths: list[str], out_dir: Path, log) -> list[Job]:
+    """Build stale modules (render only; the JIT compiles at first launch)."""
     jobs = load_jobs(paths, out_dir)
     refused = write_jobs(jobs, out_dir, force=False, log=log)
     if refused:
         raise UsageError("; ".join(refused))
-    return [(job, import_module_file(job.out_path)) for job in jobs]
+    return jobs
+
+
+def fresh_modules(paths: list[str], out_dir: Path, log) -> list[tuple[Job, ModuleType]]:
+    """fresh_jobs, then import each module from its file."""
+    return [(job, import_module_file(job.out_path)) for job in fresh_jobs(paths, out_dir, log)]
 
 
 def import_module_file(path: Path) -> ModuleType:

@@ -30,7 +30,7 @@ from specgen.check.cases import (
     shape_dims,
 )
 from specgen.errors import UsageError
-from specgen.check.gpu import fresh_modules, require_cuda
+from specgen.check.gpu import fresh_jobs, fresh_modules, require_cuda
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     """B in {1, 3} x Hkv in {1, 2} x Sq=Skv in FULL_SEQS; chunked prefill with
     Sq < Skv and q_offset = Skv - Sq; and a transposed (non-contiguous) layout.
     A spec with a left window adds queries placed past its keys: some rows see
-    part of the window, some see no key at all (zeros, LSE -inf)."""
+    part of the window, some see no key at all (zeros, LSE -inf). ``quick``: the
+    smaller matrix (lengths up to 1000, the one emulated runs take)."""
     if (spec or {}).get("family") == "decode":
         lens_sets = DECODE_LENS[:3] if quick else DECODE_LENS
         q_lens = sorted({1, spec.get("max_q_len", 1)})
@@ -114,16 +115,21 @@ def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     return cases
 
 
-def run_packed_case(torch, module, case: Case, generator) -> dict:
+def _synchronize(torch, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_packed_case(torch, module, case: Case, generator, device: str = "cuda") -> dict:
     """A varlen case: one packed batch against the per-sequence fp64 reference."""
     spec = module.SPEC
-    batch = random_packed(spec, list(case.lengths), case.kv_heads, generator)
+    batch = random_packed(spec, list(case.lengths), case.kv_heads, generator, device=device)
     extra = feature_inputs(spec, {"batch": len(case.lengths), "heads": batch.q.shape[1],
-                                  "kv_heads": case.kv_heads}, generator)
+                                  "kv_heads": case.kv_heads}, generator, device=device)
     out = torch.full((*batch.q.shape[:2], batch.v.shape[2]), float("nan"),
-                     dtype=getattr(torch, output_dtype(spec)), device="cuda")
+                     dtype=getattr(torch, output_dtype(spec)), device=device)
     _, lse = call_kernel(module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs())
-    torch.cuda.synchronize()
+    _synchronize(torch, device)
     ref, ref_lse = packed_reference(spec, batch, extra)
     model = _p_model(spec, lambda **kw: packed_reference(spec, batch, extra, **kw))
     row = _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
@@ -167,7 +173,7 @@ def _gradient_check(torch, inputs, extra: dict, learned: list, call, reference, 
         leaves.append(extra[name])
     out = call(*leaves[:3], extra)
     # out's shape, not q's: v_head_dim may differ from head_dim
-    dout = torch.randn(out.shape, generator=generator, device="cuda").to(dtype)
+    dout = torch.randn(out.shape, generator=generator, device=out.device).to(dtype)
     got = torch.autograd.grad(out, leaves, dout)
 
     def reference_grads(compute_dtype):
@@ -217,30 +223,33 @@ def _row(label: str, spec: dict, out, ref, lse, ref_lse, model=None) -> dict:
     return row
 
 
-def run_decode_case(torch, module, case: Case, generator) -> dict:
+def run_decode_case(torch, module, case: Case, generator, device: str = "cuda") -> dict:
     """A decode case: NaN-poisoned cache slots past every length, fp64 reference."""
     spec = module.SPEC
-    batch = random_decode(spec, list(case.decode_lens), case.kv_heads, case.seq_q, generator)
-    extra = feature_inputs(spec, batch.dims(), generator)
-    out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device="cuda")
+    batch = random_decode(spec, list(case.decode_lens), case.kv_heads, case.seq_q, generator,
+                          device=device)
+    extra = feature_inputs(spec, batch.dims(), generator, device=device)
+    out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=device)
     module.attention(*batch.args(), out=out, **extra)
-    torch.cuda.synchronize()
+    _synchronize(torch, device)
     ref = decode_reference(spec, batch, extra)
     return _row(case.label(spec["gqa_ratio"]), spec, out, ref, None, None)
 
 
-def run_case(torch, module, case: Case, generator) -> dict:
+def run_case(torch, module, case: Case, generator, device: str = "cuda") -> dict:
+    """One case on ``device``: "cuda", or "cpu" for a module loaded by
+    specgen.check.emulate (its kernels emulated; call inside ``emulating()``)."""
     if case.decode_lens:
-        return run_decode_case(torch, module, case, generator)
+        return run_decode_case(torch, module, case, generator, device)
     if case.lengths:
-        return run_packed_case(torch, module, case, generator)
+        return run_packed_case(torch, module, case, generator, device)
     spec = module.SPEC
     q, k, v = random_qkv(spec, case.batch, case.kv_heads, case.seq_q, case.seq_k,
-                         generator=generator, layout=case.layout)
-    extra = feature_inputs(spec, shape_dims(q, k), generator)
+                         generator=generator, layout=case.layout, device=device)
+    extra = feature_inputs(spec, shape_dims(q, k), generator, device=device)
     out = poisoned_out(spec, q, v)
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
-    torch.cuda.synchronize()
+    _synchronize(torch, device)
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
     model = _p_model(spec, lambda **kw: reference_for(spec, q, k, v, extra,
                                                       q_offset=case.q_offset, **kw))
@@ -310,29 +319,35 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
     return min(high, max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))))
 
 
-def fuzz_case(spec: dict, case_seed: str) -> Case:
+# An emulated run's fuzz cases are 32 times smaller (the CPU also computes the
+# fp64 reference).
+EMULATED_SCALE = 32
+
+
+def fuzz_case(spec: dict, case_seed: str, scale: int = 1) -> Case:
     """A random valid case for ``spec``, a pure function of ``case_seed`` ("SEED:I"):
     batch, heads, lengths, q_offset and layout (strided views); for decode ragged
     lengths (the page table is shuffled by the case's generator); for varlen a
-    ragged packed batch."""
+    ragged packed batch. ``scale``: lengths (and the score budget) divided by it."""
     rng = random.Random(case_seed)
     ratio = spec["gqa_ratio"]
     kv_heads = rng.randint(1, max(1, min(4, 32 // ratio)))
     if spec.get("family") == "decode":
         q_len = rng.randint(1, spec.get("max_q_len", 1))
-        lens = tuple(_log_uniform(rng, q_len, 16384) for _ in range(rng.randint(1, 8)))
+        lens = tuple(_log_uniform(rng, q_len, max(q_len, 16384 // scale))
+                     for _ in range(rng.randint(1, 8)))
         return Case(len(lens), kv_heads, q_len, 0, decode_lens=lens)
     if spec.get("varlen"):
         lengths = []
         for _ in range(rng.randint(1, 6)):
-            seq_q = _log_uniform(rng, 1, 1024)
-            lengths.append((seq_q, seq_q + rng.choice([0, 0, rng.randint(0, 512)])))
+            seq_q = _log_uniform(rng, 1, max(16, 1024 // scale))
+            lengths.append((seq_q, seq_q + rng.choice([0, 0, rng.randint(0, 512 // scale)])))
         return Case(len(lengths), kv_heads, 0, 0, lengths=tuple(lengths))
     while True:
         batch = rng.randint(1, 4)
-        seq_q = _log_uniform(rng, 1, 2048)
-        seq_k = seq_q if rng.random() < 0.4 else _log_uniform(rng, 1, 4096)
-        if batch * kv_heads * ratio * seq_q * seq_k <= FUZZ_MAX_SCORES:
+        seq_q = _log_uniform(rng, 1, max(16, 2048 // scale))
+        seq_k = seq_q if rng.random() < 0.4 else _log_uniform(rng, 1, max(16, 4096 // scale))
+        if batch * kv_heads * ratio * seq_q * seq_k <= FUZZ_MAX_SCORES // scale:
             break
     # Bottom-right (chunked prefill), top-left, or anywhere up to past the keys.
     q_offset = rng.choice([max(seq_k - seq_q, 0), 0, rng.randint(0, seq_k + 64)])
@@ -363,6 +378,18 @@ def case_generator_seed(seed: int, index: int, fuzz_seed: str | None) -> int:
     from its own generator, so a case gives the same inputs alone, in order, or in a
     worker process (a fuzz case's depends on its SEED:I only, as --fuzz-case replays it)."""
     return random.Random(fuzz_seed if fuzz_seed else f"{seed}:matrix:{index}").getrandbits(63)
+
+
+def _emulated_case(module_path: str, case: Case, generator_seed: int) -> dict:
+    """One case with the module's kernels emulated on the CPU (specgen.check.emulate)."""
+    import torch
+
+    from specgen.check import emulate
+
+    name = f"_specgen_emulated_{Path(module_path).stem}"
+    module = sys.modules.get(name) or emulate.load_module(module_path, name=name)
+    with emulate.emulating():
+        return run_case(torch, module, case, torch.Generator().manual_seed(generator_seed), "cpu")
 
 
 def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
@@ -405,22 +432,36 @@ def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: i
 
 
 def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int = 0,
-             fuzz_case_seed: str | None = None, jobs: int = 1) -> int:
+             fuzz_case_seed: str | None = None, jobs: int = 1, emulate: bool = False) -> int:
     """The shape matrix (or ``fuzz`` random cases per spec, or the one fuzz case
     ``fuzz_case_seed``) for each spec, on ``jobs`` worker processes; exit 1 on any
-    failure."""
-    require_cuda("test")
+    failure. ``emulate``: run the kernels on the CPU (specgen.check.emulate), on
+    the quick matrix or EMULATED_SCALE times smaller fuzz cases; no GPU needed."""
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
+    if emulate:
+        from specgen.check.emulate import load_module
+
+        def spec_of(job):  # the emulated module, kept in sys.modules for _emulated_case
+            return load_module(job.out_path, name=f"_specgen_emulated_{job.out_path.stem}").SPEC
+
+        loaded = [(job, spec_of(job)) for job in fresh_jobs(paths, out_dir, log)]
+        worker, scale = _emulated_case, EMULATED_SCALE
+        log("kernels emulated on the CPU (specgen.check.emulate): numerics and indexing, "
+            "not the GPU's rounding or speed")
+    else:
+        require_cuda("test")
+        loaded = [(job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)]
+        worker, scale = _worker_case, 1
     failed = 0
-    for job, module in fresh_modules(paths, out_dir, log):
-        spec = module.SPEC
+    for job, spec in loaded:
         if fuzz_case_seed:
             seeds = [fuzz_case_seed]
         elif fuzz:
             seeds = [f"{seed}:{i}" for i in range(fuzz)]
         else:
             seeds = []
-        cases = ([fuzz_case(spec, s) for s in seeds] if seeds else case_matrix(quick, spec))
+        cases = ([fuzz_case(spec, s, scale) for s in seeds] if seeds
+                 else case_matrix(quick or emulate, spec))
         generator_seeds = [case_generator_seed(seed, i, seeds[i] if seeds else None)
                            for i in range(len(cases))]
         name, total = job.plan.module_name, len(cases)
@@ -432,7 +473,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
             log(f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
                 + (f"; replay: --fuzz-case {seeds[i]}" if seeds and not row["ok"] else ""))
 
-        rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report)
+        rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, worker=worker)
         failures = []
         for i, row in enumerate(rows):
             if seeds:

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
     test = sub.add_parser(
         "test",
-        help="check specs' kernels against the fp64 reference on a CUDA GPU",
+        help="check specs' kernels against the fp64 reference on a CUDA GPU (or --emulate)",
         description="Build stale modules, then run each kernel on a shape matrix "
         "against the fp64 reference with poisoned outputs. Exit 0 all pass, 1 any "
         "failure, 2 bad input or no CUDA GPU.",
@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("--gen", "--out", dest="gen", default="generated", metavar="DIR",
                       help="folder of generated modules (default: generated); --out is the "
                       "same option")
+    test.add_argument("--emulate", action="store_true",
+                      help="run the kernels on the CPU instead, through torch standing in "
+                      "for cuda.tile (no GPU needed): the quick matrix, or fuzz shapes 32x "
+                      "smaller; checks numerics and indexing, not the GPU's rounding or speed")
 
     tune = sub.add_parser(
         "tune",
@@ -193,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
             case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
             return run_test(args.paths, Path(args.gen), quick=args.quick, seed=args.seed,
-                            fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs)
+                            fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs,
+                            emulate=args.emulate)
         if args.command == "tune":
             from specgen.bench import parse_suite
             from specgen.compile.jobs import parse_targets

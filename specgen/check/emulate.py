@@ -1,0 +1,543 @@
+"""Check: run a generated module's kernels on the CPU, with torch standing in for
+cuda.tile.
+
+A generated kernel is a Python function over tiles. Here each CTA of a launch runs
+that function in Python, one after the other, with every ``ct.*`` operation done
+by torch on CPU tensors: loads and stores slice the arrays (tile indices, ``order``
+and padding as cuTile defines them), ``ct.mma`` multiplies in float32 the operands
+the kernel rounded, reductions and exponentials run in the tile's own type. The
+module's launcher runs unchanged (its argument checks, configs, grids and
+constants), with ``torch.cuda`` answering as an ``sm_XY`` device.
+
+What it is for: the numerics and the index arithmetic of a kernel (masks, loop
+bounds, tile edges, GQA, offsets) checked against the fp64 reference on a machine
+without a GPU. What it is not: a model of the hardware's rounding (MUFU, approximate
+division and flush-to-zero run exactly), its speed, or its memory model. It is
+stricter than a GPU where cuTile leaves behaviour undefined: a load's undetermined
+padding is NaN, so a kernel that lets padding reach its output fails, and a tile
+wholly outside its array raises.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import itertools
+import math
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+import cuda.tile as _ct
+
+# cuTile's dtype names and the torch types that stand for them.
+_DTYPES = {
+    "bool_": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
+    "int64": torch.int64, "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32,
+    "uint64": torch.uint64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+class EmulationError(RuntimeError):
+    """A kernel did something whose result cuTile leaves undefined, or something
+    the emulator does not model."""
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """The torch type for a cuTile or torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = getattr(dtype, "name", None) or str(dtype)
+    name = name.rsplit(".", 1)[-1]
+    if name == "bool":
+        name = "bool_"
+    if name not in _DTYPES:
+        raise EmulationError(f"dtype {dtype!r} is not modelled")
+    return _DTYPES[name]
+
+
+def _tensor(x, like: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if like is not None:
+        return torch.tensor(x, dtype=like.dtype if not isinstance(x, float) or like.is_floating_point()
+                            else torch.float32)
+    # cuTile's default scalar types: int32 and float32.
+    if isinstance(x, bool):
+        return torch.tensor(x)
+    return torch.tensor(x, dtype=torch.int32 if isinstance(x, int) else torch.float32)
+
+
+def _pair(x, y):
+    """Two operands of an elementwise op as tensors, a Python scalar taking the
+    other's type (cuTile's weak scalars)."""
+    if isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+        return x, _tensor(y, x)
+    if isinstance(y, torch.Tensor) and not isinstance(x, torch.Tensor):
+        return _tensor(x, y), y
+    return x, y
+
+
+class _U32(torch.Tensor):
+    """A uint32 tile. torch's CPU kernels lack shifts, adds and comparisons on
+    uint32, so the values live in int64 and every integer result is wrapped to 32
+    bits (multiplication's low 32 bits are exact in two's complement)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype == torch.int64:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = out & 0xFFFFFFFF
+            return out.as_subclass(_U32)
+        return out
+
+
+def _uint32(x: torch.Tensor) -> torch.Tensor:
+    return (x.to(torch.int64) & 0xFFFFFFFF).as_subclass(_U32)
+
+
+class _Grid:
+    """The CTA being run: its block ids and the grid's size."""
+
+    bid = (0, 0, 0)
+    size = (1, 1, 1)
+
+
+_GRID = _Grid()
+
+
+def _padding_value(mode, dtype: torch.dtype):
+    name = getattr(mode, "name", "UNDETERMINED")
+    if not dtype.is_floating_point:
+        # Undetermined integer padding: a value no index or id takes.
+        return 0 if name in ("ZERO", "NEG_ZERO") else -(2**30) + 7
+    return {"ZERO": 0.0, "NEG_ZERO": -0.0, "POS_INF": math.inf, "NEG_INF": -math.inf}.get(name, math.nan)
+
+
+def _tile_space(array: torch.Tensor, index, shape, order) -> tuple[torch.Tensor, list, list]:
+    if order in (None, "C"):
+        view = array
+    elif order == "F":
+        view = array.permute(*reversed(range(array.dim())))
+    else:
+        view = array.permute(*order)
+    if len(index) != view.dim() or len(shape) != view.dim():
+        raise EmulationError(f"a tile index {tuple(index)} / shape {tuple(shape)} for a {view.dim()}-D array")
+    src, dst = [], []
+    for i, s, n in zip(index, shape, view.shape):
+        start = int(i) * s
+        stop = builtins.min(start + s, n)
+        if start < 0 or start >= n:
+            return view, None, None
+        src.append(slice(start, stop))
+        dst.append(slice(0, stop - start))
+    return view, src, dst
+
+
+def load(array, index, shape, *, order="C", padding_mode=None, check_bounds=True, latency=None,
+         allow_tma=None, **_):
+    if tuple(shape) == () and len(index) == array.dim():  # one element, as a 0-d tile
+        if not all(0 <= int(i) < n for i, n in zip(index, array.shape)):
+            raise EmulationError(f"ct.load of element {tuple(index)} outside {tuple(array.shape)}")
+        return array[tuple(int(i) for i in index)].clone()
+    view, src, dst = _tile_space(array, index, shape, order)
+    if src is None:
+        raise EmulationError(
+            f"ct.load of tile {tuple(int(i) for i in index)} (shape {tuple(shape)}) lies wholly "
+            f"outside an array of shape {tuple(view.shape)}: undefined in cuTile")
+    tile = torch.full(tuple(shape), _padding_value(padding_mode, array.dtype), dtype=array.dtype)
+    part = view[tuple(src)]
+    if not check_bounds and tuple(part.shape) != tuple(shape):
+        raise EmulationError(f"ct.load with check_bounds=False reaches past an array of shape "
+                             f"{tuple(view.shape)}: undefined in cuTile")
+    tile[tuple(dst)] = part
+    return tile
+
+
+def store(array, index, tile, *, order="C", check_bounds=True, latency=None, allow_tma=None, **_):
+    if not isinstance(tile, torch.Tensor):
+        raise EmulationError("ct.store of a scalar is not modelled")
+    view, src, dst = _tile_space(array, index, tuple(tile.shape), order)
+    if src is None:
+        raise EmulationError(f"ct.store of tile {tuple(int(i) for i in index)} lies wholly outside "
+                             f"an array of shape {tuple(view.shape)}: undefined in cuTile")
+    if tile.dtype != array.dtype:
+        raise EmulationError(f"ct.store of a {tile.dtype} tile into a {array.dtype} array")
+    view[tuple(src)] = tile[tuple(dst)]
+
+
+def _indices(array: torch.Tensor, indices):
+    idx = indices if isinstance(indices, tuple) else (indices,)
+    if len(idx) != array.dim():
+        raise EmulationError(f"{len(idx)} index tiles for a {array.dim()}-D array")
+    idx = torch.broadcast_tensors(*(_tensor(i).to(torch.int64) for i in idx))
+    inside = torch.ones(idx[0].shape, dtype=torch.bool)
+    for i, n in zip(idx, array.shape):
+        inside &= (i >= 0) & (i < n)
+    safe = tuple(torch.where(inside, i, 0) for i in idx)
+    return safe, inside
+
+
+def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, latency=None):
+    safe, inside = _indices(array, indices)
+    if mask is not None:
+        inside = inside & torch.broadcast_to(_tensor(mask), inside.shape)
+    values = array[safe]
+    return torch.where(inside, values, torch.tensor(padding_value, dtype=array.dtype))
+
+
+def scatter(array, indices, value, *, mask=None, check_bounds=True, latency=None):
+    safe, inside = _indices(array, indices)
+    if mask is not None:
+        inside = inside & torch.broadcast_to(_tensor(mask), inside.shape)
+    value = torch.broadcast_to(_tensor(value, array), inside.shape).to(array.dtype)
+    array[tuple(i[inside] for i in safe)] = value[inside]
+
+
+def atomic_add(array, indices, update, *, check_bounds=True, **_):
+    safe, inside = _indices(array, indices)
+    update = torch.broadcast_to(_tensor(update, array), inside.shape).to(array.dtype)
+    old = array[safe].clone()
+    array.index_put_(tuple(i[inside] for i in safe), update[inside], accumulate=True)
+    return old
+
+
+def mma(x, y, acc, *, use_fast_acc=False):
+    """acc + x @ y, the operands as the kernel rounded them, products summed in float32."""
+    if x.dim() != 2 or y.dim() != 2 or x.shape[1] != y.shape[0]:
+        raise EmulationError(f"ct.mma of {tuple(x.shape)} and {tuple(y.shape)}")
+    product = x.to(torch.float32) @ y.to(torch.float32)
+    return (acc.to(torch.float32) + product).to(acc.dtype)
+
+
+def full(shape, fill_value, dtype):
+    return torch.full(tuple(shape), fill_value, dtype=torch_dtype(dtype))
+
+
+def zeros(shape, dtype):
+    return full(shape, 0, dtype)
+
+
+def ones(shape, dtype):
+    return full(shape, 1, dtype)
+
+
+def arange(size, *, dtype, start=0, step=1):
+    return torch.arange(start, start + size * step, step, dtype=torch_dtype(dtype))
+
+
+def where(cond, x, y):
+    x, y = _pair(_tensor(x) if not isinstance(y, torch.Tensor) else x, y)
+    return torch.where(_tensor(cond), x, y)
+
+
+def astype(x, dtype, *, rounding_mode=None):
+    target = torch_dtype(dtype)
+    if target == torch.uint32:
+        x = _tensor(x)
+        return _uint32(torch.trunc(x) if x.is_floating_point() else x)
+    if isinstance(x, _U32):
+        x = x.as_subclass(torch.Tensor)
+    if target.is_floating_point or not _tensor(x).is_floating_point():
+        return _tensor(x).to(target)
+    return torch.trunc(_tensor(x)).to(target)  # float to int rounds toward zero
+
+
+def bitcast(x, dtype):
+    return x.view(torch_dtype(dtype))
+
+
+def _reduce(fn, x, axis, keepdims):
+    x = _tensor(x)
+    if axis is None:
+        out = fn(x)
+        return out.reshape((1,) * x.dim()) if keepdims else out
+    return fn(x, dim=axis, keepdim=keepdims)
+
+
+def max(x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False):  # noqa: A001
+    return _reduce(torch.amax, x, axis, keepdims)
+
+
+def min(x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False):  # noqa: A001
+    return _reduce(torch.amin, x, axis, keepdims)
+
+
+def sum(x, axis=None, *, keepdims=False, rounding_mode=None, flush_to_zero=False):  # noqa: A001
+    x = _tensor(x)
+    if axis is None:
+        out = torch.sum(x).to(x.dtype)
+        return out.reshape((1,) * x.dim()) if keepdims else out
+    return torch.sum(x, dim=axis, keepdim=keepdims).to(x.dtype)
+
+
+def cumsum(x, axis=0, *, reverse=False, rounding_mode=None, flush_to_zero=False):
+    x = _tensor(x)
+    if reverse:
+        return torch.flip(torch.cumsum(torch.flip(x, (axis,)), dim=axis), (axis,)).to(x.dtype)
+    return torch.cumsum(x, dim=axis).to(x.dtype)
+
+
+def cdiv(x, y):
+    return -((-x) // y)
+
+
+def exp2(x, *, flush_to_zero=False):
+    return torch.exp2(_tensor(x))
+
+
+def exp(x, *, rounding_mode=None):
+    return torch.exp(_tensor(x))
+
+
+def log(x):
+    return torch.log(_tensor(x))
+
+
+def log2(x):
+    return torch.log2(_tensor(x))
+
+
+def tanh(x, *, rounding_mode=None):
+    return torch.tanh(_tensor(x))
+
+
+def sqrt(x, *, rounding_mode=None, flush_to_zero=False):
+    return torch.sqrt(_tensor(x))
+
+
+def floor(x):
+    return torch.floor(_tensor(x))
+
+
+def abs(x):  # noqa: A001
+    return torch.abs(_tensor(x))
+
+
+def truediv(x, y, *, rounding_mode=None, flush_to_zero=False):
+    x, y = _pair(x, y)
+    return x / y
+
+
+def minimum(x, y, *, flush_to_zero=False, propagate_nan=False):
+    x, y = _pair(x, y)
+    return torch.minimum(x, y)
+
+
+def maximum(x, y, *, flush_to_zero=False, propagate_nan=False):
+    x, y = _pair(x, y)
+    return torch.maximum(x, y)
+
+
+def bitwise_and(x, y):
+    x, y = _pair(x, y)
+    return x & y
+
+
+def permute(x, axes):
+    return x.permute(*axes).contiguous()
+
+
+def reshape(x, shape):
+    return x.reshape(tuple(shape))
+
+
+def broadcast_to(x, shape):
+    return torch.broadcast_to(_tensor(x), tuple(shape)).clone()
+
+
+def bid(axis):
+    return _GRID.bid[axis]
+
+
+def num_blocks(axis):
+    return _GRID.size[axis]
+
+
+def grid_dependency_control_wait():
+    return None
+
+
+def grid_dependency_control_launch_dependents():
+    return None
+
+
+def launch(stream, grid, kernel, args, **options):
+    """Run every CTA of the grid, x fastest, each to its end before the next starts
+    (a schedule every launch option, programmatic dependent launch included, allows)."""
+    fn = getattr(kernel, "_pyfunc", kernel)
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    _GRID.size = grid
+    for z, y, x in itertools.product(range(grid[2]), range(grid[1]), range(grid[0])):
+        _GRID.bid = (x, y, z)
+        fn(*args)
+
+
+def _builtin_max(*args, **kwargs):
+    """The kernels' ``max(a, b)``: elementwise on tiles, Python's on numbers."""
+    if len(args) == 2 and any(isinstance(a, torch.Tensor) for a in args):
+        return maximum(*args)
+    return builtins.max(*args, **kwargs)
+
+
+def _builtin_min(*args, **kwargs):
+    if len(args) == 2 and any(isinstance(a, torch.Tensor) for a in args):
+        return minimum(*args)
+    return builtins.min(*args, **kwargs)
+
+
+def _tile_astype(self, dtype, *, rounding_mode=None):
+    return astype(self, dtype)
+
+
+def _array_slice(self, axis, start, stop):
+    """cuTile's Array.slice: a view of [start, stop) along ``axis``."""
+    start, stop = int(start), int(stop)
+    n = self.shape[axis]
+    if not (0 <= start < n and start <= stop <= n):
+        raise EmulationError(f"Array.slice(axis={axis}, start={start}, stop={stop}) of an axis of "
+                             f"{n}: cuTile needs 0 <= start < N and start <= stop <= N")
+    return self.narrow(axis, start, stop - start)
+
+
+# Everything else (kernel, Constant, ByTarget, PaddingMode, RoundingMode, ...) is
+# cuTile's own: the module's decorators and annotations need no device.
+_OVERRIDES = {name: value for name, value in globals().items()
+              if callable(value) and not name.startswith("_") and value.__module__ == __name__
+              and name not in ("torch_dtype", "EmulationError", "load_module", "emulating")}
+_OVERRIDES.update({name: dtype for name, dtype in _DTYPES.items()})
+_OVERRIDES["bool_"] = torch.bool
+
+
+class _TileShim(types.ModuleType):
+    def __getattr__(self, name):
+        return getattr(_ct, name)
+
+
+class _FakeCuda(types.ModuleType):
+    """torch.cuda as the launcher sees it: one device of compute capability ``sm``."""
+
+    def __init__(self, sm: tuple[int, int]):
+        super().__init__("torch.cuda")
+        self._sm = sm
+
+    def get_device_capability(self, device=None):
+        return self._sm
+
+    def current_device(self):
+        return 0
+
+    def get_device_properties(self, device=None):
+        # An H100 SXM's count of SMs, for launchers that size grids by it.
+        return types.SimpleNamespace(name="cuTile emulator", major=self._sm[0], minor=self._sm[1],
+                                     multi_processor_count=132, total_memory=80 << 30)
+
+    def current_stream(self, device=None):
+        return None
+
+    def is_available(self):
+        return True
+
+    def is_current_stream_capturing(self):
+        return False
+
+    def __getattr__(self, name):
+        raise EmulationError(f"torch.cuda.{name} is not modelled by the emulator")
+
+
+def _device(*args, **kwargs) -> torch.device:
+    """torch.device, with the index the launchers give "cuda" dropped on the CPU."""
+    made = torch.device(*args, **kwargs)
+    return torch.device("cpu") if made.type == "cpu" else made
+
+
+class _TorchShim(types.ModuleType):
+    def __init__(self, sm):
+        super().__init__("torch")
+        self.cuda = _FakeCuda(sm)
+        self.device = _device
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _NoDevice(ast.NodeTransformer):
+    """The emulated device is the CPU: ``x.is_cuda`` reads True and the device
+    name "cuda" reads "cpu" (the launchers' device checks and defaults); custom
+    ops register under specgen_emulated::."""
+
+    def visit_Attribute(self, node):
+        self.generic_visit(node)
+        if node.attr == "is_cuda" and isinstance(node.ctx, ast.Load):
+            return ast.copy_location(ast.Constant(True), node)
+        return node
+
+    def visit_Constant(self, node):
+        if node.value == "cuda":
+            return ast.copy_location(ast.Constant("cpu"), node)
+        if isinstance(node.value, str) and node.value.startswith("specgen::"):
+            # Its custom ops in a namespace of their own: the module's real ops,
+            # if loaded in this process, keep theirs.
+            renamed = "specgen_emulated::" + node.value[len("specgen::"):]
+            return ast.copy_location(ast.Constant(renamed), node)
+        return node
+
+
+@contextlib.contextmanager
+def emulating():
+    """Tiles and arrays (torch tensors) get cuTile's ``.astype`` and ``.slice``
+    for the duration."""
+    methods = {"astype": _tile_astype, "slice": _array_slice}
+    previous = {name: torch.Tensor.__dict__.get(name) for name in methods}
+    for name, method in methods.items():
+        setattr(torch.Tensor, name, method)
+    try:
+        yield
+    finally:
+        for name, method in previous.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
+def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
+                source: str | None = None) -> types.ModuleType:
+    """Import a generated module with its kernels emulated (call them inside
+    ``emulating()``). ``sm``: the compute capability its launcher sees, which picks
+    its launch configs; ``source``: the module's text, where not the file's."""
+    path = Path(path)
+    text = path.read_text() if source is None else source
+    tree = _NoDevice().visit(ast.parse(text, str(path)))
+    ast.fix_missing_locations(tree)
+    shim = _TileShim("cuda.tile")
+    shim.__dict__.update(_OVERRIDES)
+    torch_shim = _TorchShim(sm)
+    cuda_pkg = types.ModuleType("cuda")
+    cuda_pkg.tile = shim
+    real_import = builtins.__import__
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "cuda.tile" and not fromlist:
+            return cuda_pkg
+        if name == "cuda.tile" and fromlist:
+            return shim
+        if name == "torch" and not fromlist:
+            return torch_shim
+        return real_import(name, globals, locals, fromlist, level)
+
+    module = types.ModuleType(name or f"emulated_{path.stem}")
+    module.__file__ = str(path.with_name(f"{path.stem}.emulated.py"))  # no AOT folder beside it
+    module.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": _import}
+    module.__dict__["max"] = _builtin_max
+    module.__dict__["min"] = _builtin_min
+    sys.modules.setdefault(module.__name__, module)
+    exec(compile(tree, str(path), "exec"), module.__dict__)
+    return module

@@ -1,0 +1,151 @@
+"""The generated kernels run on the CPU through specgen.check.emulate, against the
+fp64 reference: every shipped spec's forward (and its gradients where it has a
+backward), with the checks `specgen test` makes on a GPU. The emulator's own
+semantics (tile spaces, padding, undefined behaviour) and the kernel bugs it must
+catch are tested beside them."""
+
+import math
+
+import pytest
+import torch
+
+from specgen.check import emulate
+from specgen.check.runner import Case, case_verdict, run_case
+
+from .helpers import DECODE_SPEC_NAMES, ROOT, SPEC_NAMES, VARLEN_SPEC_NAMES
+
+
+def _cases(spec: dict) -> list[Case]:
+    """Ragged shapes: chunked prefill, more queries than keys (rows before the first
+    key), a strided layout, one key; decode: ragged and single-token lengths;
+    varlen: uneven sequences, one of length 1."""
+    if spec["family"] == "decode":
+        q_len = spec.get("max_q_len", 1)
+        return [Case(4, 2, q_len, 0, decode_lens=(17, q_len, 300, 64 + q_len)),
+                Case(1, 1, 1, 0, decode_lens=(1000,))]
+    if spec["varlen"]:
+        return [Case(3, 2, 0, 0, lengths=((5, 300), (128, 200), (1, 1)))]
+    return [Case(1, 1, 130, 300, 170), Case(2, 2, 257, 129, -128, "transposed"), Case(1, 2, 1, 1)]
+
+
+def _module(name: str, source: str | None = None):
+    return emulate.load_module(ROOT / "generated" / f"{name}.py", source=source,
+                               name=f"_test_emulated_{name}_{hash(source)}")
+
+
+def _run(module, case: Case, seed: int = 3) -> dict:
+    with emulate.emulating():
+        return run_case(torch, module, case, torch.Generator().manual_seed(seed), device="cpu")
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_shipped_kernels_match_the_fp64_reference_when_emulated(name):
+    module = _module(name)
+    for case in _cases(module.SPEC):
+        row = _run(module, case)
+        assert row["ok"], f"{name} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+        if module.SPEC.get("backward") and name not in VARLEN_SPEC_NAMES:
+            assert "grad_ratio" in row  # the gradients were checked too
+
+
+def test_every_family_is_covered():
+    assert DECODE_SPEC_NAMES and VARLEN_SPEC_NAMES
+    assert any("train" in n for n in SPEC_NAMES)
+
+
+# A kernel bug must fail the emulated check: each edit below breaks one thing the
+# kernels get right (text of fmha_gqa8_bf16's kernel).
+MUTATIONS = {
+    "causal mask off by one": ("visible = keys <= rows", "visible = keys < rows"),
+    "V padding left undetermined": ("            latency=4,\n            padding_mode=ct.PaddingMode.ZERO,",
+                                    "            latency=4,"),
+    "one unmasked key tile skipped": ("    for j in range(0, mask_start):",
+                                      "    for j in range(0, mask_start - 1):"),
+    "no final normalisation": ("    l_div = ct.where(l_i == 0.0, 1.0, l_i)", "    l_div = ct.where(l_i == 0.0, 1.0, 1.0)"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(MUTATIONS))
+def test_a_broken_kernel_fails_the_emulated_check(what):
+    old, new = MUTATIONS[what]
+    source = (ROOT / "generated" / "fmha_gqa8_bf16.py").read_text()
+    assert source.count(old) == 1, what
+    broken = _module("fmha_gqa8_bf16", source.replace(old, new))
+    rows = [_run(broken, case) for case in (Case(1, 1, 130, 300, 170), Case(1, 1, 200, 200))]
+    assert not all(row["ok"] for row in rows), what
+
+
+def test_a_wrong_kv_head_reads_outside_its_array():
+    source = (ROOT / "generated" / "fmha_gqa8_bf16.py").read_text()
+    broken = _module("fmha_gqa8_bf16", source.replace("kv_head = head // GROUP_SIZE",
+                                                      "kv_head = head % GROUP_SIZE"))
+    with pytest.raises(emulate.EmulationError, match="wholly outside"):
+        _run(broken, Case(1, 2, 130, 300, 170))
+
+
+def test_loads_follow_cutile_tile_spaces():
+    a = torch.arange(2 * 3 * 5 * 4, dtype=torch.float32).reshape(2, 3, 5, 4)
+    # index in tiles, order permutes the array's axes first (K^T as the kernels load it)
+    t = emulate.load(a, (1, 2, 0, 1), (1, 1, 4, 2), order=(0, 1, 3, 2))
+    assert torch.equal(t[0, 0], a[1, 2, 2:4, :].T)
+    # a partial tile: padding undetermined (NaN here) unless asked for
+    edge = emulate.load(a, (0, 0, 1, 0), (1, 1, 4, 4))
+    assert torch.equal(edge[0, 0, :1], a[0, 0, 4:5]) and edge[0, 0, 1:].isnan().all()
+    zero = emulate.load(a, (0, 0, 1, 0), (1, 1, 4, 4), padding_mode=emulate._ct.PaddingMode.ZERO)
+    assert (zero[0, 0, 1:] == 0).all()
+    with pytest.raises(emulate.EmulationError, match="wholly outside"):
+        emulate.load(a, (0, 0, 2, 0), (1, 1, 4, 4))
+    with pytest.raises(emulate.EmulationError, match="check_bounds=False"):
+        emulate.load(a, (0, 0, 1, 0), (1, 1, 4, 4), check_bounds=False)
+    # a one-element load, and stores that keep to the array
+    assert emulate.load(a[0, 0, 0], (3,), shape=()).item() == 3.0
+    out = torch.zeros(5, 4)
+    emulate.store(out, (1, 0), torch.ones(4, 4))
+    assert out[:4].sum() == 0 and out[4].sum() == 4
+
+
+def test_gather_scatter_and_slices():
+    a = torch.arange(10, dtype=torch.int32)
+    idx = torch.tensor([-1, 0, 9, 10], dtype=torch.int32)
+    assert emulate.gather(a, idx).tolist() == [0, 0, 9, 0]  # outside: the padding value
+    emulate.scatter(a, idx, torch.full((4,), 7, dtype=torch.int32))
+    assert a[0] == 7 and a[9] == 7
+    with emulate.emulating():
+        assert a.slice(axis=0, start=2, stop=5).tolist() == [2, 3, 4]
+        with pytest.raises(emulate.EmulationError, match="start < N"):
+            a.slice(axis=0, start=10, stop=10)
+        assert torch.ones(2).astype(emulate._ct.int32).dtype == torch.int32
+    assert not hasattr(torch.Tensor, "astype") or torch.Tensor.astype is not emulate._tile_astype
+
+
+def test_uint32_tiles_wrap_as_the_gpu_does():
+    from specgen.check.reference import _mul32
+
+    x = emulate.astype(torch.tensor([1, 2**31 + 5, 2**32 - 1], dtype=torch.int64), emulate._ct.uint32)
+    y = (x * 0x85EBCA77) ^ (x >> 13)
+    want = _mul32(torch.tensor([1, 2**31 + 5, 2**32 - 1]), 0x85EBCA77) ^ (
+        torch.tensor([1, 2**31 + 5, 2**32 - 1]) >> 13)
+    assert y.as_subclass(torch.Tensor).tolist() == want.tolist()
+    assert ((x >> 8) >= 3).dtype == torch.bool
+
+
+def test_scalar_defaults_and_builtin_max():
+    assert emulate.where(torch.tensor([True, False]), 2, 0).dtype == torch.int32
+    assert emulate.where(torch.tensor([True]), 1.5, -math.inf).dtype == torch.float32
+    assert emulate._builtin_max(3, 5) == 5
+    assert emulate._builtin_max(torch.tensor([1.0, 4.0]), torch.tensor([2.0, 3.0])).tolist() == [2.0, 4.0]
+    assert emulate.cdiv(7, 2) == 4 and emulate.cdiv(8, 2) == 4
+
+
+def test_specgen_test_emulate_runs_without_a_gpu(tmp_path):
+    from .test_cli import specgen
+
+    result = specgen("test", ROOT / "specs" / "fmha_mistral_window.yaml", "--emulate",
+                     "--gen", tmp_path, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "kernels emulated on the CPU" in result.stderr
+    assert "cases passed" in result.stdout and "FAIL" not in result.stdout
+    fuzz = specgen("test", ROOT / "specs" / "fmha_decode_gqa8_bf16.yaml", "--emulate", "--fuzz", "3",
+                   "--seed", "5", "--gen", tmp_path, cwd=ROOT)
+    assert fuzz.returncode == 0, fuzz.stderr[-2000:]
+    assert "3/3 fuzz cases (3 drawn) passed" in fuzz.stdout

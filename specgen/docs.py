@@ -135,6 +135,14 @@ DESCRIPTIONS: dict[str, str] = {
     "other's MMA (FlashAttention-3's ping-pong, in tiles). Needs `tile_m` ≥ 32 in every "
     "config; not yet with `window`, `softcap`, hooks, `varlen`, `dropout`, `sinks`, "
     "`return_lse` or float8.",
+    "qk_ahead": "Form the next key tile's S = Q·Kᵀ before this tile's softmax. The two do "
+    "not depend on each other, so the compiler issues the next tile's tensor-core MMA first "
+    "and runs this tile's exponentials while it computes (FlashAttention-3's "
+    "intra-warpgroup overlap, written in the loop; an offline sm_90 build shows the MMA's "
+    "wait moved past the softmax). The look-ahead of the last step is clamped to the last "
+    "tile, so each query tile forms one S twice. Not with `q_subtiles: 2`, "
+    "`skip_masked_tiles` or `block_sparse`. Compare it with `specgen bench --variants` "
+    "before turning it on.",
     "splits": "KV splits per (batch, KV head): each split writes a partial output and "
     "log-sum-exp, a combine kernel merges them. `auto` picks the count at run time: "
     "enough CTAs to fill the SMs once (a set number per SM), at least two key tiles per "
@@ -235,7 +243,7 @@ FAMILY_ONLY = {
     "score_mod": "prefill",
     "skip_masked_tiles": "prefill", "dropout": "prefill", "varlen": "prefill",
     "return_lse": "prefill", "loop_split": "prefill", "block_remap": "prefill",
-    "prescale_q": "prefill", "q_subtiles": "prefill", "backward": "prefill",
+    "prescale_q": "prefill", "q_subtiles": "prefill", "qk_ahead": "prefill", "backward": "prefill",
 }
 
 # A paragraph under a section's heading, where the fields alone do not explain it.

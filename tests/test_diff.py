@@ -179,3 +179,33 @@ def test_decode_performance_compares_steady_state_microseconds(tmp_path):
     old = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
                "--no-compile", "--results", str(tmp_path))
     assert json.loads(old.stdout)["performance"] == []
+
+
+@pytest.mark.slow
+def test_compiled_section_shows_what_qk_ahead_does_to_the_loop_schedule(tmp_path):
+    """sm_90, one 128x128 config: the plain loop waits for S before its exponentials
+    (W Q.. W E..); with qk_ahead (Q in shared memory) the next tile's MMAs are issued
+    among this tile's exponentials and waited for after them."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "specs" / "fmha_gqa8_bf16.yaml").read_text())
+    data.update(name="qk_probe", prescale_q=False, compile_for=["sm_90"], autotune={},
+                targets={"sm_90": {"tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8}})
+    spec = tmp_path / "qk_probe.yaml"
+    spec.write_text(yaml.safe_dump(data))
+    result = diff(spec, "--set", "qk_ahead=true", "--json", "--gen", tmp_path)
+    rows = {row["target"]: row for row in json.loads(result.stdout)["compiled"]}
+    kernels = rows["sm_90"]["a"]["kernels"], rows["sm_90"]["b"]["kernels"]
+    if kernels[0] is None or kernels[0][0].get("loops") is None:
+        pytest.skip("cuobjdump/nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    plain = [loop for k in kernels[0] for loop in k["loops"]]
+    ahead = [loop for k in kernels[1] for loop in k["loops"]]
+    assert plain and all(loop.split()[:4] == ["W", "Q8", "W", "E66"] for loop in plain), plain
+    for loop in ahead:
+        events = loop.split()
+        first_wait = events.index("W", 1 if events[0].startswith("W") else 0)
+        # MMAs and exponentials interleave before the first wait after the loop head
+        assert any(e.startswith("Q") for e in events[:first_wait])
+        assert any(e.startswith("E") for e in events[:first_wait]), loop
+    text = diff(spec, "--set", "qk_ahead=true", "--gen", tmp_path).stdout
+    assert "      loops: W Q8 W E66 P8 W" in text

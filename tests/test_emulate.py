@@ -149,3 +149,30 @@ def test_specgen_test_emulate_runs_without_a_gpu(tmp_path):
                    "--seed", "5", "--gen", tmp_path, cwd=ROOT)
     assert fuzz.returncode == 0, fuzz.stderr[-2000:]
     assert "3/3 fuzz cases (3 drawn) passed" in fuzz.stdout
+
+
+QK_AHEAD_SPECS = ["fmha_gqa8_bf16", "fmha_mistral_window", "fmha_fp8_llama", "fmha_varlen_llama",
+                  "fmha_gemma_softcap", "fmha_train_gqa_causal", "fmha_mha_bf16"]
+
+
+@pytest.mark.parametrize("name", QK_AHEAD_SPECS)
+def test_qk_ahead_gives_the_plain_kernels_results(name, tmp_path):
+    """qk_ahead only moves each S = Q K^T a step earlier: emulated, the output is
+    the plain kernel's errors exactly (and gradients), and passes the fp64 check."""
+    import yaml
+
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
+    data["qk_ahead"] = True
+    path = tmp_path / f"{name}.py"
+    path.write_text(render(make_plan(validate_spec(data)), f"specs/{name}.yaml").text)
+    ahead = emulate.load_module(path, name=f"_test_qk_ahead_{name}")
+    plain = _module(name)
+    for case in _cases(ahead.SPEC):
+        rows = [_run(module, case, seed=11) for module in (plain, ahead)]
+        assert rows[1]["ok"], case_verdict(rows[1])
+        assert rows[0]["rel_err"] == rows[1]["rel_err"] and rows[0]["max_abs_err"] == rows[1]["max_abs_err"]
+        assert rows[0].get("grad_ratio") == rows[1].get("grad_ratio")

@@ -171,6 +171,7 @@ VISIBLE = [
     ("softcap", 30.0, "s = ct.tanh(s) * cap_out", True),
     ("sinks", True, "sink = ct.load(Sinks, index=(head,), shape=(1,))", True),
     ("return_lse", True, "return out, lse", True),
+    ("qk_ahead", True, "s_next = ct.mma(q, k_t, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))", True),
 ]
 
 
@@ -250,3 +251,24 @@ def test_decode_reduces_the_row_sums_once_after_the_loop(name):
     assert tail and "ct.sum(p" not in kernel
     assert loops.count("l_cols = l_cols * alpha + p") >= 2  # the unmasked and the masked step
     assert "l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)" in loops
+
+
+def test_qk_ahead_forms_each_tile_once_ahead_and_clamps_the_last():
+    """Every step takes the S formed a step before and forms the next tile's (the
+    last step's clamped to the last tile); the prologue forms the first, only where
+    the row has a key tile."""
+    data = copy.deepcopy(BASE)
+    data.update(qk_ahead=True, window={"left": 300})
+    text = render(make_plan(validate_spec(data)), "specs/variant.yaml").text
+    kernel = kernel_source(text, "fmha_prefill")
+    assert kernel.count("s = s_next") == kernel.count("for j in range(")
+    assert kernel.count("j_next = min(j + 1, num_n - 1)") == kernel.count("for j in range(")
+    assert "    if first_n < num_n:\n        j_next = first_n\n" in kernel
+    assert "s = ct.mma(q, k_t, s)" not in kernel  # no step forms its own S
+    # The look-ahead load is bounds-checked even in unmasked steps (the next tile
+    # may be the ragged last one).
+    data.update(loads={"check_bounds": "masked"})
+    masked = kernel_source(render(make_plan(validate_spec(data)), "specs/variant.yaml").text,
+                           "fmha_prefill")
+    for block in masked.split("j_next = ")[1:]:
+        assert "check_bounds=False" not in block[:block.index("s_next")]

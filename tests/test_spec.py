@@ -145,7 +145,7 @@ BAD = [
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, block_sparse, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
+     "q_subtiles, qk_ahead, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, persistent, by_seq_k"),
@@ -275,6 +275,16 @@ NEW_FIELDS_BAD = [
      "specs/bad.yaml: q_subtiles: 2 does not support return_lse yet; use 1"),
     ({"autotune": {"sm_90": {"tile_order": ["global", "global"]}}},
      "specs/bad.yaml: autotune.sm_90.tile_order: lists a value twice"),
+    ({"qk_ahead": True, "q_subtiles": 2},
+     "specs/bad.yaml: qk_ahead: true cannot be combined with q_subtiles 2 (their key loops skip "
+     "tiles or split the query tile); use false"),
+    ({"qk_ahead": True, "mask_mod": "q_idx >= kv_idx", "block_sparse": True},
+     "specs/bad.yaml: qk_ahead: true cannot be combined with block_sparse"),
+    ({"qk_ahead": True, "mask_mod": "q_idx >= kv_idx", "skip_masked_tiles": True},
+     "specs/bad.yaml: qk_ahead: true cannot be combined with skip_masked_tiles"),
+    ({"qk_ahead": True, "family": "decode"},
+     "specs/bad.yaml: qk_ahead: a prefill field, not supported by family decode"),
+    ({"qk_ahead": "yes"}, "specs/bad.yaml: qk_ahead: must be true or false"),
 ]
 
 

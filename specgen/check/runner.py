@@ -319,9 +319,9 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
     return min(high, max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))))
 
 
-# An emulated run's fuzz cases are 32 times smaller (the CPU also computes the
+# An emulated run's fuzz cases are 8 times smaller (the CPU also computes the
 # fp64 reference).
-EMULATED_SCALE = 32
+EMULATED_SCALE = 8
 
 
 def fuzz_case(spec: dict, case_seed: str, scale: int = 1) -> Case:

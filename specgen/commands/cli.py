@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
                       "same option")
     test.add_argument("--emulate", action="store_true",
                       help="run the kernels on the CPU instead, through torch standing in "
-                      "for cuda.tile (no GPU needed): the quick matrix, or fuzz shapes 32x "
+                      "for cuda.tile (no GPU needed): the quick matrix, or fuzz shapes 8x "
                       "smaller; checks numerics and indexing, not the GPU's rounding or speed")
 
     tune = sub.add_parser(

@@ -171,34 +171,22 @@ def source_section(a: Side, b: Side) -> dict:
     return {"diff": "".join(lines), "added": added, "removed": removed, "hunks": hunks}
 
 
-def cuobjdump_path() -> Optional[str]:
-    """cuobjdump from PATH, or from the nvidia-cuda-cuobjdump pip package."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            for candidate in Path(root).glob("cu*/bin/cuobjdump"):
-                return str(candidate)
-    except ImportError:
-        pass
-    return None
-
-
 _RESOURCE_RE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
 def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
     """Per kernel in a cubin: registers, stack, shared and local memory (spills
-    land in local memory). None where cuobjdump is not available."""
+    land in local memory), and the schedules of its inner loops where nvdisasm is
+    there too (specgen.compile.sass). None where cuobjdump is not available."""
+    from specgen.compile.sass import cubin_schedules, cuobjdump_path
+
     tool = cuobjdump_path()
     if tool is None:
         return None
     text = subprocess.run(
         [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
+    schedules = cubin_schedules(cubin) or {}
     kernels = []
     name = None
     for line in text.splitlines():
@@ -208,7 +196,8 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
         elif name and (match := _RESOURCE_RE.search(line)):
             reg, stack, shared, local = map(int, match.groups())
             kernels.append({"kernel": _variant_label(name, plan), "registers": reg,
-                            "stack": stack, "shared": shared, "local": local})
+                            "stack": stack, "shared": shared, "local": local,
+                            "loops": schedules.get(name)})
             name = None
     return kernels
 
@@ -382,6 +371,11 @@ def format_tail(report: dict) -> str:
                 la, lb = ka.get("kernel", "(absent)"), kb.get("kernel", "(absent)")
                 label = la if la == lb else f"{la} {ARROW} {lb}"
                 lines.append(f"    [{label}] " + ", ".join(parts))
+                loops_a, loops_b = ka.get("loops"), kb.get("loops")
+                if (loops_a or loops_b) and loops_a != loops_b:
+                    # The inner loops' schedules (specgen.compile.sass), where they differ.
+                    lines.append(f"      loops: {' | '.join(loops_a or ['-'])}")
+                    lines.append(f"         {ARROW} {' | '.join(loops_b or ['-'])}")
     if report.get("performance"):
         lines += ["", "5. Performance (specgen kernel, from bench/results; ratio above 1: b is faster)"]
         for block in report["performance"]:

@@ -162,6 +162,7 @@ class Plan:
     # check_bounds=False on the K/V loads of the unmasked tiles
     unmasked_load_kwargs: str  # ", check_bounds=False" | ""
     prescale_q: bool
+    qk_ahead: bool  # the next key tile's S formed before this tile's softmax
     # Issue-6 features. window_left/right: None = unbounded (causal: right is 0).
     window_left: int | None
     window_right: int | None  # non-causal only
@@ -379,17 +380,17 @@ class Plan:
             return f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
         return f"Q, index=(batch, head, {tile}, 0), shape=(1, 1, {self.sub_m}, {self.d_tile})"
 
-    def load_k_t(self) -> str:
+    def load_k_t(self, tile: str = "j") -> str:
         if self.varlen:
-            return (f"Ks,\n            index=(0, kv_head, j),\n            shape=({self.d_tile}, 1, TILE_N),"
+            return (f"Ks,\n            index=(0, kv_head, {tile}),\n            shape=({self.d_tile}, 1, TILE_N),"
                     f"\n            order=(2, 1, 0)")
-        return (f"K,\n            index=(batch, kv_head, 0, j),\n            shape=(1, 1, {self.d_tile}, "
+        return (f"K,\n            index=(batch, kv_head, 0, {tile}),\n            shape=(1, 1, {self.d_tile}, "
                 f"TILE_N),\n            order=(0, 1, 3, 2)")
 
-    def load_kv(self, array: str, dim: str) -> str:
+    def load_kv(self, array: str, dim: str, tile: str = "j") -> str:
         if self.varlen:
-            return f"{array}s, index=(j, kv_head, 0), shape=(TILE_N, 1, {dim})"
-        return f"{array}, index=(batch, kv_head, j, 0), shape=(1, 1, TILE_N, {dim})"
+            return f"{array}s, index=({tile}, kv_head, 0), shape=(TILE_N, 1, {dim})"
+        return f"{array}, index=(batch, kv_head, {tile}, 0), shape=(1, 1, TILE_N, {dim})"
 
     def store_out(self, tile: str) -> str:
         if self.varlen:
@@ -663,6 +664,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
             check_bounds=False if loads.check_bounds == "masked" else None
         ),
         prescale_q=spec.prescale_q,
+        qk_ahead=spec.qk_ahead,
         window_left=spec.window.left if spec.window else None,
         window_right=spec.window.right if spec.window and not spec.causal else None,
         softcap=spec.softcap,

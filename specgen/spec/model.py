@@ -192,6 +192,11 @@ class Spec(_Strict):
         "own softmax state that share every K and V tile, so one half's softmax can "
         "overlap the other's MMA (FA3's ping-pong, in tiles).",
     )
+    qk_ahead: bool = Field(
+        False,
+        description="Form the next key tile's S = Q K^T before this tile's softmax, so the "
+        "tensor cores compute it while the exponentials run.",
+    )
     splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
         "auto",
         description="decode: KV splits per (batch, KV head); auto picks them from the SM "
@@ -340,7 +345,8 @@ class Spec(_Strict):
     def _cross_field(self):
         """The checks that relate fields of the whole spec, all reported together."""
         problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
-                    + self._block_sparse_problems() + self._context_parallel_problems())
+                    + self._block_sparse_problems() + self._context_parallel_problems()
+                    + self._qk_ahead_problems())
         if problems:
             raise Problems(problems)
         return self
@@ -350,7 +356,8 @@ class Spec(_Strict):
         decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "score_mod",
                         "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
-                        "loop_split", "prescale_q", "q_subtiles", "backward", "deterministic", "context_parallel")
+                        "loop_split", "prescale_q", "q_subtiles", "qk_ahead", "backward", "deterministic",
+                        "context_parallel")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default
@@ -426,6 +433,19 @@ class Spec(_Strict):
                                      "block_sparse launches one CTA per query tile; use null "
                                      "or false, got true"))
         return problems
+
+    def _qk_ahead_problems(self) -> list[tuple[str, str]]:
+        """qk_ahead carries S from one step of the key loop to the next: the loops must
+        visit consecutive tiles with one query tile."""
+        if not self.qk_ahead:
+            return []
+        used = [name for name, on in (("q_subtiles 2", self.q_subtiles > 1),
+                                      ("skip_masked_tiles", self.skip_masked_tiles),
+                                      ("block_sparse", self.block_sparse)) if on]
+        if used:
+            return [("qk_ahead", f"true cannot be combined with {', '.join(used)} (their key loops "
+                                 "skip tiles or split the query tile); use false")]
+        return []
 
     def _context_parallel_problems(self) -> list[tuple[str, str]]:
         """What a sequence shard cannot compute on its own (specgen.parallel)."""

@@ -1,0 +1,153 @@
+"""Compile: the schedule of a kernel's inner loops, read from its sm_90 SASS.
+
+Each innermost loop with warpgroup MMAs becomes a string of events in program
+order, so what a flag does to the schedule can be read without a GPU:
+
+    Q  a warpgroup MMA (HGMMA, float8 QGMMA) of a chain that starts from zero
+       (S = Q K^T, dS, ...)
+    P  a warpgroup MMA that continues an accumulator (acc += P V)
+    E  an exponential on the MUFU unit (MUFU.EX2)
+    W  a wait for the warpgroup MMAs in flight (WARPGROUP.DEPBAR)
+
+``Q8 W E66 P8 W`` waits for S before its first exponential: nothing hides the
+softmax. ``Q2 E2 Q1 E13 ... W P8 W`` issues the MMAs between the exponentials and
+waits after them: the tensor cores run while the softmax does. A count follows
+each letter (consecutive events of one kind).
+
+    python -m specgen.compile.sass CUBIN...
+
+Needs cuobjdump and nvdisasm (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+0x([0-9a-f]+)")
+
+
+def cuobjdump_path() -> Optional[str]:
+    """cuobjdump from PATH, or from the nvidia-cuda-cuobjdump pip package."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for candidate in Path(root).glob("cu*/bin/cuobjdump"):
+                return str(candidate)
+    except ImportError:
+        pass
+    return None
+
+
+def _disassembler_env(tool: str) -> Optional[dict]:
+    """cuobjdump -sass runs nvdisasm: from PATH, or beside cuobjdump (pip). None
+    where there is none."""
+    beside = Path(tool).parent / "nvdisasm"
+    if shutil.which("nvdisasm"):
+        return dict(os.environ)
+    if beside.is_file():
+        return {**os.environ, "PATH": f"{beside.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return None
+
+
+def sass_functions(cubin: Path) -> Optional[dict[str, list[tuple[int, str]]]]:
+    """Each function's SASS as (address, instruction); None without the tools."""
+    tool = cuobjdump_path()
+    env = _disassembler_env(tool) if tool else None
+    if env is None:
+        return None
+    text = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True, env=env).stdout
+    result: dict[str, list[tuple[int, str]]] = {}
+    name = None
+    for line in text.splitlines():
+        if line.strip().startswith("Function : "):
+            name = line.split("Function : ", 1)[1].strip()
+            result[name] = []
+        elif name is not None and (match := _INSTR.search(line)):
+            result[name].append((int(match.group(1), 16), match.group(2)))
+    return result
+
+
+def _event(instr: str, started: set) -> Optional[str]:
+    """One instruction's event letter; ``started`` collects the destination
+    registers of MMA chains begun from zero."""
+    if instr.startswith("@"):  # predicated: drop the predicate
+        instr = instr.split(None, 1)[1]
+    op, _, operands = instr.partition(" ")
+    if op.startswith(("HGMMA", "QGMMA")):
+        fields = [f.strip() for f in operands.split(",")]
+        if "RZ" in fields:  # accumulator operand zero: a new chain
+            started.add(fields[0])
+        return "Q" if fields[0] in started else "P"
+    if op.startswith("MUFU.EX2"):
+        return "E"
+    if op.startswith("WARPGROUP.DEPBAR"):
+        return "W"
+    return None
+
+
+def _compress(events: list[str]) -> str:
+    runs: list[list] = []
+    for e in events:
+        if runs and runs[-1][0] == e:
+            runs[-1][1] += 1
+        else:
+            runs.append([e, 1])
+    return " ".join(f"{e}{n}" if n > 1 or e != "W" else e for e, n in runs)
+
+
+def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
+    """The event strings of the innermost loops (no other loop inside their span)
+    that hold a warpgroup MMA, in address order."""
+    spans = []
+    for addr, instr in body:
+        match = _BRANCH.search(instr)
+        if match and int(match.group(1), 16) < addr:
+            spans.append((int(match.group(1), 16), addr))
+    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    started: set = set()
+    events_at = {}
+    for addr, instr in body:  # in order, so a chain begun before a loop is known in it
+        events_at[addr] = _event(instr, started)
+    schedules = []
+    for start, end in sorted(set(inner)):
+        events = [e for a, e in events_at.items() if start <= a <= end and e]
+        if any(e in "QP" for e in events):
+            schedules.append(_compress(events))
+    return schedules
+
+
+def cubin_schedules(cubin: Path) -> Optional[dict[str, list[str]]]:
+    """Per function symbol of a cubin, its loop schedules; None without the tools."""
+    functions = sass_functions(cubin)
+    if functions is None:
+        return None
+    return {name: loop_schedules(body) for name, body in functions.items()}
+
+
+def main(argv: list[str]) -> int:
+    for path in argv:
+        schedules = cubin_schedules(Path(path))
+        if schedules is None:
+            print("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump "
+                  "nvidia-cuda-nvdisasm", file=sys.stderr)
+            return 2
+        for name, loops in schedules.items():
+            for i, text in enumerate(loops):
+                print(f"{Path(path).name} {name} loop {i}: {text}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,38 @@
+"""specgen.compile.sass: the loop schedules read from SASS text (no tools needed)."""
+
+from specgen.compile import sass
+
+# A cut-down sm_90 listing: a prologue MMA chain, then a loop that issues the next
+# S chain among the exponentials, waits, and accumulates P V.
+LISTING = [
+    (0x000, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT"),
+    (0x010, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0"),
+    (0x020, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+    (0x030, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT"),
+    (0x040, "MUFU.EX2 R10, R10"),
+    (0x050, "MUFU.EX2 R11, R11"),
+    (0x060, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0"),
+    (0x070, "MUFU.EX2 R12, R12"),
+    (0x080, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+    (0x090, "HGMMA.64x128x16.F32.BF16 R88, R40, gdesc[UR12].tnspB, R88, gsb0"),
+    (0x0a0, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+    (0x0b0, "@P0 BRA 0x30"),
+    (0x0c0, "EXIT"),
+]
+
+
+def test_innermost_loop_schedule_in_program_order():
+    assert sass.loop_schedules(LISTING) == ["Q1 E2 Q1 E1 W P1 W"]
+
+
+def test_only_innermost_loops_with_mmas_count():
+    outer = LISTING[:-1] + [(0x0c0, "@P1 BRA 0x0"), (0x0d0, "@P2 BRA 0xd0"), (0x0e0, "EXIT")]
+    assert sass.loop_schedules(outer) == ["Q1 E2 Q1 E1 W P1 W"]  # not the outer, not the spin
+    assert sass.loop_schedules([(0x0, "MUFU.EX2 R1, R1"), (0x10, "BRA 0x0")]) == []
+
+
+def test_a_predicated_float8_mma_is_read():
+    started: set = set()
+    assert sass._event("@P1 QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT", started) == "Q"
+    assert sass._event("QGMMA.64x128x32.F32.E4M3.E4M3 R90, R12, gdesc[UR4], R90", started) == "P"
+    assert sass._event("FADD R1, R2, R3", started) is None

@@ -79,7 +79,7 @@ FAMILY_SAMPLES = {
     "score_mod": "score * 0.5", "mask_mod": "kv_idx <= q_idx", "skip_masked_tiles": True,
     "block_sparse": True,
     "dropout": True, "varlen": True, "return_lse": True, "loop_split": False,
-    "block_remap": False, "prescale_q": True, "q_subtiles": 2, "backward": True,
+    "block_remap": False, "prescale_q": True, "q_subtiles": 2, "qk_ahead": True, "backward": True,
 }
 # Other fields a sample needs to pass its own field's checks, so that the family check
 # is the one that refuses it: two query half-tiles need a decode tile of 32 rows.

@@ -29,6 +29,11 @@ def test_only_innermost_loops_with_mmas_count():
     outer = LISTING[:-1] + [(0x0c0, "@P1 BRA 0x0"), (0x0d0, "@P2 BRA 0xd0"), (0x0e0, "EXIT")]
     assert sass.loop_schedules(outer) == ["Q1 E2 Q1 E1 W P1 W"]  # not the outer, not the spin
     assert sass.loop_schedules([(0x0, "MUFU.EX2 R1, R1"), (0x10, "BRA 0x0")]) == []
+    # A wait-and-retry loop inside the key loop leaves the key loop the innermost one
+    # with MMAs.
+    spin = LISTING[:4] + [(0x034, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3"),
+                          (0x038, "@!P0 BRA 0x34")] + LISTING[4:]
+    assert sass.loop_schedules(spin) == ["Q1 E2 Q1 E1 W P1 W"]
 
 
 def test_a_predicated_float8_mma_is_read():

@@ -108,24 +108,23 @@ def _compress(events: list[str]) -> str:
 
 
 def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
-    """The event strings of the innermost loops (no other loop inside their span)
-    that hold a warpgroup MMA, in address order."""
-    spans = []
-    for addr, instr in body:
-        match = _BRANCH.search(instr)
-        if match and int(match.group(1), 16) < addr:
-            spans.append((int(match.group(1), 16), addr))
-    inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+    """The event strings of the innermost loops that hold a warpgroup MMA (no other
+    such loop inside their span; wait-and-retry loops without MMAs do not count), in
+    address order."""
     started: set = set()
     events_at = {}
     for addr, instr in body:  # in order, so a chain begun before a loop is known in it
         events_at[addr] = _event(instr, started)
-    schedules = []
-    for start, end in sorted(set(inner)):
-        events = [e for a, e in events_at.items() if start <= a <= end and e]
-        if any(e in "QP" for e in events):
-            schedules.append(_compress(events))
-    return schedules
+    loops = {}
+    for addr, instr in body:
+        match = _BRANCH.search(instr)
+        if match and int(match.group(1), 16) < addr:
+            span = (int(match.group(1), 16), addr)
+            events = [e for a, e in events_at.items() if span[0] <= a <= span[1] and e]
+            if any(e in "QP" for e in events):
+                loops[span] = events
+    inner = [s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)]
+    return [_compress(loops[span]) for span in sorted(inner)]
 
 
 def cubin_schedules(cubin: Path) -> Optional[dict[str, list[str]]]:

@@ -18,6 +18,9 @@ LISTING = [
     (0x0a0, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
     (0x0b0, "@P0 BRA 0x30"),
     (0x0c0, "EXIT"),
+    # a barrier's slow path, returning into the loop unconditionally: not a loop
+    (0x0d0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3"),
+    (0x0e0, "BRA 0x40"),
 ]
 
 
@@ -26,7 +29,7 @@ def test_innermost_loop_schedule_in_program_order():
 
 
 def test_only_innermost_loops_with_mmas_count():
-    outer = LISTING[:-1] + [(0x0c0, "@P1 BRA 0x0"), (0x0d0, "@P2 BRA 0xd0"), (0x0e0, "EXIT")]
+    outer = LISTING[:-3] + [(0x0c0, "@P1 BRA 0x0"), (0x0d0, "@P2 BRA 0xd0"), (0x0e0, "EXIT")]
     assert sass.loop_schedules(outer) == ["Q1 E2 Q1 E1 W P1 W"]  # not the outer, not the spin
     assert sass.loop_schedules([(0x0, "MUFU.EX2 R1, R1"), (0x10, "BRA 0x0")]) == []
     # A wait-and-retry loop inside the key loop leaves the key loop the innermost one

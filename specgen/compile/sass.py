@@ -118,7 +118,9 @@ def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
     loops = {}
     for addr, instr in body:
         match = _BRANCH.search(instr)
-        if match and int(match.group(1), 16) < addr:
+        # A loop closes with a predicated branch back; an unconditional one back is
+        # a slow path (a barrier's retry) returning into the loop.
+        if match and instr.startswith("@") and int(match.group(1), 16) < addr:
             span = (int(match.group(1), 16), addr)
             events = [e for a, e in events_at.items() if span[0] <= a <= span[1] and e]
             if any(e in "QP" for e in events):

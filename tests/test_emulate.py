@@ -176,3 +176,19 @@ def test_qk_ahead_gives_the_plain_kernels_results(name, tmp_path):
         assert rows[1]["ok"], case_verdict(rows[1])
         assert rows[0]["rel_err"] == rows[1]["rel_err"] and rows[0]["max_abs_err"] == rows[1]["max_abs_err"]
         assert rows[0].get("grad_ratio") == rows[1].get("grad_ratio")
+
+
+@pytest.mark.parametrize("stem", ["hopper_qk_ahead", "hopper_qk_ahead_fp8", "hopper_qk_ahead_noncausal"])
+def test_variants_to_be_timed_pass_the_fp64_check_when_emulated(stem, tmp_path, monkeypatch):
+    """Each variant of these files passes, emulated, the check the GPU run makes
+    before timing it, so no device time goes to a variant that is wrong."""
+    from specgen.commands.explore import load_variants
+
+    monkeypatch.chdir(ROOT)
+    _, plans, sources = load_variants((ROOT / "bench" / "variants" / f"{stem}.yaml").relative_to(ROOT))
+    for label, source in sources.items():
+        path = tmp_path / f"{plans[label].module_name}.py"
+        path.write_text(source)
+        module = emulate.load_module(path, name=f"_test_variant_{stem}_{len(label)}_{hash(label)}")
+        row = _run(module, Case(1, 1, 150, 600, 450))
+        assert row["ok"], f"{stem} / {label}: {case_verdict(row)}"

@@ -192,3 +192,11 @@ def test_variants_to_be_timed_pass_the_fp64_check_when_emulated(stem, tmp_path, 
         module = emulate.load_module(path, name=f"_test_variant_{stem}_{len(label)}_{hash(label)}")
         row = _run(module, Case(1, 1, 150, 600, 450))
         assert row["ok"], f"{stem} / {label}: {case_verdict(row)}"
+
+
+def test_flush_to_zero_is_modelled():
+    tiny = torch.tensor([-130.0, -100.0], dtype=torch.float32)
+    assert emulate.exp2(tiny).tolist()[0] > 0
+    assert emulate.exp2(tiny, flush_to_zero=True).tolist()[0] == 0.0
+    assert emulate.exp2(tiny, flush_to_zero=True).tolist()[1] == 2.0 ** -100
+    assert emulate.truediv(torch.tensor([2.0 ** -127]), 1.0, flush_to_zero=True).item() == 0.0

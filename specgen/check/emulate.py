@@ -5,14 +5,15 @@ A generated kernel is a Python function over tiles. Here each CTA of a launch ru
 that function in Python, one after the other, with every ``ct.*`` operation done
 by torch on CPU tensors: loads and stores slice the arrays (tile indices, ``order``
 and padding as cuTile defines them), ``ct.mma`` multiplies in float32 the operands
-the kernel rounded, reductions and exponentials run in the tile's own type. The
+the kernel rounded, reductions and exponentials run in the tile's own type
+(flushed to zero where the kernel asks). The
 module's launcher runs unchanged (its argument checks, configs, grids and
 constants), with ``torch.cuda`` answering as an ``sm_XY`` device.
 
 What it is for: the numerics and the index arithmetic of a kernel (masks, loop
 bounds, tile edges, GQA, offsets) checked against the fp64 reference on a machine
-without a GPU. What it is not: a model of the hardware's rounding (MUFU, approximate
-division and flush-to-zero run exactly), its speed, or its memory model. It is
+without a GPU. What it is not: a model of the hardware's rounding (MUFU's
+exponentials and approximate division run exactly), its speed, or its memory model. It is
 stricter than a GPU where cuTile leaves behaviour undefined: a load's undetermined
 padding is NaN, so a kernel that lets padding reach its output fails, and a tile
 wholly outside its array raises.
@@ -289,8 +290,15 @@ def cdiv(x, y):
     return -((-x) // y)
 
 
+def _flush(x: torch.Tensor, flush_to_zero: bool) -> torch.Tensor:
+    """flush_to_zero: float32 results below the smallest normal (2**-126) read 0."""
+    if not flush_to_zero or x.dtype != torch.float32:
+        return x
+    return torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)
+
+
 def exp2(x, *, flush_to_zero=False):
-    return torch.exp2(_tensor(x))
+    return _flush(torch.exp2(_tensor(x)), flush_to_zero)
 
 
 def exp(x, *, rounding_mode=None):
@@ -323,7 +331,7 @@ def abs(x):  # noqa: A001
 
 def truediv(x, y, *, rounding_mode=None, flush_to_zero=False):
     x, y = _pair(x, y)
-    return x / y
+    return _flush(x / y, flush_to_zero)
 
 
 def minimum(x, y, *, flush_to_zero=False, propagate_nan=False):

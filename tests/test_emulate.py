@@ -200,3 +200,22 @@ def test_flush_to_zero_is_modelled():
     assert emulate.exp2(tiny, flush_to_zero=True).tolist()[0] == 0.0
     assert emulate.exp2(tiny, flush_to_zero=True).tolist()[1] == 2.0 ** -100
     assert emulate.truediv(torch.tensor([2.0 ** -127]), 1.0, flush_to_zero=True).item() == 0.0
+
+
+def test_a_block_pattern_with_blocks_set_matches_the_reference():
+    """The random block flags of the shared cases are mostly all zero at small
+    lengths; here a third of the 128x128 blocks are visible, with ragged edges."""
+    from specgen.check.cases import compare, random_qkv, reference_for
+
+    module = _module("fmha_block_pattern")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = random_qkv(module.SPEC, 2, 1, 300, 450, generator=g, device="cpu")
+    blocks = (torch.rand(2, 128, 128, generator=g) < 0.35).to(torch.int32)
+    blocks[0, 0, 0] = 1
+    with emulate.emulating():
+        block_map = module.make_block_map(2, q.shape[1], 300, 450, q_offset=0, device=q.device,
+                                          blocks=blocks)
+        out = module.attention(q, k, v, blocks=blocks, block_map=block_map)
+    ref, _ = reference_for(module.SPEC, q, k, v, {"blocks": blocks})
+    result = compare(out, ref, "bfloat16")
+    assert result.ok and ref.abs().max() > 0.1, result

@@ -139,8 +139,8 @@ DESCRIPTIONS: dict[str, str] = {
     "not depend on each other, so the compiler issues the next tile's tensor-core MMA first "
     "and runs this tile's exponentials while it computes (FlashAttention-3's "
     "intra-warpgroup overlap, written in the loop; an offline sm_90 build shows the MMA's "
-    "wait moved past the softmax). The look-ahead of the last step is clamped to the last "
-    "tile, so each query tile forms one S twice. Not with `q_subtiles: 2`, "
+    "wait moved past the softmax). The loops stop before the last key tile, which runs "
+    "after them on the S its predecessor formed. Not with `q_subtiles: 2`, "
     "`skip_masked_tiles` or `block_sparse`. Compare it with `specgen bench --variants` "
     "before turning it on.",
     "splits": "KV splits per (batch, KV head): each split writes a partial output and "

@@ -253,17 +253,24 @@ def test_decode_reduces_the_row_sums_once_after_the_loop(name):
     assert "l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)" in loops
 
 
-def test_qk_ahead_forms_each_tile_once_ahead_and_clamps_the_last():
-    """Every step takes the S formed a step before and forms the next tile's (the
-    last step's clamped to the last tile); the prologue forms the first, only where
-    the row has a key tile."""
+def test_qk_ahead_forms_each_tile_once_ahead_and_runs_the_last_after_the_loops():
+    """Every loop step takes the S formed a step before and forms the next tile's;
+    the loops stop before the last tile, which runs after them (masked) on the S
+    its predecessor formed; the prologue forms the first, only where the row has a
+    key tile."""
     data = copy.deepcopy(BASE)
     data.update(qk_ahead=True, window={"left": 300})
     text = render(make_plan(validate_spec(data)), "specs/variant.yaml").text
     kernel = kernel_source(text, "fmha_prefill")
-    assert kernel.count("s = s_next") == kernel.count("for j in range(")
-    assert kernel.count("j_next = min(j + 1, num_n - 1)") == kernel.count("for j in range(")
+    loops = kernel.count("for j in range(")
+    assert loops == 3 and kernel.count("s = s_next") == loops + 1
+    assert kernel.count("j_next = j + 1") == loops
+    assert "for j in range(first_n, min(full_start, num_n - 1)):" in kernel
+    assert "for j in range(full_start, min(mask_start, num_n - 1)):" in kernel
+    assert "for j in range(mask_start, num_n - 1):" in kernel
     assert "    if first_n < num_n:\n        j_next = first_n\n" in kernel
+    last = kernel[kernel.index("    if first_n < num_n:\n        # qk_ahead: the last key tile"):]
+    assert "j = num_n - 1" in last and "visible = " in last and "s_next" not in last.split("s = s_next")[1]
     assert "s = ct.mma(q, k_t, s)" not in kernel  # no step forms its own S
     # The look-ahead load is bounds-checked even in unmasked steps (the next tile
     # may be the ragged last one).

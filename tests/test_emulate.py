@@ -219,3 +219,17 @@ def test_a_block_pattern_with_blocks_set_matches_the_reference():
     ref, _ = reference_for(module.SPEC, q, k, v, {"blocks": blocks})
     result = compare(out, ref, "bfloat16")
     assert result.ok and ref.abs().max() > 0.1, result
+
+
+def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatch, capsys):
+    from specgen.check import runner
+
+    def failing(module_path, case, generator_seed):
+        return {"shape": "x", "max_abs_err": 1.0, "rel_err": 1.0, "nonfinite": 0, "ok": False}
+
+    monkeypatch.setattr(runner, "_emulated_case", failing)
+    code = runner.run_test([str(ROOT / "specs" / "fmha_mha_bf16.yaml")], tmp_path, quick=False,
+                           seed=3, fuzz=2, emulate=True)
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "--fuzz-case 3:0 --emulate" in out and "replay: --fuzz-case 3:1 --emulate" in err

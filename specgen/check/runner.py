@@ -452,6 +452,8 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         require_cuda("test")
         loaded = [(job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)]
         worker, scale = _worker_case, 1
+    # An emulated fuzz case is drawn at other lengths: its replay is emulated too.
+    replay_flag = " --emulate" if emulate else ""
     failed = 0
     for job, spec in loaded:
         if fuzz_case_seed:
@@ -471,7 +473,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         def report(i, row, name=name, total=total, cases=cases, seeds=seeds):
             # The verdict as it comes, so a run cut short still says what it found.
             log(f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
-                + (f"; replay: --fuzz-case {seeds[i]}" if seeds and not row["ok"] else ""))
+                + (f"; replay: --fuzz-case {seeds[i]}{replay_flag}" if seeds and not row["ok"] else ""))
 
         rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, worker=worker)
         failures = []
@@ -490,7 +492,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}{floor}, "
               f"{drawn}")
         for case_seed in failures:
-            print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}")
+            print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}{replay_flag}")
         print()
         failed += bad
     return 1 if failed else 0

@@ -233,3 +233,39 @@ def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatc
     out, err = capsys.readouterr()
     assert code == 1
     assert "--fuzz-case 3:0 --emulate" in out and "replay: --fuzz-case 3:1 --emulate" in err
+
+
+def _template_variant(name: str, overrides: dict, tmp_path):
+    """A variant of fmha_gqa_causal as the GPU tests build it, emulated."""
+    import yaml
+
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    data = yaml.safe_load((ROOT / "specs" / "fmha_gqa_causal.yaml").read_text())
+    data.update(overrides, name=f"variant_{name}")
+    data["targets"] = overrides.get("targets", {"default": {"tile_m": 64, "tile_n": 64}})
+    path = tmp_path / f"variant_{name}.py"
+    path.write_text(render(make_plan(validate_spec(data)), "specs/variant.yaml").text)
+    return emulate.load_module(path, name=f"_test_emulated_variant_{name}")
+
+
+def _gpu_variants() -> dict:
+    from . import test_gpu
+
+    return {**test_gpu.VARIANTS, **test_gpu.VARLEN_VARIANTS}
+
+
+@pytest.mark.parametrize("variant", sorted(_gpu_variants()))
+def test_gpu_template_variants_pass_when_emulated(variant, tmp_path):
+    """The template variants of the GPU tests (tiles, loads, sub-tiles, V layout,
+    persistent launches, buckets, qk_ahead, varlen), each on a ragged shape."""
+    from specgen.check.runner import case_matrix
+
+    module = _template_variant(variant, _gpu_variants()[variant], tmp_path)
+    cases = ([case_matrix(True, module.SPEC)[2]] if module.SPEC["varlen"]
+             else [Case(2, 1, 128, 600, 472), Case(1, 2, 77, 77)])
+    for case in cases:
+        row = _run(module, case)
+        assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"

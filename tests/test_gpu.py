@@ -133,6 +133,21 @@ VARIANTS = {
         "window": {"left": 100}, "sinks": True, "return_lse": True,
         "targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}},
     },
+    # The next key tile's S formed before this tile's softmax, with Q in shared
+    # memory or pre-scaled, with a window's three loops, float8, K permuted in
+    # registers and unmasked tiles without bounds checks (the look-ahead checks).
+    "qk_ahead_no_prescale_128": {
+        "qk_ahead": True, "prescale_q": False,
+        "targets": {"default": {"tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8}},
+    },
+    "qk_ahead_window_sinks_lse": {"qk_ahead": True, "window": {"left": 100}, "sinks": True,
+                                  "return_lse": True},
+    "qk_ahead_fp8_non_causal": {
+        "qk_ahead": True, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False,
+        "block_remap": None, "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64}},
+    },
+    "qk_ahead_k_permuted_nobounds": {"qk_ahead": True, "loads": {"k_transposed": False,
+                                                                "check_bounds": "masked"}},
     # Key-length buckets: 77 and 128 run the first config, 1000 the target's own.
     "seq_buckets": {
         "targets": {"default": {
@@ -332,6 +347,7 @@ VARLEN_VARIANTS = {
     "varlen_k_permuted_global_order": {
         "varlen": True, "loads": {"k_transposed": False},
         "targets": {"default": {"tile_m": 64, "tile_n": 64, "tile_order": "global"}}},
+    "varlen_qk_ahead_window": {"varlen": True, "qk_ahead": True, "window": {"left": 50}},
 }
 
 

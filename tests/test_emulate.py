@@ -254,18 +254,44 @@ def _template_variant(name: str, overrides: dict, tmp_path):
 def _gpu_variants() -> dict:
     from . import test_gpu
 
-    return {**test_gpu.VARIANTS, **test_gpu.VARLEN_VARIANTS}
+    return {**test_gpu.VARIANTS, **test_gpu.VARLEN_VARIANTS, **test_gpu.FEATURE_VARIANTS}
 
 
 @pytest.mark.parametrize("variant", sorted(_gpu_variants()))
 def test_gpu_template_variants_pass_when_emulated(variant, tmp_path):
-    """The template variants of the GPU tests (tiles, loads, sub-tiles, V layout,
-    persistent launches, buckets, qk_ahead, varlen), each on a ragged shape."""
+    """The prefill variants of the GPU tests (tiles, loads, sub-tiles, V layout,
+    persistent launches, buckets, qk_ahead, varlen, windows, soft-cap, sinks, hooks,
+    float8, dropout), each on ragged shapes: rows past the keys, a partial last half."""
     from specgen.check.runner import case_matrix
 
     module = _template_variant(variant, _gpu_variants()[variant], tmp_path)
     cases = ([case_matrix(True, module.SPEC)[2]] if module.SPEC["varlen"]
-             else [Case(2, 1, 128, 600, 472), Case(1, 2, 77, 77)])
+             else [Case(2, 1, 128, 600, 472), Case(1, 2, 77, 77), Case(1, 1, 100, 300, 450)])
     for case in cases:
         row = _run(module, case)
+        assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+
+
+def _decode_variants() -> dict:
+    from . import test_gpu
+
+    return test_gpu.DECODE_VARIANTS
+
+
+@pytest.mark.parametrize("variant", sorted(_decode_variants()))
+def test_gpu_decode_variants_pass_when_emulated(variant, tmp_path):
+    """The decode variants of the GPU tests (paged, float8 caches, V keys last,
+    windows, sinks, splits, masks and block maps) on the quick decode batches."""
+    from specgen.check.runner import case_matrix
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    data = {"name": f"decode_{variant}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
+            **_decode_variants()[variant]}
+    path = tmp_path / f"decode_{variant}.py"
+    path.write_text(render(make_plan(validate_spec(data)), "specs/v.yaml").text)
+    module = emulate.load_module(path, name=f"_test_emulated_decode_{variant}")
+    for i, case in enumerate(case_matrix(True, module.SPEC)[:4]):
+        row = _run(module, case, seed=i)
         assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"

@@ -66,20 +66,27 @@ def exp2_poly(x):
     return ct.bitcast(bits, ct.float32)
 
 
+def _k_tile(K, b, h, j, TILE_N, D):
+    """K^T [D, TILE_N] of key tile j."""
+    return ct.load(
+        K, index=(b, h, 0, j), shape=(1, 1, D, TILE_N), order=(0, 1, 3, 2), latency=2
+    ).reshape((D, TILE_N))
+
+
+def _v_tile(V, b, h, j, TILE_N, D, V_T):
+    """V [TILE_N, D] of key tile j (read from V^T where V_T)."""
+    if V_T:
+        return ct.load(
+            V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), order=(0, 1, 3, 2), latency=4
+        ).reshape((TILE_N, D))
+    return ct.load(V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), latency=4).reshape(
+        (TILE_N, D)
+    )
+
+
 def _half_tiles(K, V, b, h, j, HALF, D, V_T):
     """K^T [D, HALF] and V [HALF, D] of key half-tile j."""
-    k_t = ct.load(
-        K, index=(b, h, 0, j), shape=(1, 1, D, HALF), order=(0, 1, 3, 2), latency=2
-    ).reshape((D, HALF))
-    if V_T:
-        v = ct.load(
-            V, index=(b, h, j, 0), shape=(1, 1, HALF, D), order=(0, 1, 3, 2), latency=4
-        ).reshape((HALF, D))
-    else:
-        v = ct.load(V, index=(b, h, j, 0), shape=(1, 1, HALF, D), latency=4).reshape(
-            (HALF, D)
-        )
-    return k_t, v
+    return _k_tile(K, b, h, j, HALF, D), _v_tile(V, b, h, j, HALF, D, V_T)
 
 
 def split_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND):
@@ -122,24 +129,6 @@ def split_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND):
         acc = ct.mma(pa.astype(Q.dtype), va, acc)
         acc = ct.mma(pb.astype(Q.dtype), vb, acc)
     return acc, l_i
-
-
-def _k_tile(K, b, h, j, TILE_N, D):
-    """K^T [D, TILE_N] of key tile j."""
-    return ct.load(
-        K, index=(b, h, 0, j), shape=(1, 1, D, TILE_N), order=(0, 1, 3, 2), latency=2
-    ).reshape((D, TILE_N))
-
-
-def _v_tile(V, b, h, j, TILE_N, D, V_T):
-    """V [TILE_N, D] of key tile j (read from V^T where V_T)."""
-    if V_T:
-        return ct.load(
-            V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), order=(0, 1, 3, 2), latency=4
-        ).reshape((TILE_N, D))
-    return ct.load(V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), latency=4).reshape(
-        (TILE_N, D)
-    )
 
 
 def _softmax_step(s, v, acc, m_i, l_i, qk_scale, dtype):
@@ -199,13 +188,7 @@ def ceiling_loop(
             Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND
         )
     for j in range(ct.cdiv(K.shape[2], TILE_N) if KIND < 4 else 0):
-        k_t = ct.load(
-            K,
-            index=(b, h, 0, j),
-            shape=(1, 1, D, TILE_N),
-            order=(0, 1, 3, 2),
-            latency=2,
-        ).reshape((D, TILE_N))
+        k_t = _k_tile(K, b, h, j, TILE_N, D)
         s = ct.mma(q, k_t, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         if KIND == 0:
             p = s
@@ -225,18 +208,7 @@ def ceiling_loop(
             l_acc = l_acc * alpha
             acc = acc * alpha
             m_i = m_new
-        if V_T:
-            v = ct.load(
-                V,
-                index=(b, h, j, 0),
-                shape=(1, 1, TILE_N, D),
-                order=(0, 1, 3, 2),
-                latency=4,
-            ).reshape((TILE_N, D))
-        else:
-            v = ct.load(
-                V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), latency=4
-            ).reshape((TILE_N, D))
+        v = _v_tile(V, b, h, j, TILE_N, D, V_T)
         p_in = p.astype(Q.dtype)
         acc = ct.mma(p_in, v, acc)
         if KIND == 3:

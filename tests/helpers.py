@@ -25,6 +25,33 @@ def generated_module(name: str):
     return importlib.import_module(f"generated.{name}")
 
 
+def prefill_variant_data(name: str, overrides: dict) -> dict:
+    """The variant tests' prefill spec: fmha_gqa_causal with ``overrides``, its
+    targets the overrides' own or one 64x64 default config."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "specs" / "fmha_gqa_causal.yaml").read_text())
+    data.update(overrides, name=f"variant_{name}")
+    data["targets"] = overrides.get("targets", {"default": {"tile_m": 64, "tile_n": 64}})
+    return data
+
+
+def decode_variant_data(name: str, overrides: dict) -> dict:
+    """The variant tests' decode spec: bf16, head_dim 128, with ``overrides``."""
+    return {"name": f"decode_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
+            **overrides}
+
+
+def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
+    """(plan, module source) of a spec given as data."""
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    plan = make_plan(validate_spec(data))
+    return plan, render(plan, spec_path).text
+
+
 # The Qwen2-style models of the transformers tests, built from a config (no weights
 # downloaded). "tiny": the CPU tests (Hq4/Hkv2, head_dim 32, the stand-in module's
 # shape); "small": the GPU tests (Hq8/Hkv2, GQA 4:1, head_dim 128, the shipped

@@ -12,7 +12,15 @@ import torch
 from specgen.check import emulate
 from specgen.check.runner import Case, case_verdict, run_case
 
-from .helpers import DECODE_SPEC_NAMES, ROOT, SPEC_NAMES, VARLEN_SPEC_NAMES
+from .helpers import (
+    DECODE_SPEC_NAMES,
+    ROOT,
+    SPEC_NAMES,
+    VARLEN_SPEC_NAMES,
+    decode_variant_data,
+    prefill_variant_data,
+    render_spec_data,
+)
 
 
 def _cases(spec: dict) -> list[Case]:
@@ -31,6 +39,13 @@ def _cases(spec: dict) -> list[Case]:
 def _module(name: str, source: str | None = None):
     return emulate.load_module(ROOT / "generated" / f"{name}.py", source=source,
                                name=f"_test_emulated_{name}_{hash(source)}")
+
+
+def _emulated(data: dict, label: str, spec_path: str = "specs/variant.yaml"):
+    """The module of a spec given as data, rendered and emulated."""
+    plan, source = render_spec_data(data, spec_path)
+    return emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                               name=f"_test_emulated_{label}")
 
 
 def _run(module, case: Case, seed: int = 3) -> dict:
@@ -156,20 +171,13 @@ QK_AHEAD_SPECS = ["fmha_gqa8_bf16", "fmha_mistral_window", "fmha_fp8_llama", "fm
 
 
 @pytest.mark.parametrize("name", QK_AHEAD_SPECS)
-def test_qk_ahead_gives_the_plain_kernels_results(name, tmp_path):
+def test_qk_ahead_gives_the_plain_kernels_results(name):
     """qk_ahead only moves each S = Q K^T a step earlier: emulated, the output is
     the plain kernel's errors exactly (and gradients), and passes the fp64 check."""
     import yaml
 
-    from specgen.emit.render import render
-    from specgen.plan.make import make_plan
-    from specgen.spec import validate_spec
-
     data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
-    data["qk_ahead"] = True
-    path = tmp_path / f"{name}.py"
-    path.write_text(render(make_plan(validate_spec(data)), f"specs/{name}.yaml").text)
-    ahead = emulate.load_module(path, name=f"_test_qk_ahead_{name}")
+    ahead = _emulated({**data, "qk_ahead": True}, f"qk_ahead_{name}", f"specs/{name}.yaml")
     plain = _module(name)
     for case in _cases(ahead.SPEC):
         rows = [_run(module, case, seed=11) for module in (plain, ahead)]
@@ -179,7 +187,7 @@ def test_qk_ahead_gives_the_plain_kernels_results(name, tmp_path):
 
 
 @pytest.mark.parametrize("stem", ["hopper_qk_ahead", "hopper_qk_ahead_fp8", "hopper_qk_ahead_noncausal"])
-def test_variants_to_be_timed_pass_the_fp64_check_when_emulated(stem, tmp_path, monkeypatch):
+def test_variants_to_be_timed_pass_the_fp64_check_when_emulated(stem, monkeypatch):
     """Each variant of these files passes, emulated, the check the GPU run makes
     before timing it, so no device time goes to a variant that is wrong."""
     from specgen.commands.explore import load_variants
@@ -187,9 +195,8 @@ def test_variants_to_be_timed_pass_the_fp64_check_when_emulated(stem, tmp_path, 
     monkeypatch.chdir(ROOT)
     _, plans, sources = load_variants((ROOT / "bench" / "variants" / f"{stem}.yaml").relative_to(ROOT))
     for label, source in sources.items():
-        path = tmp_path / f"{plans[label].module_name}.py"
-        path.write_text(source)
-        module = emulate.load_module(path, name=f"_test_variant_{stem}_{len(label)}_{hash(label)}")
+        module = emulate.load_module(ROOT / "generated" / f"{plans[label].module_name}.py", source=source,
+                                     name=f"_test_variant_{stem}_{len(label)}_{hash(label)}")
         row = _run(module, Case(1, 1, 150, 600, 450))
         assert row["ok"], f"{stem} / {label}: {case_verdict(row)}"
 
@@ -235,22 +242,6 @@ def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatc
     assert "--fuzz-case 3:0 --emulate" in out and "replay: --fuzz-case 3:1 --emulate" in err
 
 
-def _template_variant(name: str, overrides: dict, tmp_path):
-    """A variant of fmha_gqa_causal as the GPU tests build it, emulated."""
-    import yaml
-
-    from specgen.emit.render import render
-    from specgen.plan.make import make_plan
-    from specgen.spec import validate_spec
-
-    data = yaml.safe_load((ROOT / "specs" / "fmha_gqa_causal.yaml").read_text())
-    data.update(overrides, name=f"variant_{name}")
-    data["targets"] = overrides.get("targets", {"default": {"tile_m": 64, "tile_n": 64}})
-    path = tmp_path / f"variant_{name}.py"
-    path.write_text(render(make_plan(validate_spec(data)), "specs/variant.yaml").text)
-    return emulate.load_module(path, name=f"_test_emulated_variant_{name}")
-
-
 def _gpu_variants() -> dict:
     from . import test_gpu
 
@@ -258,13 +249,13 @@ def _gpu_variants() -> dict:
 
 
 @pytest.mark.parametrize("variant", sorted(_gpu_variants()))
-def test_gpu_template_variants_pass_when_emulated(variant, tmp_path):
+def test_gpu_template_variants_pass_when_emulated(variant):
     """The prefill variants of the GPU tests (tiles, loads, sub-tiles, V layout,
     persistent launches, buckets, qk_ahead, varlen, windows, soft-cap, sinks, hooks,
     float8, dropout), each on ragged shapes: rows past the keys, a partial last half."""
     from specgen.check.runner import case_matrix
 
-    module = _template_variant(variant, _gpu_variants()[variant], tmp_path)
+    module = _emulated(prefill_variant_data(variant, _gpu_variants()[variant]), f"variant_{variant}")
     cases = ([case_matrix(True, module.SPEC)[2]] if module.SPEC["varlen"]
              else [Case(2, 1, 128, 600, 472), Case(1, 2, 77, 77), Case(1, 1, 100, 300, 450)])
     for case in cases:
@@ -279,19 +270,13 @@ def _decode_variants() -> dict:
 
 
 @pytest.mark.parametrize("variant", sorted(_decode_variants()))
-def test_gpu_decode_variants_pass_when_emulated(variant, tmp_path):
+def test_gpu_decode_variants_pass_when_emulated(variant):
     """The decode variants of the GPU tests (paged, float8 caches, V keys last,
     windows, sinks, splits, masks and block maps) on the quick decode batches."""
     from specgen.check.runner import case_matrix
-    from specgen.emit.render import render
-    from specgen.plan.make import make_plan
-    from specgen.spec import validate_spec
 
-    data = {"name": f"decode_{variant}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
-            **_decode_variants()[variant]}
-    path = tmp_path / f"decode_{variant}.py"
-    path.write_text(render(make_plan(validate_spec(data)), "specs/v.yaml").text)
-    module = emulate.load_module(path, name=f"_test_emulated_decode_{variant}")
+    module = _emulated(decode_variant_data(variant, _decode_variants()[variant]), f"decode_{variant}",
+                       "specs/v.yaml")
     for i, case in enumerate(case_matrix(True, module.SPEC)[:4]):
         row = _run(module, case, seed=i)
         assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"

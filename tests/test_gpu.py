@@ -160,20 +160,11 @@ VARIANTS = {
 
 
 def _variant_module(name, overrides):
-    import yaml
-
     from specgen.compile.export import load_module_from_source
-    from specgen.plan.make import make_plan
-    from specgen.emit.render import render
-    from specgen.spec import validate_spec
 
-    from .helpers import ROOT
+    from .helpers import prefill_variant_data, render_spec_data
 
-    data = yaml.safe_load((ROOT / "specs" / "fmha_gqa_causal.yaml").read_text())
-    data.update(overrides, name=f"variant_{name}")
-    data["targets"] = overrides.get("targets", {"default": {"tile_m": 64, "tile_n": 64}})
-    plan = make_plan(validate_spec(data))
-    source = render(plan, "specs/variant.yaml").text
+    plan, source = render_spec_data(prefill_variant_data(name, overrides))
     return load_module_from_source(plan.module_name, source, f"variant_{name}.py")
 
 
@@ -431,14 +422,11 @@ DECODE_VARIANTS = {
 
 def _decode_module(name, overrides):
     from specgen.compile.export import load_module_from_source
-    from specgen.plan.make import make_plan
-    from specgen.emit.render import render
-    from specgen.spec import validate_spec
 
-    data = {"name": f"decode_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
-            **overrides}
-    plan = make_plan(validate_spec(data))
-    return load_module_from_source(plan.module_name, render(plan, "specs/v.yaml").text, f"decode_{name}.py")
+    from .helpers import decode_variant_data, render_spec_data
+
+    plan, source = render_spec_data(decode_variant_data(name, overrides), "specs/v.yaml")
+    return load_module_from_source(plan.module_name, source, f"decode_{name}.py")
 
 
 def _decode_cases(mod):

@@ -235,7 +235,9 @@ def arange(size, *, dtype, start=0, step=1):
 
 
 def where(cond, x, y):
-    x, y = _pair(_tensor(x) if not isinstance(y, torch.Tensor) else x, y)
+    if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+        x = _tensor(x)  # two scalars: cuTile's default type, int32 or float32
+    x, y = _pair(x, y)
     return torch.where(_tensor(cond), x, y)
 
 

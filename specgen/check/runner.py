@@ -380,14 +380,22 @@ def case_generator_seed(seed: int, index: int, fuzz_seed: str | None) -> int:
     return random.Random(fuzz_seed if fuzz_seed else f"{seed}:matrix:{index}").getrandbits(63)
 
 
+def _emulated_module(module_path: str):
+    """A generated module with its kernels emulated (specgen.check.emulate), loaded
+    once per process."""
+    from specgen.check import emulate
+
+    name = f"_specgen_emulated_{Path(module_path).stem}"
+    return sys.modules.get(name) or emulate.load_module(module_path, name=name)
+
+
 def _emulated_case(module_path: str, case: Case, generator_seed: int) -> dict:
-    """One case with the module's kernels emulated on the CPU (specgen.check.emulate)."""
+    """One case with the module's kernels emulated on the CPU."""
     import torch
 
     from specgen.check import emulate
 
-    name = f"_specgen_emulated_{Path(module_path).stem}"
-    module = sys.modules.get(name) or emulate.load_module(module_path, name=name)
+    module = _emulated_module(module_path)
     with emulate.emulating():
         return run_case(torch, module, case, torch.Generator().manual_seed(generator_seed), "cpu")
 
@@ -439,12 +447,8 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
     the quick matrix or EMULATED_SCALE times smaller fuzz cases; no GPU needed."""
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if emulate:
-        from specgen.check.emulate import load_module
-
-        def spec_of(job):  # the emulated module, kept in sys.modules for _emulated_case
-            return load_module(job.out_path, name=f"_specgen_emulated_{job.out_path.stem}").SPEC
-
-        loaded = [(job, spec_of(job)) for job in fresh_jobs(paths, out_dir, log)]
+        loaded = [(job, _emulated_module(str(job.out_path)).SPEC)
+                  for job in fresh_jobs(paths, out_dir, log)]
         worker, scale = _emulated_case, EMULATED_SCALE
         log("kernels emulated on the CPU (specgen.check.emulate): numerics and indexing, "
             "not the GPU's rounding or speed")

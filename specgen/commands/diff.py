@@ -8,7 +8,6 @@ import copy
 import difflib
 import json
 import re
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, fields

@@ -380,6 +380,17 @@ class Plan:
             return f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
         return f"Q, index=(batch, head, {tile}, 0), shape=(1, 1, {self.sub_m}, {self.d_tile})"
 
+    @property
+    def first_key_tile(self) -> str:
+        """The first key tile a query tile visits (forward, and the backward's dQ
+        kernel): past a left window's reach, else 0."""
+        return "first_n" if self.window_left is not None else "0"
+
+    @property
+    def has_key_tiles(self) -> str:
+        """The test that a query tile has a key tile to visit."""
+        return "num_n > 0" if self.window_left is None else "first_n < num_n"
+
     def load_k_t(self, tile: str = "j") -> str:
         if self.varlen:
             return (f"Ks,\n            index=(0, kv_head, {tile}),\n            shape=({self.d_tile}, 1, TILE_N),"

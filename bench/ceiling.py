@@ -18,13 +18,15 @@ tile of TILE_M rows, a loop over key tiles doing S = Q K^T and acc += P V, with
     before the softmax of tile j (FA3's intra-warpgroup overlap written in the
     source: the next QK^T MMA has no dependence on this tile's exponentials, so
     the tensor cores may run it while the softmax runs).
-Non-causal, [B, H, S, D] inputs, B4 H32 D128, the same tiles and hints as the shipped
-sm_90 configs (128x128, occupancy 1, two warp groups). ``mma`` is an upper bound on
+Non-causal, [B, H, S, D] inputs, B4 H32, D128 by default (``--head-dims 64,128,256``
+for others), the same tiles and hints as the shipped sm_90 configs (D128: 128x128,
+occupancy 1, two warp groups, and the float8 tiles; D64: 128x64 at occupancy 2;
+D256: 128x128 at occupancy 2 and 128x64 at occupancy 1; bf16 only). ``mma`` is an upper bound on
 any attention kernel cuTile builds with this loop: whatever the softmax costs comes
 on top. Next to it, the same shapes through FlashAttention-3 (where installed) and
 cuDNN, timed in the same process.
 
-Usage:  python bench/ceiling.py [--seqs 4096,8192] [--json out.json]
+Usage:  python bench/ceiling.py [--seqs 4096,8192] [--head-dims 128] [--json out.json]
 """
 
 from __future__ import annotations
@@ -237,15 +239,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="4096,8192")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--head-dims", default="128")
     parser.add_argument("--json")
     args = parser.parse_args()
     torch.manual_seed(0)
-    B, H, D = 4, 32, 128
-    configs = [
-        ("bfloat16", 128, 128, 1, 8),
-        ("float8_e4m3fn", 128, 128, 1, 8),
-        ("float8_e4m3fn", 128, 256, 1, 8),
-    ]
+    B, H = 4, 32
+    configs_by_d = {
+        64: [("bfloat16", 128, 64, 2, 8)],
+        128: [
+            ("bfloat16", 128, 128, 1, 8),
+            ("float8_e4m3fn", 128, 128, 1, 8),
+            ("float8_e4m3fn", 128, 256, 1, 8),
+        ],
+        256: [("bfloat16", 128, 128, 2, 8), ("bfloat16", 128, 64, 1, 8)],
+    }
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    unknown = [d for d in head_dims if d not in configs_by_d]
+    if unknown:
+        parser.error(f"--head-dims: {unknown} not in {sorted(configs_by_d)}")
     try:
         import sys
 
@@ -256,7 +267,8 @@ def main() -> None:
     except ImportError:
         fa3 = None
     rows = []
-    for seq in [int(s) for s in args.seqs.split(",")]:
+    for D, seq in [(d, int(s)) for d in head_dims for s in args.seqs.split(",")]:
+        configs = configs_by_d[D]
         flops = 4 * B * H * seq * seq * D
         base = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
         kb, vb = torch.randn_like(base), torch.randn_like(base)
@@ -307,6 +319,7 @@ def main() -> None:
                     rows.append(
                         {
                             "seq": seq,
+                            "head_dim": D,
                             "dtype": dtype,
                             "kind": kind,
                             "max_diff_vs_softmax": diff,
@@ -331,6 +344,7 @@ def main() -> None:
                 rows.append(
                     {
                         "seq": seq,
+                        "head_dim": D,
                         "dtype": dtype,
                         "kind": "fa3",
                         "ms": ms,
@@ -349,6 +363,7 @@ def main() -> None:
         rows.append(
             {
                 "seq": seq,
+                "head_dim": D,
                 "dtype": "bfloat16",
                 "kind": "cudnn",
                 "ms": ms,
@@ -357,7 +372,7 @@ def main() -> None:
         )
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        write_rows(args.json, rows, batch=B, heads=H, head_dim=D)
+        write_rows(args.json, rows, batch=B, heads=H, head_dims=head_dims)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,29 @@ def test_markdown_table_has_one_row_per_variant_and_the_cudnn_row():
     assert "| a | 1.0e-04 | 500 (1.10×) |" in table
     assert "| b | – | incorrect or failed |" in table
     assert "| cuDNN (same run) | | 455 |" in table
+
+
+def test_markdown_table_gives_each_other_baseline_a_ratio_and_a_row():
+    result = VariantsResult(
+        file="v.yaml", spec="specs/s.yaml", created="2026-11-25", device={"name": "GPU"},
+        shapes={"batch": 1, "heads": 2, "seqs": [1024, 2048]}, variants={"a": []},
+        max_rel_err={"a": 1e-4}, baselines=["fa3", "flex"], skipped={"flex": "Flex not here"},
+        rows=[VariantTiming(variant="a", seq=1024, ms=1.0, tflops=400.0, cudnn_ms=1.0, cudnn_tflops=400.0,
+                            vs_cudnn=1.0, baseline_ms={"fa3": 0.8}, baseline_tflops={"fa3": 500.0},
+                            speedup={"fa3": 0.8}),
+              VariantTiming(variant="a", seq=2048, ms=1.0, tflops=600.0, cudnn_ms=1.2, cudnn_tflops=500.0,
+                            vs_cudnn=1.2)],
+    )
+    table = format_markdown(result)
+    assert "| a | 1.0e-04 | 400 (1.00×) 0.80× FA3 | 600 (1.20×) |" in table
+    assert "| FA3 (same run) | | 500 | – |" in table
+    assert "| FlexAttention | | Flex not here | Flex not here |" in table
+
+
+def test_variants_refuse_a_baseline_that_patches_cuda_tile(monkeypatch):
+    from specgen.commands.explore import run_variants
+
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(UsageError, match="tilegym cannot be timed beside the variants"):
+        run_variants(ROOT / "bench" / "variants" / "hopper_qk_ahead.yaml", ROOT / "bench" / "results",
+                     baselines=("cudnn", "tilegym"))

@@ -109,16 +109,17 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("paths", nargs="*", metavar="SPEC", help="spec file or folder of specs")
     bench.add_argument("--variants", metavar="FILE",
                        help="time the variants of one spec listed in FILE (YAML) against "
-                       "cuDNN instead; see docs/tuning.md for the format")
+                       "cuDNN (and any other --baselines) instead; see docs/tuning.md for the format")
     bench.add_argument("--suite", default="prefill",
                        help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
                             "token against a KV cache, B 1..64; CUDA graphs, steady state and one "
                             "call per graph) or backward (the "
                             "backward kernels of backward: true specs, B4 Hq32, S 1024..16384) "
                             "(default: prefill)")
-    bench.add_argument("--baselines", default="cudnn,flash,flex", metavar="LIST",
+    bench.add_argument("--baselines", default=None, metavar="LIST",
                        help="comma-separated names from cudnn,flash,flex,fa3,tilegym (default: "
-                       "cudnn,flash,flex; fa3 and tilegym where installed, else the row says why)")
+                       "cudnn,flash,flex, or cudnn with --variants; fa3 and tilegym where "
+                       "installed, else the row says why)")
     bench.add_argument("--results", default="bench/results", metavar="DIR",
                        help="results folder; files go to DIR/<gpu>/ (default: bench/results)")
     bench.add_argument("--gen", default="generated", metavar="DIR",
@@ -221,12 +222,13 @@ def main(argv: list[str] | None = None) -> int:
 
                 if args.paths:
                     raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
-                run_variants(Path(args.variants), Path(args.results))
+                run_variants(Path(args.variants), Path(args.results),
+                             baselines=parse_baselines(args.baselines or "cudnn"))
                 return 0
             if not args.paths:
                 raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
             run_suite(parse_suite(args.suite), args.paths, results=Path(args.results), gen=Path(args.gen),
-                      baselines=parse_baselines(args.baselines))
+                      baselines=parse_baselines(args.baselines or "cudnn,flash,flex"))
             return 0
         if args.command == "diff":
             from specgen.commands.diff import run_diff

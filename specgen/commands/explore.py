@@ -1,4 +1,5 @@
-"""Variants of one spec, timed side by side against cuDNN in one process.
+"""Variants of one spec, timed side by side against cuDNN (and any other
+baselines asked for) in one process.
 
 A variants file names a base spec and a set of variants, each a list of
 ``key.path=value`` assignments (the syntax of ``specgen diff --set``)::
@@ -15,7 +16,8 @@ A variants file names a base spec and a set of variants, each a list of
 Every variant is validated and rendered before anything runs on the GPU. On the
 GPU each is first checked against the fp64 reference on a small ragged shape (a
 wrong variant is reported and not timed), then timed at every length next to the
-cuDNN SDPA backend on the same inputs. The result is one JSON and one markdown
+cuDNN SDPA backend on the same inputs, and next to the other ``--baselines``
+(FA3, FA2, Flex) where they can compute the spec. The result is one JSON and one markdown
 table under ``<out>/<gpu>/variants-<file stem>.{json,md}``.
 """
 
@@ -26,7 +28,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -63,6 +65,11 @@ class VariantTiming(BaseModel):
     cudnn_ms: Optional[float] = None
     cudnn_tflops: Optional[float] = None
     vs_cudnn: Optional[float] = None  # cuDNN time / variant time (> 1: faster)
+    # The other baselines of the run at this length: name -> ms, and name -> their
+    # time / the variant's time; a baseline that cannot run the case is absent.
+    baseline_ms: dict[str, float] = Field(default_factory=dict)
+    baseline_tflops: dict[str, float] = Field(default_factory=dict)
+    speedup: dict[str, float] = Field(default_factory=dict)
     error: Optional[str] = None
 
 
@@ -77,6 +84,9 @@ class VariantsResult(BaseModel):
     variants: dict[str, list[str]]
     max_rel_err: dict[str, Optional[float]]
     rows: list[VariantTiming]
+    # Baselines beyond cuDNN asked for, and why any of them did not run.
+    baselines: list[str] = Field(default_factory=list)
+    skipped: dict[str, str] = Field(default_factory=dict)
 
 
 def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, str]]:
@@ -131,16 +141,34 @@ def format_markdown(result: VariantsResult) -> str:
             if row is None or row.tflops is None:
                 cells.append(row.error if row and row.error else "–")
             else:
-                cells.append(f"{row.tflops:.0f} ({row.vs_cudnn:.2f}×)" if row.vs_cudnn else f"{row.tflops:.0f}")
+                cell = f"{row.tflops:.0f} ({row.vs_cudnn:.2f}×)" if row.vs_cudnn else f"{row.tflops:.0f}"
+                others = [f"{row.speedup[n]:.2f}× {label_of(n)}" for n in result.baselines if n in row.speedup]
+                cells.append(cell + (" " + ", ".join(others) if others else ""))
         lines.append(f"| {label} | {'–' if err is None else f'{err:.1e}'} | " + " | ".join(cells) + " |")
     lines.append("| cuDNN (same run) | | " + " | ".join(f"{cudnn[s]:.0f}" if cudnn[s] else "–" for s in seqs) + " |")
+    for name in result.baselines:
+        if name in result.skipped:
+            lines.append(f"| {label_of(name)} | | " + " | ".join(result.skipped[name] for _ in seqs) + " |")
+            continue
+        cells = []
+        for s in seqs:
+            row = next((r for r in result.rows if r.seq == s and name in r.baseline_tflops), None)
+            cells.append(f"{row.baseline_tflops[name]:.0f}" if row else "–")
+        lines.append(f"| {label_of(name)} (same run) | | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def label_of(name: str) -> str:
+    from specgen.bench.baselines import label
+
+    return label(name)
 
 
 def run_variants(
     path: Path,
     out_dir: Path,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
+    baselines: Sequence[str] = ("cudnn",),
 ) -> Path:
     from specgen.bench.baselines import REGISTRY, Inputs
     from specgen.bench.core import median_ms, tflops, write_report
@@ -148,6 +176,10 @@ def run_variants(
     from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
     from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda
 
+    late = [n for n in baselines if REGISTRY[n].late]
+    if late:
+        raise UsageError(f"bench --variants: {', '.join(late)} cannot be timed beside the variants "
+                         "(importing it changes cuda.tile.launch); use specgen bench")
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")
     from triton.testing import do_bench
@@ -165,6 +197,14 @@ def run_variants(
     cudnn = REGISTRY["cudnn"].make(torch, "prefill", first)
     if isinstance(cudnn, str):
         raise UsageError(f"{path}: the cuDNN baseline cannot run {config.spec}: {cudnn}")
+    others, skipped = {}, {}
+    for name in dict.fromkeys(n for n in baselines if n != "cudnn"):
+        runner = REGISTRY[name].make(torch, "prefill", first)
+        if isinstance(runner, str):
+            skipped[name] = runner
+            log(f"[{name}] not timed: {runner}")
+        else:
+            others[name] = runner
     ratio, causal, d = first.group_size, first.causal, first.head_dim
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -198,8 +238,18 @@ def run_variants(
         flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal, first.v_head_dim)
         extra = {"q_descale": 1.0, "k_descale": 1.0, "v_descale": 1.0} if first.fp8 else {}
 
-        inputs = Inputs(q=bq, k=bk, v=bv, k_full=kf, v_full=vf)
+        inputs = Inputs(q=bq, k=bk, v=bv, k_full=kf, v_full=vf,
+                        kernel_qkv=(q, k, v) if first.fp8 else None)
         cudnn_ms = median_ms(do_bench, lambda: cudnn(inputs))
+        other_ms = {}
+        for name, runner in others.items():
+            try:
+                runner(inputs)  # its one-time copies and JIT outside the timing
+                other_ms[name] = median_ms(do_bench, lambda: runner(inputs))
+            except Exception as exc:  # noqa: BLE001 - reported, the variants still run
+                log(f"[{name}] S={seq} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        for name, ms in other_ms.items():
+            log(f"[{name}] S={seq}: {tflops(flops, ms):.0f} TFLOPS")
         for label, module in modules.items():
             err = errs.get(label)
             if err is None or err > TOLERANCES[first.dtype]:
@@ -211,14 +261,18 @@ def run_variants(
             row = VariantTiming(
                 variant=label, seq=seq, ms=ms, tflops=tflops(flops, ms), cudnn_ms=cudnn_ms,
                 cudnn_tflops=tflops(flops, cudnn_ms), vs_cudnn=cudnn_ms / ms,
+                baseline_ms=other_ms, baseline_tflops={n: tflops(flops, m) for n, m in other_ms.items()},
+                speedup={n: m / ms for n, m in other_ms.items()},
             )
             rows.append(row)
-            log(f"[{label}] S={seq}: {row.tflops:.0f} TFLOPS, {row.vs_cudnn:.2f}x cuDNN ({row.cudnn_tflops:.0f})")
+            vs = "".join(f", {r:.2f}x {n}" for n, r in row.speedup.items())
+            log(f"[{label}] S={seq}: {row.tflops:.0f} TFLOPS, {row.vs_cudnn:.2f}x cuDNN ({row.cudnn_tflops:.0f}){vs}")
         del q, k, v, bq, bk, bv, kf, vf, out
 
     result = VariantsResult(
         file=path.as_posix(), spec=config.spec, base=config.base, created=datetime.date.today().isoformat(),
         device=device, shapes=shapes, variants=config.variants, max_rel_err=errs, rows=rows,
+        baselines=[n for n in dict.fromkeys(baselines) if n != "cudnn"], skipped=skipped,
     )
     stem = out_dir / device_slug(device["name"]) / f"variants-{path.stem}"
     table = format_markdown(result)

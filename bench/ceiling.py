@@ -79,7 +79,11 @@ def _v_tile(V, b, h, j, TILE_N, D, V_T):
     """V [TILE_N, D] of key tile j (read from V^T where V_T)."""
     if V_T:
         return ct.load(
-            V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), order=(0, 1, 3, 2), latency=4
+            V,
+            index=(b, h, j, 0),
+            shape=(1, 1, TILE_N, D),
+            order=(0, 1, 3, 2),
+            latency=4,
         ).reshape((TILE_N, D))
     return ct.load(V, index=(b, h, j, 0), shape=(1, 1, TILE_N, D), latency=4).reshape(
         (TILE_N, D)
@@ -147,7 +151,9 @@ def skew_loop(Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T):
     """KIND 7: S of the next key tile is formed before this tile's softmax."""
     M = q.shape[0]
     n = ct.cdiv(K.shape[2], TILE_N)
-    s = ct.mma(q, _k_tile(K, b, h, 0, TILE_N, D), ct.full((M, TILE_N), 0.0, dtype=ct.float32))
+    s = ct.mma(
+        q, _k_tile(K, b, h, 0, TILE_N, D), ct.full((M, TILE_N), 0.0, dtype=ct.float32)
+    )
     for j in range(n - 1):
         s_next = ct.mma(
             q,

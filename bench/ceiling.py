@@ -26,7 +26,11 @@ any attention kernel cuTile builds with this loop: whatever the softmax costs co
 on top. Next to it, the same shapes through FlashAttention-3 (where installed) and
 cuDNN, timed in the same process.
 
-Usage:  python bench/ceiling.py [--seqs 4096,8192] [--head-dims 128] [--graphs] [--json out.json]
+``--causal``: the query tiles run heaviest first over the keys up to the diagonal,
+with no mask (a mask only adds work), for the kinds mma, exp and softmax; FA3 and
+cuDNN run causal; FLOPs are halved.
+
+Usage:  python bench/ceiling.py [--seqs 4096,8192] [--head-dims 128] [--graphs] [--causal] [--json out.json]
 """
 
 from __future__ import annotations
@@ -179,8 +183,11 @@ def ceiling_loop(
     D: ConstInt,
     V_T: ConstBool,
     KIND: ConstInt,
+    CAUSAL: ConstBool,
 ):
     tile, bh = ct.bid(0), ct.bid(1)
+    if CAUSAL:  # heaviest query tiles first; keys up to the diagonal, no mask
+        tile = ct.num_blocks(0) - 1 - tile
     heads = Q.shape[1]
     b, h = bh // heads, bh % heads
     q = ct.load(Q, index=(b, h, tile, 0), shape=(1, 1, TILE_M, D)).reshape((TILE_M, D))
@@ -195,7 +202,8 @@ def ceiling_loop(
         acc, l_i = split_loop(
             Q, K, V, q, acc, m_i, l_i, b, h, qk_scale, TILE_N, D, V_T, KIND
         )
-    for j in range(ct.cdiv(K.shape[2], TILE_N) if KIND < 4 else 0):
+    n_keys = (tile + 1) * TILE_M if CAUSAL else K.shape[2]
+    for j in range(ct.cdiv(n_keys, TILE_N) if KIND < 4 else 0):
         k_t = _k_tile(K, b, h, j, TILE_N, D)
         s = ct.mma(q, k_t, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))
         if KIND == 0:
@@ -269,10 +277,13 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--head-dims", default="128")
     parser.add_argument("--graphs", action="store_true")
+    parser.add_argument("--causal", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
     global GRAPHS
     GRAPHS = args.graphs
+    if args.causal and set(args.kinds.split(",")) - {"mma", "exp", "softmax"}:
+        parser.error("--causal: only the kinds mma, exp and softmax")
     torch.manual_seed(0)
     B, H = 4, 32
     configs_by_d = {
@@ -300,7 +311,7 @@ def main() -> None:
     rows = []
     for D, seq in [(d, int(s)) for d in head_dims for s in args.seqs.split(",")]:
         configs = configs_by_d[D]
-        flops = 4 * B * H * seq * seq * D
+        flops = 4 * B * H * seq * seq * D // (2 if args.causal else 1)
         base = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
         kb, vb = torch.randn_like(base), torch.randn_like(base)
         # Keys grow along the sequence, so row maxima keep rising (the lazy rescale's
@@ -329,6 +340,7 @@ def main() -> None:
                         D,
                         v_t,
                         kind_id,
+                        args.causal,
                     )
                     try:
                         # The stream is read per call: a graph captures on its own.
@@ -351,6 +363,7 @@ def main() -> None:
                         {
                             "seq": seq,
                             "head_dim": D,
+                            "causal": args.causal,
                             "dtype": dtype,
                             "kind": kind,
                             "max_diff_vs_softmax": diff,
@@ -368,7 +381,7 @@ def main() -> None:
                     ones = torch.ones(B, H, device="cuda", dtype=torch.float32)
                     kw = dict(q_descale=ones, k_descale=ones, v_descale=ones)
                 ms = time_ms(
-                    lambda: fa3.flash_attn_func(qs, ks, vs, causal=False, **kw)
+                    lambda: fa3.flash_attn_func(qs, ks, vs, causal=args.causal, **kw)
                 )
                 rows.append(
                     {
@@ -385,7 +398,9 @@ def main() -> None:
 
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ms = time_ms(
-                lambda: torch.nn.functional.scaled_dot_product_attention(base, kb, vb)
+                lambda: torch.nn.functional.scaled_dot_product_attention(
+                    base, kb, vb, is_causal=args.causal
+                )
             )
         rows.append(
             {

@@ -161,3 +161,32 @@ def test_variants_refuse_a_baseline_that_patches_cuda_tile(monkeypatch):
             ROOT / "bench" / "results",
             baselines=("cudnn", "tilegym"),
         )
+
+
+def test_a_variants_file_picks_graph_timing_and_the_table_says_so(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "v.yaml"
+    path.write_text(
+        "spec: specs/fmha_gqa_causal.yaml\ntiming: graph\nvariants:\n  base: []\n"
+    )
+    config, _, _ = load_variants(path)
+    assert config.timing == "graph"
+    path.write_text(
+        "spec: specs/fmha_gqa_causal.yaml\ntiming: cuda\nvariants:\n  base: []\n"
+    )
+    with pytest.raises(UsageError, match="timing"):
+        load_variants(path)
+    result = VariantsResult(
+        file="v.yaml",
+        spec="specs/s.yaml",
+        created="2026-11-25",
+        device={"name": "GPU"},
+        shapes={"batch": 1, "heads": 2, "seqs": [1024]},
+        timing="graph",
+        variants={"a": []},
+        max_rel_err={"a": 1e-4},
+        rows=[],
+    )
+    assert "Sq=Skv; CUDA graphs of one call." in format_markdown(result)

@@ -26,11 +26,12 @@ any attention kernel cuTile builds with this loop: whatever the softmax costs co
 on top. Next to it, the same shapes through FlashAttention-3 (where installed) and
 cuDNN, timed in the same process.
 
+``--gqa N``: K and V have 32/N heads, each read by N query heads (as the GQA specs).
 ``--causal``: the query tiles run heaviest first over the keys up to the diagonal,
 with no mask (a mask only adds work), for the kinds mma, exp and softmax; FA3 and
 cuDNN run causal; FLOPs are halved.
 
-Usage:  python bench/ceiling.py [--seqs 4096,8192] [--head-dims 128] [--graphs] [--causal] [--json out.json]
+Usage:  python bench/ceiling.py [--seqs 4096,8192] [--head-dims 128] [--graphs] [--causal] [--gqa N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -189,8 +190,9 @@ def ceiling_loop(
     if CAUSAL:  # heaviest query tiles first; keys up to the diagonal, no mask
         tile = ct.num_blocks(0) - 1 - tile
     heads = Q.shape[1]
-    b, h = bh // heads, bh % heads
-    q = ct.load(Q, index=(b, h, tile, 0), shape=(1, 1, TILE_M, D)).reshape((TILE_M, D))
+    b, hq = bh // heads, bh % heads
+    q = ct.load(Q, index=(b, hq, tile, 0), shape=(1, 1, TILE_M, D)).reshape((TILE_M, D))
+    h = hq // (heads // K.shape[1])  # the K/V head (GQA: one per group of query heads)
     acc = ct.full((TILE_M, D), 0.0, dtype=ct.float32)
     m_i = ct.full((TILE_M, 1), -math.inf, dtype=ct.float32)
     l_i = ct.full((TILE_M, 1), 0.0, dtype=ct.float32)
@@ -237,7 +239,7 @@ def ceiling_loop(
         )
     ct.store(
         Out,
-        index=(b, h, tile, 0),
+        index=(b, hq, tile, 0),
         tile=acc.reshape((1, 1, TILE_M, D)).astype(Out.dtype),
     )
 
@@ -278,10 +280,13 @@ def main() -> None:
     parser.add_argument("--head-dims", default="128")
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--gqa", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args()
     global GRAPHS
     GRAPHS = args.graphs
+    if args.gqa < 1 or 32 % args.gqa:
+        parser.error(f"--gqa: {args.gqa} does not divide the 32 query heads")
     if args.causal and set(args.kinds.split(",")) - {"mma", "exp", "softmax"}:
         parser.error("--causal: only the kinds mma, exp and softmax")
     torch.manual_seed(0)
@@ -313,7 +318,10 @@ def main() -> None:
         configs = configs_by_d[D]
         flops = 4 * B * H * seq * seq * D // (2 if args.causal else 1)
         base = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
-        kb, vb = torch.randn_like(base), torch.randn_like(base)
+        kb, vb = (
+            torch.randn(B, H // args.gqa, seq, D, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2)
+        )
         # Keys grow along the sequence, so row maxima keep rising (the lazy rescale's
         # branch is taken, not only skipped).
         kb = kb * (1 + 2 * torch.arange(seq, device="cuda")[:, None] / seq).to(kb.dtype)
@@ -378,7 +386,9 @@ def main() -> None:
                 qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q, k, v))
                 kw = {}
                 if tdt == torch.float8_e4m3fn:
-                    ones = torch.ones(B, H, device="cuda", dtype=torch.float32)
+                    ones = torch.ones(
+                        B, H // args.gqa, device="cuda", dtype=torch.float32
+                    )
                     kw = dict(q_descale=ones, k_descale=ones, v_descale=ones)
                 ms = time_ms(
                     lambda: fa3.flash_attn_func(qs, ks, vs, causal=args.causal, **kw)
@@ -399,7 +409,7 @@ def main() -> None:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ms = time_ms(
                 lambda: torch.nn.functional.scaled_dot_product_attention(
-                    base, kb, vb, is_causal=args.causal
+                    base, kb, vb, is_causal=args.causal, enable_gqa=args.gqa > 1
                 )
             )
         rows.append(
@@ -416,7 +426,14 @@ def main() -> None:
     if args.json:
         timing = "CUDA graph of one call" if GRAPHS else "do_bench median"
         write_rows(
-            args.json, rows, batch=B, heads=H, head_dims=head_dims, timing=timing
+            args.json,
+            rows,
+            batch=B,
+            heads=H,
+            head_dims=head_dims,
+            timing=timing,
+            causal=args.causal,
+            gqa=args.gqa,
         )
 
 

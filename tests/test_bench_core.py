@@ -329,6 +329,18 @@ def test_prefill_shapes():
     assert suite_named("backward").shapes(plan_of("fmha_train_gqa_causal")) == [
         (4, 32, s) for s in SEQS
     ]
+    # bench --seqs: lengths only; batch and heads stay the suite's, per spec.
+    seqs_only = [(None, None, 2048), (None, None, 8192)]
+    assert prefill.shapes(plan_of("fmha_gqa8_bf16"), seqs_only) == [
+        (4, 32, 2048),
+        (4, 32, 8192),
+    ]
+    assert suite_named("backward").shapes(
+        plan_of("fmha_train_gqa_causal"), seqs_only
+    ) == [
+        (4, 32, 2048),
+        (4, 32, 8192),
+    ]
 
 
 def test_suites_skip_and_check_what_they_cannot_time():

@@ -226,6 +226,18 @@ def test_python_m_and_console_script_agree(project):
             "--baselines: unknown xformers; allowed: cudnn, flash, flex",
         ),
         ([], "bench: give at least one SPEC path"),
+        (
+            ["--seqs", "2k", "specs/fmha_gqa_causal.yaml"],
+            "--seqs: expected comma-separated positive lengths like 2048,8192, got '2k'",
+        ),
+        (
+            ["--suite", "decode", "--seqs", "2048", "specs/fmha_gqa_causal.yaml"],
+            "bench: --seqs applies to the prefill and backward suites",
+        ),
+        (
+            ["--variants", "bench/variants/hopper_qk_ahead.yaml", "--seqs", "2048"],
+            "bench: --seqs does not apply to --variants",
+        ),
     ],
 )
 def test_bench_errors_exit_2_with_one_line(project, args, message):

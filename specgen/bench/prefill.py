@@ -43,11 +43,16 @@ def varlen_lengths(batch: int, seq: int) -> list[int]:
     return [(seq // 2, seq, 3 * seq // 2, seq)[i % 4] for i in range(batch)]
 
 
-def checked_shapes(plan, shapes: Sequence) -> list[tuple[int, int, int]]:
+def checked_shapes(
+    plan, shapes: Sequence, heads_default: int = HEADS
+) -> list[tuple[int, int, int]]:
     """(batch, heads, seq) shapes given in place of the suite's: heads must be a
-    multiple of the spec's gqa_ratio."""
+    multiple of the spec's gqa_ratio. A batch or heads of None takes the suite's
+    (``bench --seqs`` changes the lengths only)."""
     out = []
     for batch, heads, seq in shapes:
+        batch = BATCH if batch is None else batch
+        heads = heads_default if heads is None else heads
         if heads % plan.group_size:
             raise UsageError(
                 f"shapes: {heads} query heads are not a multiple of "
@@ -145,9 +150,9 @@ class Prefill(Suite):
         )
 
     def shapes(self, plan, override=None) -> list:
-        if override:
-            return checked_shapes(plan, override)
         heads = suite_heads(HEADS, plan.group_size)
+        if override:
+            return checked_shapes(plan, override, heads)
         return [(BATCH, heads, seq) for seq in SEQS]
 
     def case(self, ctx: Context, module, plan, shape) -> Case:

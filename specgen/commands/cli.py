@@ -208,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
         "installed, else the row says why)",
     )
     bench.add_argument(
+        "--seqs",
+        metavar="LIST",
+        help="prefill and backward: time these lengths (Sq = Skv) instead of the "
+        "suite's 1024..16384, e.g. 2048,8192",
+    )
+    bench.add_argument(
         "--results",
         default="bench/results",
         metavar="DIR",
@@ -370,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
                     raise UsageError(
                         "bench: give either SPEC paths or --variants FILE, not both"
                     )
+                if args.seqs:
+                    raise UsageError(
+                        "bench: --seqs does not apply to --variants (the file's "
+                        "shapes.seqs sets the lengths)"
+                    )
                 run_variants(
                     Path(args.variants),
                     Path(args.results),
@@ -380,11 +391,23 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(
                     "bench: give at least one SPEC path (or --variants FILE)"
                 )
+            suite = parse_suite(args.suite)
+            shapes = None
+            if args.seqs:
+                from specgen.commands.tune import parse_seqs
+
+                if suite == "decode":
+                    raise UsageError(
+                        "bench: --seqs applies to the prefill and backward suites; the "
+                        "decode suite's shapes are (batch, cache length) pairs"
+                    )
+                shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
             run_suite(
-                parse_suite(args.suite),
+                suite,
                 args.paths,
                 results=Path(args.results),
                 gen=Path(args.gen),
+                shapes=shapes,
                 baselines=parse_baselines(args.baselines or "cudnn,flash,flex"),
             )
             return 0

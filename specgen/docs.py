@@ -237,25 +237,13 @@ PLACEHOLDERS = {"tensors": "<name>", "targets": "<target>", "autotune": "<target
 # one (to anything but its default) is refused. tests/test_docs.py checks each entry
 # against the validator.
 FAMILY_ONLY = {
-    "kv_dtype": "decode",
-    "max_q_len": "decode",
-    "paged": "decode",
-    "splits": "decode",
+    "kv_dtype": "decode", "max_q_len": "decode", "paged": "decode", "splits": "decode",
     "pdl": "decode",
-    "out_dtype": "prefill",
-    "v_head_dim": "prefill",
-    "softcap": "prefill",
+    "out_dtype": "prefill", "v_head_dim": "prefill", "softcap": "prefill",
     "score_mod": "prefill",
-    "skip_masked_tiles": "prefill",
-    "dropout": "prefill",
-    "varlen": "prefill",
-    "return_lse": "prefill",
-    "loop_split": "prefill",
-    "block_remap": "prefill",
-    "prescale_q": "prefill",
-    "q_subtiles": "prefill",
-    "qk_ahead": "prefill",
-    "backward": "prefill",
+    "skip_masked_tiles": "prefill", "dropout": "prefill", "varlen": "prefill",
+    "return_lse": "prefill", "loop_split": "prefill", "block_remap": "prefill",
+    "prescale_q": "prefill", "q_subtiles": "prefill", "qk_ahead": "prefill", "backward": "prefill",
 }
 
 # A paragraph under a section's heading, where the fields alone do not explain it.
@@ -344,8 +332,7 @@ def _yaml_value(value: Any) -> str:
 
 def _rule(func) -> str:
     """What an AfterValidator allows, in its own words: the message it raises for a
-    value it refuses. Probing keeps the reference in step with the messages users see.
-    """
+    value it refuses. Probing keeps the reference in step with the messages users see."""
     for probe in (-1, "?", [0, 0]):
         try:
             func(probe)
@@ -355,9 +342,7 @@ def _rule(func) -> str:
         except (TypeError, AttributeError):
             continue
     else:
-        raise DocsError(
-            f"cannot describe validator {func.__qualname__}: no probe value fails it"
-        )
+        raise DocsError(f"cannot describe validator {func.__qualname__}: no probe value fails it")
     for lead in ("must be ", "allowed: "):
         if lead in text:
             text = text.split(lead, 1)[1]
@@ -383,26 +368,16 @@ def _bounds(constraints) -> str:
                 found[name] = getattr(c, name)
     if not found:
         return ""
-    low = (
-        f"[{_number(found['ge'])}"
-        if "ge" in found
-        else f"({_number(found['gt'])}" if "gt" in found else "(−∞"
-    )
-    high = (
-        f"{_number(found['le'])}]"
-        if "le" in found
-        else f"{_number(found['lt'])})" if "lt" in found else "∞)"
-    )
+    low = (f"[{_number(found['ge'])}" if "ge" in found
+           else f"({_number(found['gt'])}" if "gt" in found else "(−∞")
+    high = (f"{_number(found['le'])}]" if "le" in found
+            else f"{_number(found['lt'])})" if "lt" in found else "∞)")
     return f" in {low}, {high}"
 
 
 def _sizes(constraints) -> list[str]:
-    low = next(
-        (c.min_length for c in constraints if getattr(c, "min_length", None)), None
-    )
-    high = next(
-        (c.max_length for c in constraints if getattr(c, "max_length", None)), None
-    )
+    low = next((c.min_length for c in constraints if getattr(c, "min_length", None)), None)
+    high = next((c.max_length for c in constraints if getattr(c, "max_length", None)), None)
     if low and high:
         return [f"{low} to {high} entries"]
     if low == 1:
@@ -435,9 +410,7 @@ def _allowed(tp, constraints: list, path: str, children: list) -> str:
         if rules:  # a validator of the whole union (e.g. an optional latency)
             text = "; ".join(rules)
         else:
-            text = " or ".join(
-                _allowed(m, constraints, path, children) for m in members
-            )
+            text = " or ".join(_allowed(m, constraints, path, children) for m in members)
         if len(members) < len(get_args(tp)) and "null" not in text:
             text += ", or `null`"
         return text
@@ -455,9 +428,7 @@ def _allowed(tp, constraints: list, path: str, children: list) -> str:
             raise DocsError(f"{path}: a map without a placeholder key in PLACEHOLDERS")
         child = f"{path}.{PLACEHOLDERS[leaf]}"
         key_text = _allowed(key, [], child, children)
-        key_text = f"`{PLACEHOLDERS[leaf]}`" + (
-            f" ({key_text})" if key_text != "string" else ""
-        )
+        key_text = f"`{PLACEHOLDERS[leaf]}`" + (f" ({key_text})" if key_text != "string" else "")
         return f"map from {key_text} to {_allowed(value, [], child, children)}"
     if rules:
         return "; ".join(rules)
@@ -505,23 +476,16 @@ def _sections(model: type[BaseModel], path: str, seen: dict) -> list[dict]:
             inherited.append((name, seen[key]))
             continue
         seen[key] = full
-        default = (
-            "required"
-            if field.is_required()
-            else _yaml_value(field.get_default(call_default_factory=True))
-        )
-        rows.append(
-            {
-                "path": full,
-                "name": name,
-                "allowed": _allowed(
-                    field.annotation, list(field.metadata), full, children
-                ),
-                "default": default,
-                "family": FAMILY_ONLY.get(name, "both") if not path else None,
-                "description": _description(full, field),
-            }
-        )
+        default = "required" if field.is_required() else _yaml_value(
+            field.get_default(call_default_factory=True))
+        rows.append({
+            "path": full,
+            "name": name,
+            "allowed": _allowed(field.annotation, list(field.metadata), full, children),
+            "default": default,
+            "family": FAMILY_ONLY.get(name, "both") if not path else None,
+            "description": _description(full, field),
+        })
     section = {"path": path, "model": model, "rows": rows, "inherited": inherited}
     out = [section]
     for child_path, child in children:
@@ -532,41 +496,25 @@ def _sections(model: type[BaseModel], path: str, seen: dict) -> list[dict]:
 def _section_markdown(section: dict) -> list[str]:
     path = section["path"]
     top = not path
-    lines = [
-        (
-            "## Top-level fields"
-            if top
-            else f'<a id="{_anchor(path)}"></a>\n\n## `{path}`'
-        ),
-        "",
-    ]
+    lines = ["## Top-level fields" if top else f'<a id="{_anchor(path)}"></a>\n\n## `{path}`', ""]
     text = SECTION_TEXT.get(path) or (section["model"].__doc__ or "").strip()
     if text and not top:
         lines += [" ".join(text.split()), ""]
     if top:
-        lines += [
-            "| field | family | allowed | default | description |",
-            "|---|---|---|---|---|",
-        ]
+        lines += ["| field | family | allowed | default | description |", "|---|---|---|---|---|"]
     else:
         lines += ["| field | allowed | default | description |", "|---|---|---|---|"]
     for row in section["rows"]:
         cells = [f"`{row['name']}`"]
         if top:
             cells.append(row["family"])
-        cells += [
-            row["allowed"],
-            f"`{row['default']}`" if row["default"] != "required" else "required",
-            row["description"],
-        ]
+        cells += [row["allowed"], f"`{row['default']}`" if row["default"] != "required" else "required",
+                  row["description"]]
         lines.append("| " + " | ".join(c.replace("\n", " ") for c in cells) + " |")
     if section["inherited"]:
         names = ", ".join(f"`{name}`" for name, _ in section["inherited"])
         where = sorted({p.rsplit(".", 1)[0] for _, p in section["inherited"]})
-        lines += [
-            "",
-            f"Also {names}, as in " + ", ".join(_link(w) for w in where) + ".",
-        ]
+        lines += ["", f"Also {names}, as in " + ", ".join(_link(w) for w in where) + "."]
     return lines + [""]
 
 
@@ -576,14 +524,10 @@ def check_descriptions() -> list[str]:
     paths = [row["path"] for s in _sections(Spec, "", {}) for row in s["rows"]]
     stale = sorted(set(DESCRIPTIONS) - set(paths))
     if stale:
-        raise DocsError(
-            f"DESCRIPTIONS names fields the model does not have: {', '.join(stale)}"
-        )
+        raise DocsError(f"DESCRIPTIONS names fields the model does not have: {', '.join(stale)}")
     unknown = sorted(set(FAMILY_ONLY) - set(Spec.model_fields))
     if unknown:
-        raise DocsError(
-            f"FAMILY_ONLY names fields the model does not have: {', '.join(unknown)}"
-        )
+        raise DocsError(f"FAMILY_ONLY names fields the model does not have: {', '.join(unknown)}")
     return paths
 
 
@@ -600,15 +544,10 @@ def _spec_summary(spec: Spec) -> str:
     if spec.kv_dtype and spec.kv_dtype != spec.dtype:
         dtype += f", {short[spec.kv_dtype]} KV cache"
     parts.append(dtype)
-    parts.append(
-        f"D{spec.head_dim}" + (f"/{spec.v_head_dim}" if spec.v_head_dim else "")
-    )
+    parts.append(f"D{spec.head_dim}" + (f"/{spec.v_head_dim}" if spec.v_head_dim else ""))
     if spec.window:
-        bounds = {
-            k: getattr(spec.window, k)
-            for k in ("left", "right")
-            if getattr(spec.window, k) is not None
-        }
+        bounds = {k: getattr(spec.window, k) for k in ("left", "right")
+                  if getattr(spec.window, k) is not None}
         parts.append("window " + _yaml_value(bounds))
     for name in ("softcap",):
         if getattr(spec, name) is not None:
@@ -616,11 +555,7 @@ def _spec_summary(spec: Spec) -> str:
     for name in ("score_mod", "mask_mod"):
         if getattr(spec, name):
             parts.append(f"{name} `{getattr(spec, name)}`")
-    parts += [
-        n
-        for n in ("sinks", "dropout", "varlen", "return_lse", "backward")
-        if getattr(spec, n)
-    ]
+    parts += [n for n in ("sinks", "dropout", "varlen", "return_lse", "backward") if getattr(spec, n)]
     # The optimisations a spec turns off (all are on by default).
     if spec.family == "prefill":
         off = [name for name, on in spec.fast_math.model_dump().items() if not on]
@@ -659,9 +594,7 @@ def _shipped_specs(specs_dir: Path, link_base: Path) -> list[str]:
     for path in paths:
         spec = Spec.model_validate(yaml.safe_load(path.read_text()))
         link = Path(os.path.relpath(path, link_base)).as_posix()
-        lines.append(
-            f"| [`{spec.name}`]({link}) | {spec.family} | {_spec_summary(spec)} |"
-        )
+        lines.append(f"| [`{spec.name}`]({link}) | {spec.family} | {_spec_summary(spec)} |")
     return lines + [""]
 
 
@@ -686,41 +619,18 @@ def spec_reference_markdown(specs_dir: Path | None = None) -> str:
 
 # --- performance: the committed bench results --------------------------------
 
-LABELS = {
-    "specgen": "specgen",
-    "cudnn": "SDPA cuDNN",
-    "flash": "SDPA FA2",
-    "flex": "FlexAttention",
-    "fa3": "FlashAttention-3",
-    "tilegym": "TileGym",
-}  # a name not listed prints as is
+LABELS = {"specgen": "specgen", "cudnn": "SDPA cuDNN", "flash": "SDPA FA2", "flex": "FlexAttention",
+          "fa3": "FlashAttention-3", "tilegym": "TileGym"}  # a name not listed prints as is
 # The suites of `specgen bench` results this page reads; every schema version is read
 # through specgen.bench.core.upgrade, as the current one.
 SUITES = ("prefill", "backward", "decode")
 SHAPE_KEYS = {
-    "prefill": (
-        "batch",
-        "heads_q",
-        "heads_kv",
-        "seq_q",
-        "seq_k",
-        "head_dim",
-        "dtype",
-        "causal",
-    ),
+    "prefill": ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "head_dim", "dtype", "causal"),
     # decode rows: seq_k is the cached length L, seq_q the new tokens per sequence
     "decode": ("batch", "heads_q", "heads_kv", "seq_k", "seq_q"),
 }
-SHAPE_LABELS = {
-    "batch": "B",
-    "heads_q": "Hq",
-    "heads_kv": "Hkv",
-    "seq_q": "Sq",
-    "seq_k": "Skv",
-    "head_dim": "D",
-    "dtype": "dtype",
-    "causal": "causal",
-}
+SHAPE_LABELS = {"batch": "B", "heads_q": "Hq", "heads_kv": "Hkv", "seq_q": "Sq", "seq_k": "Skv",
+                "head_dim": "D", "dtype": "dtype", "causal": "causal"}
 DECODE_LABELS = dict(SHAPE_LABELS, seq_k="L", seq_q="q_len")
 
 PERFORMANCE_INTRO = """\
@@ -765,24 +675,16 @@ def _shape_value(key: str, value: Any) -> str:
     return str(value)
 
 
-def _split_shape(
-    rows: list[dict], keys: tuple[str, ...]
-) -> tuple[list[str], list[str]]:
+def _split_shape(rows: list[dict], keys: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """The shape keys that vary across rows (table columns) and the constant ones."""
     varying = [k for k in keys if len({json.dumps(r.get(k)) for r in rows}) > 1]
     constant = [k for k in keys if k not in varying and k in rows[0]]
     return varying, constant
 
 
-def _constant_text(
-    rows: list[dict], constant: list[str], labels: dict = SHAPE_LABELS
-) -> str:
+def _constant_text(rows: list[dict], constant: list[str], labels: dict = SHAPE_LABELS) -> str:
     return ", ".join(
-        (
-            _shape_value(k, rows[0][k])
-            if k in ("dtype", "causal")
-            else f"{labels[k]}={rows[0][k]}"
-        )
+        _shape_value(k, rows[0][k]) if k in ("dtype", "causal") else f"{labels[k]}={rows[0][k]}"
         for k in constant
     )
 
@@ -793,9 +695,7 @@ def _ratio(value: float | None) -> str:
 
 def _ratio_cell(row: dict, name: str, value: float | None) -> str:
     """A ratio column's cell, with the mark of a dynamic-shape Flex."""
-    return _ratio(value) + (
-        DYNAMIC_MARK if value and name == "flex" and _dynamic_flex(row) else ""
-    )
+    return _ratio(value) + (DYNAMIC_MARK if value and name == "flex" and _dynamic_flex(row) else "")
 
 
 def _cell_error(timing: dict | None) -> str:
@@ -811,18 +711,13 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path
     bench, other = [], []
     for path in sorted(results_dir.rglob("*.json")):
         data = json.loads(path.read_text())
-        if not (
-            isinstance(data, dict)
-            and ("schema" in data or "schema_version" in data)
-            and "rows" in data
-        ):
+        if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)
+                and "rows" in data):
             other.append(path)
             continue
         suite = data.get("suite")
         if suite not in SUITES:
-            raise DocsError(
-                f"{path}: bench result of suite {suite!r}; specgen.docs reads {SUITES}"
-            )
+            raise DocsError(f"{path}: bench result of suite {suite!r}; specgen.docs reads {SUITES}")
         try:
             data = upgrade(data)
         except ValueError as exc:
@@ -835,10 +730,8 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path
 
 def _run_meta(data: dict) -> str:
     dev = data["device"]
-    return (
-        f"{data['created']}; {dev.get('name', '?')}, driver {dev.get('driver', '?')}, "
-        f"torch {dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}"
-    )
+    return (f"{data['created']}; {dev.get('name', '?')}, driver {dev.get('driver', '?')}, "
+            f"torch {dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}")
 
 
 def _files_line(path: Path, link_base: Path) -> str:
@@ -867,25 +760,15 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         f"Kernel `{data['kernel']}`. {_constant_text(rows, constant)}; {data.get('layout', 'Sq=Skv')}. "
         f"Dense fp16 matmul {data['matmul_tflops']:.0f} TFLOPS in the same run. {_run_meta(data)}.",
         "",
-        "| "
-        + " | ".join(
-            shape_head
-            + [f"{_label(n)} TFLOPS (ms)" for n in ["specgen", *baselines]]
-            + [f"vs {_label(n)}" for n in baselines]
-            + ["specgen % of matmul"]
-        )
-        + " |",
+        "| " + " | ".join(shape_head + [f"{_label(n)} TFLOPS (ms)" for n in ["specgen", *baselines]]
+                         + [f"vs {_label(n)}" for n in baselines] + ["specgen % of matmul"]) + " |",
         "|" + "---:|" * (len(shape_head) + 2 * len(baselines) + 2),
     ]
     for row in rows:
         cells = [str(row[k]) for k in varying]
         for name in ["specgen", *baselines]:
             t = row["timings"].get(name)
-            cells.append(
-                f"{t['tflops']:.0f} ({t['ms']:.3f})"
-                if t and t.get("ms")
-                else _cell_error(t)
-            )
+            cells.append(f"{t['tflops']:.0f} ({t['ms']:.3f})" if t and t.get("ms") else _cell_error(t))
         cells += [_ratio_cell(row, n, row.get("speedup", {}).get(n)) for n in baselines]
         pct = row["timings"]["specgen"].get("pct_of_matmul")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
@@ -894,9 +777,7 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
 
 
 def _decode_ratio(row: dict, name: str) -> float | None:
-    ours, theirs = row["timings"]["specgen"].get("ms"), (
-        row["timings"].get(name) or {}
-    ).get("ms")
+    ours, theirs = row["timings"]["specgen"].get("ms"), (row["timings"].get(name) or {}).get("ms")
     return theirs / ours if ours and theirs else None
 
 
@@ -913,14 +794,8 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         f"Kernel `{data['kernel']}`. {_constant_text(rows, constant, DECODE_LABELS)}; "
         f"{data.get('layout', '')}. Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run. {_run_meta(data)}.",
         "",
-        "| "
-        + " | ".join(
-            head
-            + [f"{_label(n)} µs (TB/s)" for n in names]
-            + ["specgen % of copy"]
-            + [f"vs {_label(n)}" for n in baselines]
-        )
-        + " |",
+        "| " + " | ".join(head + [f"{_label(n)} µs (TB/s)" for n in names]
+                         + ["specgen % of copy"] + [f"vs {_label(n)}" for n in baselines]) + " |",
         "|" + "---:|" * (len(head) + len(names) + 1 + len(baselines)),
     ]
 
@@ -928,16 +803,11 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         return [str(row[k]) for k in varying]
 
     for row in rows:
-        cells = shape(row) + [
-            f"{row.get('splits') or '–'}" + (", PDL" if row.get("pdl") else "")
-        ]
+        cells = shape(row) + [f"{row.get('splits') or '–'}" + (", PDL" if row.get("pdl") else "")]
         for name in names:
             t = row["timings"].get(name)
-            cells.append(
-                f"{t['ms'] * 1000:.1f} ({t['tbps']:.2f})"
-                if t and t.get("ms") and t.get("tbps")
-                else f"{t['ms'] * 1000:.1f}" if t and t.get("ms") else _cell_error(t)
-            )
+            cells.append(f"{t['ms'] * 1000:.1f} ({t['tbps']:.2f})" if t and t.get("ms") and t.get("tbps")
+                         else f"{t['ms'] * 1000:.1f}" if t and t.get("ms") else _cell_error(t))
         pct = row["timings"]["specgen"].get("pct_of_copy")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         cells += [_ratio_cell(row, n, _decode_ratio(row, n)) for n in baselines]
@@ -946,33 +816,19 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         "",
         "One call per graph replay (each figure carries the graph's launch floor):",
         "",
-        "| "
-        + " | ".join(
-            [DECODE_LABELS[k] for k in varying] + [f"{_label(n)} µs" for n in names]
-        )
-        + " |",
+        "| " + " | ".join([DECODE_LABELS[k] for k in varying] + [f"{_label(n)} µs" for n in names]) + " |",
         "|" + "---:|" * (len(varying) + len(names)),
     ]
     for row in rows:
         cells = shape(row)
         for name in names:
             t = row["timings"].get(name)
-            cells.append(
-                f"{t['ms_one_call'] * 1000:.1f}"
-                if t and t.get("ms_one_call")
-                else _cell_error(t)
-            )
+            cells.append(f"{t['ms_one_call'] * 1000:.1f}" if t and t.get("ms_one_call") else _cell_error(t))
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", _files_line(path, link_base), ""]
 
 
-SHORT_LABELS = {
-    "cudnn": "cuDNN",
-    "flash": "FA2",
-    "flex": "Flex",
-    "fa3": "FA3",
-    "tilegym": "TileGym",
-}
+SHORT_LABELS = {"cudnn": "cuDNN", "flash": "FA2", "flex": "Flex", "fa3": "FA3", "tilegym": "TileGym"}
 
 
 def _dynamic_flex(row: dict) -> bool:
@@ -990,19 +846,13 @@ def _against_fastest(ratios: dict[str, float | None], row: dict | None = None) -
     if not ran:
         return ""
     name = min(ran, key=ran.get)  # the smallest ratio: the fastest baseline
-    mark = (
-        DYNAMIC_MARK
-        if name == "flex" and row is not None and _dynamic_flex(row)
-        else ""
-    )
+    mark = DYNAMIC_MARK if name == "flex" and row is not None and _dynamic_flex(row) else ""
     return f" ({ran[name]:.2f}× {SHORT_LABELS.get(name, name)}{mark})"
 
 
-SUMMARY_NOTE = (
-    "In brackets: baseline time / specgen time for the fastest baseline that "
-    "ran in the same call (above 1, specgen is faster); none where no baseline "
-    "computes the spec."
-)
+SUMMARY_NOTE = ("In brackets: baseline time / specgen time for the fastest baseline that "
+                "ran in the same call (above 1, specgen is faster); none where no baseline "
+                "computes the spec.")
 
 
 def _flops_summary(runs: list[dict]) -> list[str]:
@@ -1020,24 +870,15 @@ def _flops_summary(runs: list[dict]) -> list[str]:
             if row["seq_q"] != row["seq_k"]:
                 continue
             t = row["timings"]["specgen"]
-            by_seq[row["seq_q"]] = (
-                f"{t['tflops']:.0f}" + _against_fastest(row.get("speedup", {}), row)
-                if t.get("ms")
-                else "n/a"
-            )
-        lines.append(
-            f"| `{data['spec']}` | "
-            + " | ".join(by_seq.get(s, "") for s in seqs)
-            + " |"
-        )
+            by_seq[row["seq_q"]] = (f"{t['tflops']:.0f}" + _against_fastest(row.get("speedup", {}), row)
+                                    if t.get("ms") else "n/a")
+        lines.append(f"| `{data['spec']}` | " + " | ".join(by_seq.get(s, "") for s in seqs) + " |")
     return lines + [""]
 
 
 def _decode_summary(runs: list[dict]) -> list[str]:
     """specgen steady-state µs per shape, each against the fastest baseline of its row."""
-    shapes = sorted(
-        {(r["batch"], r["seq_k"], r["seq_q"]) for d in runs for r in d["rows"]}
-    )
+    shapes = sorted({(r["batch"], r["seq_k"], r["seq_q"]) for d in runs for r in d["rows"]})
 
     def label(shape):
         return f"B{shape[0]} L{shape[1]}" + (f" q{shape[2]}" if shape[2] != 1 else "")
@@ -1054,14 +895,10 @@ def _decode_summary(runs: list[dict]) -> list[str]:
             ms = row["timings"]["specgen"].get("ms")
             ratios = {n: _decode_ratio(row, n) for n in data["baselines"]}
             cells[(row["batch"], row["seq_k"], row["seq_q"])] = (
-                f"{ms * 1000:.1f}" + _against_fastest(ratios, row) if ms else "n/a"
-            )
+                f"{ms * 1000:.1f}" + _against_fastest(ratios, row) if ms else "n/a")
         heads = sorted({f"{r['heads_q']}/{r['heads_kv']}" for r in data["rows"]})
-        lines.append(
-            f"| `{data['spec']}` | {', '.join(heads)} | "
-            + " | ".join(cells.get(s, "") for s in shapes)
-            + " |"
-        )
+        lines.append(f"| `{data['spec']}` | {', '.join(heads)} | "
+                     + " | ".join(cells.get(s, "") for s in shapes) + " |")
     return lines + [""]
 
 
@@ -1096,19 +933,14 @@ def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
     for row in rows:
         for phase, label in (("fwd", "forward"), ("fwdbwd", "fwd+bwd")):
             torch_ms = row.get(f"torch_cp_{phase}_ms")
-            torch_cell = (
-                f"{row[f'torch_cp_{phase}_tflops_per_gpu']:.0f} ({torch_ms:.2f}, "
-                f"{row[f'torch_cp_{phase}_best']})"
-                if torch_ms
-                else "–"
-            )
+            torch_cell = (f"{row[f'torch_cp_{phase}_tflops_per_gpu']:.0f} ({torch_ms:.2f}, "
+                          f"{row[f'torch_cp_{phase}_best']})" if torch_ms else "–")
             lines.append(
                 f"| {row['seq']} | {label} | {row[f'specgen_{phase}_tflops_per_gpu']:.0f} "
                 f"({row[f'specgen_{phase}_ms']:.2f}) | {torch_cell} | "
                 f"{_ratio(row.get(f'speedup_vs_torch_cp_{phase}'))} | "
                 f"{pct(row.get(f'efficiency_vs_full_{phase}'))} | {pct(row.get(f'efficiency_vs_shard_{phase}'))} | "
-                f"{pct(row.get(f'comm_hidden_{phase}'))} |"
-            )
+                f"{pct(row.get(f'comm_hidden_{phase}'))} |")
     rel = Path(os.path.relpath(path, data_path_base)).as_posix()
     return lines + ["", f"Results: [`{path.name}`]({rel}).", ""]
 
@@ -1122,9 +954,7 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> st
     results_dir = Path(results_dir)
     link_base = results_dir.parent.parent / "docs"
     bench, other = _load_results(results_dir)
-    shipped = (
-        {p.stem for p in specs_dir.glob("*.yaml")} if specs_dir is not None else None
-    )
+    shipped = {p.stem for p in specs_dir.glob("*.yaml")} if specs_dir is not None else None
     lines = [
         f"<!-- Generated by specgen.docs from bench/results/**/*.json. Do not edit: run `{REGENERATE}`. -->",
         "",
@@ -1141,61 +971,36 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> st
         lines += [f"## {', '.join(names)} ([`{shown}/`]({rel}/))", ""]
         groups = [("", runs)]
         if shipped is not None:
-            groups = [
-                ("", [(p, d) for p, d in runs if d["spec"] in shipped]),
-                ("other", [(p, d) for p, d in runs if d["spec"] not in shipped]),
-            ]
+            groups = [("", [(p, d) for p, d in runs if d["spec"] in shipped]),
+                      ("other", [(p, d) for p, d in runs if d["spec"] not in shipped])]
         for kind, group in groups:
             if not group:
                 continue
             if kind == "other":
-                lines += [
-                    "### Other runs",
-                    "",
-                    "Runs of specs that do not ship in `specs/` (experiments, such as the "
-                    "measured-defaults specs of `bench/defaults/`).",
-                    "",
-                ]
+                lines += ["### Other runs", "",
+                          "Runs of specs that do not ship in `specs/` (experiments, such as the "
+                          "measured-defaults specs of `bench/defaults/`).", ""]
             for suite in ("prefill", "backward", "decode"):
-                suite_runs = sorted(
-                    (d for _, d in group if d["suite"] == suite),
-                    key=lambda d: d["spec"],
-                )
+                suite_runs = sorted((d for _, d in group if d["suite"] == suite), key=lambda d: d["spec"])
                 if not suite_runs:
                     continue
                 title = SUITE_TITLES[suite] + (" (other runs)" if kind else "")
                 lines += [f"### {title}", ""]
-                lines += (
-                    _decode_summary(suite_runs)
-                    if suite == "decode"
-                    else _flops_summary(suite_runs)
-                )
-                for path, data in sorted(
-                    ((p, d) for p, d in group if d["suite"] == suite),
-                    key=lambda pd: pd[1]["spec"],
-                ):
+                lines += _decode_summary(suite_runs) if suite == "decode" else _flops_summary(suite_runs)
+                for path, data in sorted(((p, d) for p, d in group if d["suite"] == suite),
+                                         key=lambda pd: pd[1]["spec"]):
                     run = _decode_run if suite == "decode" else _flops_run
                     lines += run(path, data, link_base)
-        parallel = [
-            p
-            for p in other
-            if p.parent == folder and p.name.startswith("context_parallel")
-        ]
+        parallel = [p for p in other if p.parent == folder and p.name.startswith("context_parallel")]
         for p in parallel:
             lines += _context_parallel_run(p, link_base)
         extra = [p for p in other if p.parent == folder and p not in parallel]
         if extra:
-            lines += [
-                "### Other result files",
-                "",
-                "Tuning reports (`tune-*`), variant runs (`variants-*`) and other "
-                "measurements, as written:",
-                "",
-            ]
+            lines += ["### Other result files", "",
+                      "Tuning reports (`tune-*`), variant runs (`variants-*`) and other "
+                      "measurements, as written:", ""]
             for p in extra:
-                lines.append(
-                    f"- [`{p.name}`]({Path(os.path.relpath(p, link_base)).as_posix()})"
-                )
+                lines.append(f"- [`{p.name}`]({Path(os.path.relpath(p, link_base)).as_posix()})")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 
@@ -1234,12 +1039,6 @@ def write_docs(root: Path, check: bool = False) -> list[str]:
 
 
 __all__ = [
-    "DESCRIPTIONS",
-    "DocsError",
-    "FAMILY_ONLY",
-    "check_descriptions",
-    "generated_docs",
-    "performance_markdown",
-    "spec_reference_markdown",
-    "write_docs",
+    "DESCRIPTIONS", "DocsError", "FAMILY_ONLY", "check_descriptions", "generated_docs",
+    "performance_markdown", "spec_reference_markdown", "write_docs",
 ]

@@ -21,9 +21,7 @@ def _cuda_available() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return
-    skip = pytest.mark.skip(
-        reason="needs a CUDA GPU: torch.cuda.is_available() is False"
-    )
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
@@ -33,8 +31,7 @@ def _test_caches() -> Path:
     """One cubin cache for the whole run, shared by the xdist workers and the
     subprocesses the tests start, and never the user's: specgen's cubins and cuTile's
     own disk cache under the system temp folder. A cubin's key holds the source, the
-    signatures and the toolchain, so entries of an earlier run are reused, never wrong.
-    """
+    signatures and the toolchain, so entries of an earlier run are reused, never wrong."""
     return Path(tempfile.gettempdir()) / f"specgen-test-caches-{os.getuid()}"
 
 

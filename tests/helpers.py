@@ -10,9 +10,7 @@ SPEC_NAMES = [p.stem for p in SPECS]
 # Specs whose attention takes [B, H, S, D] tensors (the rest are varlen: packed).
 DECODE_SPEC_NAMES = [p.stem for p in SPECS if "\nfamily: decode" in p.read_text()]
 VARLEN_SPEC_NAMES = [p.stem for p in SPECS if "\nvarlen: true" in p.read_text()]
-DENSE_SPEC_NAMES = [
-    n for n in SPEC_NAMES if n not in DECODE_SPEC_NAMES + VARLEN_SPEC_NAMES
-]
+DENSE_SPEC_NAMES = [n for n in SPEC_NAMES if n not in DECODE_SPEC_NAMES + VARLEN_SPEC_NAMES]
 TRAINING_SPEC_NAMES = [p.stem for p in SPECS if "\nbackward: true" in p.read_text()]
 
 
@@ -20,7 +18,7 @@ def kernel_source(text: str, prefix: str, after: int = 0) -> str:
     """The source of the first function of a module's ``text`` (from ``after`` on) whose
     name starts with ``prefix``: from its def to the blank lines after it."""
     start = text.index(f"def {prefix}", after)
-    return text[start : text.index("\n\n\n", start)]
+    return text[start:text.index("\n\n\n", start)]
 
 
 def generated_module(name: str):
@@ -34,21 +32,14 @@ def prefill_variant_data(name: str, overrides: dict) -> dict:
 
     data = yaml.safe_load((ROOT / "specs" / "fmha_gqa_causal.yaml").read_text())
     data.update(overrides, name=f"variant_{name}")
-    data["targets"] = overrides.get(
-        "targets", {"default": {"tile_m": 64, "tile_n": 64}}
-    )
+    data["targets"] = overrides.get("targets", {"default": {"tile_m": 64, "tile_n": 64}})
     return data
 
 
 def decode_variant_data(name: str, overrides: dict) -> dict:
     """The variant tests' decode spec: bf16, head_dim 128, with ``overrides``."""
-    return {
-        "name": f"decode_{name}",
-        "family": "decode",
-        "dtype": "bfloat16",
-        "head_dim": 128,
-        **overrides,
-    }
+    return {"name": f"decode_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
+            **overrides}
 
 
 def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
@@ -66,24 +57,10 @@ def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
 # shape); "small": the GPU tests (Hq8/Hkv2, GQA 4:1, head_dim 128, the shipped
 # specs' shape).
 QWEN2_SIZES = {
-    "tiny": dict(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    ),
-    "small": dict(
-        vocab_size=2048,
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.1,
-    ),
+    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2),
+    "small": dict(vocab_size=2048, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                  num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.1),
 }
 
 
@@ -91,26 +68,18 @@ def expected_full_run(listed_full: list) -> int:
     """A block map row's run count for its listed full tiles: the first of them where
     they are consecutive (0 where there are none), else -1."""
     first = min(listed_full, default=0)
-    return (
-        first
-        if sorted(listed_full) == list(range(first, first + len(listed_full)))
-        else -1
-    )
+    return first if sorted(listed_full) == list(range(first, first + len(listed_full))) else -1
 
 
-def qwen2_model(
-    implementation: str, size: str, dtype, device: str = "cpu", seed: int = 0
-):
+def qwen2_model(implementation: str, size: str, dtype, device: str = "cpu", seed: int = 0):
     """A two-layer Qwen2 model of ``size`` with attn_implementation ``implementation``;
     the same seed gives the same weights whatever the implementation."""
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(
-        num_hidden_layers=2, tie_word_embeddings=False, **QWEN2_SIZES[size]
-    )
+    config = transformers.Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False,
+                                      **QWEN2_SIZES[size])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation=implementation, dtype=dtype
-    )
+        config, attn_implementation=implementation, dtype=dtype)
     return model.to(device)

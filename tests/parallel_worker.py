@@ -21,24 +21,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from specgen.parallel import (
-    ContextParallelAttention,
-    ReferenceKernel,
-    gather,
-    shard,
-)  # noqa: E402
+from specgen.parallel import ContextParallelAttention, ReferenceKernel, gather, shard  # noqa: E402
 from specgen.parallel import layout as layouts  # noqa: E402
 
 
-def main(
-    rank: int,
-    world: int,
-    port: int,
-    backend: str,
-    scenario: str,
-    out_dir: str,
-    options: dict,
-):
+def main(rank: int, world: int, port: int, backend: str, scenario: str, out_dir: str, options: dict):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if backend == "nccl":
@@ -55,18 +42,9 @@ def main(
 
 def _inputs(batch, q_heads, kv_heads, seq, dim, dtype, device, seed, v_dim=None):
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    shapes = (
-        (batch, q_heads, seq, dim),
-        (batch, kv_heads, seq, dim),
-        (batch, kv_heads, seq, v_dim or dim),
-        (batch, q_heads, seq, v_dim or dim),
-    )
-    return [
-        torch.randn(s, generator=gen, dtype=torch.float32).to(
-            device=device, dtype=dtype
-        )
-        for s in shapes
-    ]
+    shapes = ((batch, q_heads, seq, dim), (batch, kv_heads, seq, dim), (batch, kv_heads, seq, v_dim or dim),
+              (batch, q_heads, seq, v_dim or dim))
+    return [torch.randn(s, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype) for s in shapes]
 
 
 def sharded_run(attn, q, k, v, dout, layout, rank, world, **kwargs):
@@ -88,100 +66,46 @@ def reference_cases(rank, world, options):
     rows = []
     for mode in ("ring", "ulysses"):
         for layout in ("zigzag", "contiguous"):
-            for causal, window, softcap in (
-                (True, None, None),
-                (False, None, None),
-                (True, (5, None), None),
-                (False, (4, 3), 2.0),
-            ):
+            for causal, window, softcap in ((True, None, None), (False, None, None), (True, (5, None), None),
+                                            (False, (4, 3), 2.0)):
                 for shard_len in (9, 16):
                     heads = (2 * world, world) if mode == "ulysses" else (4, 2)
-                    kern = ReferenceKernel(
-                        causal=causal,
-                        window=window,
-                        softcap=softcap,
-                        dtype=torch.float64,
-                        head_dim=8,
-                        group_size=heads[0] // heads[1],
-                    )
-                    q, k, v, dout = _inputs(
-                        2, *heads, shard_len * world, 8, torch.float64, "cpu", 7
-                    )
-                    whole = ReferenceKernel(
-                        causal=causal,
-                        window=window,
-                        softcap=softcap,
-                        dtype=torch.float64,
-                        head_dim=8,
-                        group_size=heads[0] // heads[1],
-                    )
+                    kern = ReferenceKernel(causal=causal, window=window, softcap=softcap, dtype=torch.float64,
+                                           head_dim=8, group_size=heads[0] // heads[1])
+                    q, k, v, dout = _inputs(2, *heads, shard_len * world, 8, torch.float64, "cpu", 7)
+                    whole = ReferenceKernel(causal=causal, window=window, softcap=softcap, dtype=torch.float64,
+                                            head_dim=8, group_size=heads[0] // heads[1])
                     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                     ref = whole.attention(*leaves, whole.default_scale())
                     ref.backward(dout)
                     attn = ContextParallelAttention(kern, mode=mode, layout=layout)
                     got = sharded_run(attn, q, k, v, dout, layout, rank, world)
-                    errs = [
-                        _max_err(g, r)
-                        for g, r in zip(got, [ref.detach()] + [t.grad for t in leaves])
-                    ]
-                    rows.append(
-                        dict(
-                            mode=mode,
-                            layout=layout,
-                            causal=causal,
-                            window=window,
-                            softcap=softcap,
-                            shard_len=shard_len,
-                            errors=errs,
-                            calls=kern.calls,
-                        )
-                    )
+                    errs = [_max_err(g, r) for g, r in zip(got, [ref.detach()] + [t.grad for t in leaves])]
+                    rows.append(dict(mode=mode, layout=layout, causal=causal, window=window, softcap=softcap,
+                                     shard_len=shard_len, errors=errs, calls=kern.calls))
     # Packed batches: sequences of different lengths (odd shards among them), each
     # split over the ranks on its own; ring (both layouts) and all-to-all.
     lengths = [3 * world, 8 * world, 1 * world, 5 * world]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     total = sum(lengths)
     gen = torch.Generator().manual_seed(3)
-    q, dout = (
-        torch.randn(total, 2 * world, 8, generator=gen, dtype=torch.float64)
-        for _ in range(2)
-    )
-    k, v = (
-        torch.randn(total, world, 8, generator=gen, dtype=torch.float64)
-        for _ in range(2)
-    )
-    for mode, layout, causal in (
-        ("ring", "zigzag", True),
-        ("ring", "contiguous", True),
-        ("ring", "zigzag", False),
-        ("ulysses", "contiguous", True),
-    ):
-        kern = ReferenceKernel(
-            causal=causal, dtype=torch.float64, head_dim=8, group_size=2, varlen=True
-        )
+    q, dout = (torch.randn(total, 2 * world, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(total, world, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    for mode, layout, causal in (("ring", "zigzag", True), ("ring", "contiguous", True), ("ring", "zigzag", False),
+                                 ("ulysses", "contiguous", True)):
+        kern = ReferenceKernel(causal=causal, dtype=torch.float64, head_dim=8, group_size=2, varlen=True)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = kern.attention(
-            *leaves, kern.default_scale(), cu_seqlens_q=cu, cu_seqlens_k=cu
-        )
+        ref = kern.attention(*leaves, kern.default_scale(), cu_seqlens_q=cu, cu_seqlens_k=cu)
         ref.backward(dout)
-        index = torch.cat(
-            [
-                a + layouts.positions(layout, world, rank, (b - a) // world)
-                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
-            ]
-        )
+        index = torch.cat([a + layouts.positions(layout, world, rank, (b - a) // world)
+                           for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
         shards = [t.index_select(0, index).requires_grad_() for t in (q, k, v)]
         attn = ContextParallelAttention(kern, mode=mode, layout=layout)
         out = attn(*shards, cu_seqlens=cu)
         out.backward(dout.index_select(0, index))
         errs = [_max_err(out, ref.detach().index_select(0, index))]
-        errs += [
-            _max_err(s.grad, t.grad.index_select(0, index))
-            for s, t in zip(shards, leaves)
-        ]
-        rows.append(
-            dict(mode=mode, layout="packed-" + layout, causal=causal, errors=errs)
-        )
+        errs += [_max_err(s.grad, t.grad.index_select(0, index)) for s, t in zip(shards, leaves)]
+        rows.append(dict(mode=mode, layout="packed-" + layout, causal=causal, errors=errs))
     return {"rows": rows}
 
 
@@ -212,11 +136,7 @@ def error_cases(rank, world, options):
     # All-to-all needs heads that divide by the world size.
     kern1 = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=1)
     odd = [t[:, :1] for t in parts]
-    seen["heads"] = (
-        _expect_error(lambda: ContextParallelAttention(kern1, mode="ulysses")(*odd))
-        if world > 1
-        else "n/a"
-    )
+    seen["heads"] = _expect_error(lambda: ContextParallelAttention(kern1, mode="ulysses")(*odd)) if world > 1 else "n/a"
     # After all that, a good call.
     whole = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2)
     ref = whole.forward(q, k, v, whole.default_scale(), 0)[0]
@@ -245,12 +165,8 @@ def spec_cases(rank, world, options):
         batch, q_heads, kv_heads, shard_len = case["shape"]
         seq = shard_len * world
         dim, v_dim = module.HEAD_DIM, getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
-        q, k, v, dout = _inputs(
-            batch, q_heads, kv_heads, seq, dim, module.DTYPE, device, 11 + seq, v_dim
-        )
-        attn = ContextParallelAttention(
-            module, mode=case["mode"], layout=case["layout"]
-        )
+        q, k, v, dout = _inputs(batch, q_heads, kv_heads, seq, dim, module.DTYPE, device, 11 + seq, v_dim)
+        attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
         got = sharded_run(attn, q, k, v, dout, case["layout"], rank, world)
         # The same kernels on the whole sequence, one process.
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -261,18 +177,13 @@ def spec_cases(rank, world, options):
         # fp64 and same-dtype references (FlashAttention's rule: the error against
         # fp64 at most twice that of the same math in the input dtype).
         window = spec["window"] or {}
-        ref_args = dict(
-            causal=spec["causal"],
-            softcap=spec["softcap"],
-            window=(window.get("left"), window.get("right")) if window else None,
-        )
+        ref_args = dict(causal=spec["causal"], softcap=spec["softcap"],
+                        window=(window.get("left"), window.get("right")) if window else None)
         exact_leaves = [t.double().requires_grad_() for t in (q, k, v)]
         exact = attention_reference(*exact_leaves, **ref_args)
         exact.backward(dout.double())
         rough_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        rough = attention_reference(
-            *rough_leaves, compute_dtype=module.DTYPE, **ref_args
-        )
+        rough = attention_reference(*rough_leaves, compute_dtype=module.DTYPE, **ref_args)
         rough.backward(dout)
         exacts = [exact.detach()] + [t.grad for t in exact_leaves]
         roughs = [rough.detach()] + [t.grad for t in rough_leaves]
@@ -293,26 +204,14 @@ def _packed_spec_case(module, case, rank, world, device) -> dict:
     from specgen.check.reference import attention_reference
 
     lengths = [n * world for n in case["lengths"]]
-    cu = torch.tensor(
-        [0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device
-    )
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=device)
     total, (q_heads, kv_heads) = sum(lengths), case["heads"]
     dim, dtype = module.HEAD_DIM, module.DTYPE
     gen = torch.Generator(device="cpu").manual_seed(5 + total)
-    q, dout = (
-        torch.randn(total, q_heads, dim, generator=gen).to(device, dtype)
-        for _ in range(2)
-    )
-    k, v = (
-        torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype)
-        for _ in range(2)
-    )
-    index = torch.cat(
-        [
-            a + layouts.positions(case["layout"], world, rank, (b - a) // world)
-            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
-        ]
-    ).to(device)
+    q, dout = (torch.randn(total, q_heads, dim, generator=gen).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype) for _ in range(2))
+    index = torch.cat([a + layouts.positions(case["layout"], world, rank, (b - a) // world)
+                       for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]).to(device)
     grads = not case.get("forward_only")
     shards = [t.index_select(0, index).requires_grad_(grads) for t in (q, k, v)]
     attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
@@ -332,11 +231,8 @@ def _packed_spec_case(module, case, rank, world, device) -> dict:
         outs = []
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             one = [t[a:b].transpose(0, 1).unsqueeze(0) for t in ls]
-            outs.append(
-                attention_reference(
-                    *one, causal=module.SPEC["causal"], compute_dtype=compute
-                )[0].transpose(0, 1)
-            )
+            outs.append(attention_reference(*one, causal=module.SPEC["causal"], compute_dtype=compute)[0]
+                        .transpose(0, 1))
         whole = torch.cat(outs).to(compute)
         if not grads:
             return [whole.detach()]
@@ -357,9 +253,7 @@ def _packed_spec_case(module, case, rank, world, device) -> dict:
 SCENARIOS = {"reference": reference_cases, "errors": error_cases, "spec": spec_cases}
 
 
-def spawn(
-    world: int, backend: str, scenario: str, out_dir, options: dict | None = None
-) -> list[dict]:
+def spawn(world: int, backend: str, scenario: str, out_dir, options: dict | None = None) -> list[dict]:
     """Run ``scenario`` on ``world`` processes; every rank's result, rank order."""
     import socket
 
@@ -368,14 +262,8 @@ def spawn(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(
-        main,
-        args=(world, port, backend, scenario, str(out_dir), options or {}),
-        nprocs=world,
-    )
-    results = [
-        json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)
-    ]
+    mp.spawn(main, args=(world, port, backend, scenario, str(out_dir), options or {}), nprocs=world)
+    results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     for r, result in enumerate(results):
         if "crash" in result:
             raise AssertionError(f"rank {r} crashed:\n{result['crash']}")

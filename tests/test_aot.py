@@ -25,27 +25,9 @@ def load(path):
 
 def _build(work):
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specgen",
-            "build",
-            f"specs/{SPEC}.yaml",
-            "--targets",
-            "sm_90",
-            "--out",
-            "gen",
-        ],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
-        },
-    )
+        [sys.executable, "-m", "specgen", "build", f"specs/{SPEC}.yaml", "--targets", "sm_90",
+         "--out", "gen"], cwd=work, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stderr
 
 
@@ -68,12 +50,8 @@ def test_build_writes_a_manifest_for_the_module_it_wrote(built):
     module = load(built)
     kernel = getattr(module, manifest["entries"][0]["kernel"])
     # Each config's compiler options, resolved the way its kernel resolves them at run time.
-    expected = [
-        module.aot_hints(
-            kernel.replace_hints(**c["hints"]) if "hints" in c else kernel, "sm_90"
-        )
-        for c in module.CONFIGS["sm_90"]
-    ]
+    expected = [module.aot_hints(kernel.replace_hints(**c["hints"]) if "hints" in c else kernel, "sm_90")
+                for c in module.CONFIGS["sm_90"]]
     for entry in manifest["entries"]:
         assert (folder / entry["cubin"]).is_file()
         assert entry["sm"] == "sm_90" and entry["hints"] in expected
@@ -115,47 +93,24 @@ def test_a_stale_or_disabled_folder_is_never_used(built, tmp_path, monkeypatch):
 
 def _signature(module, *, base=16, stride=8, last=16, dtype="float16", even=True):
     import cuda.tile as ct
-    from cuda.tile.compilation import (
-        ArrayConstraint,
-        CallingConvention,
-        KernelSignature,
-        ScalarConstraint,
-    )
+    from cuda.tile.compilation import ArrayConstraint, CallingConvention, KernelSignature, ScalarConstraint
 
-    array = ArrayConstraint(
-        getattr(ct, dtype),
-        4,
-        index_dtype=ct.int32,
-        stride_lower_bound_incl=0,
-        alias_groups=(),
-        may_alias_internally=False,
-        stride_constant=(None, None, None, 1),
-        stride_divisible_by=(stride, stride, stride, 1),
-        shape_divisible_by=(1, 1, 1, last),
-        base_addr_divisible_by=base,
-    )
-    return KernelSignature(
-        [array] * 4
-        + [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), 64, 64, even],
-        CallingConvention.cutile_python_v1(),
-    )
+    array = ArrayConstraint(getattr(ct, dtype), 4, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                            alias_groups=(), may_alias_internally=False,
+                            stride_constant=(None, None, None, 1),
+                            stride_divisible_by=(stride, stride, stride, 1),
+                            shape_divisible_by=(1, 1, 1, last), base_addr_divisible_by=base)
+    return KernelSignature([array] * 4 + [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32),
+                                          64, 64, even], CallingConvention.cutile_python_v1())
 
 
 def test_covers_accepts_stronger_calls_and_refuses_everything_else(built):
     module = load(built)
     aot = _signature(module)
     assert module.aot_covers(aot, aot)
-    assert module.aot_covers(
-        aot, _signature(module, stride=16, last=16)
-    )  # more aligned strides
-    assert not module.aot_covers(
-        aot, _signature(module, base=8)
-    )  # q at an 8-byte offset
+    assert module.aot_covers(aot, _signature(module, stride=16, last=16))  # more aligned strides
+    assert not module.aot_covers(aot, _signature(module, base=8))  # q at an 8-byte offset
     assert not module.aot_covers(aot, _signature(module, stride=4))
-    assert not module.aot_covers(
-        aot, _signature(module, last=8)
-    )  # head dim not a multiple of 16
+    assert not module.aot_covers(aot, _signature(module, last=8))  # head dim not a multiple of 16
     assert not module.aot_covers(aot, _signature(module, dtype="bfloat16"))
-    assert not module.aot_covers(
-        aot, _signature(module, even=False)
-    )  # a constant differs
+    assert not module.aot_covers(aot, _signature(module, even=False))  # a constant differs

@@ -21,22 +21,13 @@ def _text(name: str) -> str:
 
 def _launch_order(text: str) -> list[str]:
     """The backward kernels in the order the launcher starts them."""
-    backward = text[text.index("def _backward(") :]
+    backward = text[text.index("def _backward("):]
     backward = backward[: backward.index("\n\n\n")]
-    return sorted(
-        ("fmha_bwd_dq_", "fmha_bwd_dkdv_"), key=lambda n: backward.index(f"        {n}")
-    )
+    return sorted(("fmha_bwd_dq_", "fmha_bwd_dkdv_"), key=lambda n: backward.index(f"        {n}"))
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "fmha_train_gqa_causal",
-        "fmha_train_gptoss_sinks",
-        "fmha_train_gemma2",
-        "fmha_train_document",
-    ],
-)
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks",
+                                  "fmha_train_gemma2", "fmha_train_document"])
 def test_dq_forms_the_exact_delta_of_a_one_tile_row_and_runs_before_dkdv(name):
     """Where a query tile sees one key tile, D = rowsum(P dP) from the dQ kernel's own
     P and dP replaces dO . O (the rounded output), and dK/dV reads it after."""
@@ -70,13 +61,8 @@ def _loops(source: str, var: str) -> list[str]:
 def test_plain_causal_backward_runs_interior_tiles_without_a_mask():
     text = _text("fmha_train_gqa_causal")
     dkdv = kernel_source(text, "fmha_bwd_dkdv_")
-    assert [
-        line.strip() for line in dkdv.splitlines() if "for i in range(" in line
-    ] == [
-        "for i in range(first_m, lo_m):",
-        "for i in range(lo_m, hi_m):",
-        "for i in range(hi_m, end_m):",
-    ]
+    assert [line.strip() for line in dkdv.splitlines() if "for i in range(" in line] == [
+        "for i in range(first_m, lo_m):", "for i in range(lo_m, hi_m):", "for i in range(hi_m, end_m):"]
     first, interior, last = _loops(dkdv, "i")
     assert "visible =" in first and "visible =" in last and "visible =" not in interior
     dq = kernel_source(text, "fmha_bwd_dq_")
@@ -84,9 +70,7 @@ def test_plain_causal_backward_runs_interior_tiles_without_a_mask():
     assert "visible =" not in interior and "visible =" in edge
 
 
-@pytest.mark.parametrize(
-    "spec", ["specs/fmha_train_gemma2.yaml", "bench/train/fmha_train_d256.yaml"]
-)
+@pytest.mark.parametrize("spec", ["specs/fmha_train_gemma2.yaml", "bench/train/fmha_train_d256.yaml"])
 def test_no_dkdv_split_for_masked_or_wide_heads(spec):
     """Windows/soft-cap keep one masked loop; a padded-256 head keeps one dK/dV loop
     (three were slower there) but its dQ still splits."""
@@ -112,15 +96,10 @@ def _bounds(source: str, names: set, **values) -> dict:
             isinstance(t, ast.Name) and t.id in names for t in stmt.targets
         ):
             keep.append(stmt)
-        elif (
-            isinstance(stmt, ast.If)
-            and all(
-                isinstance(s, ast.Assign)
-                and all(isinstance(t, ast.Name) and t.id in names for t in s.targets)
-                for s in stmt.body
-            )
-            and not stmt.orelse
-        ):
+        elif isinstance(stmt, ast.If) and all(
+            isinstance(s, ast.Assign) and all(isinstance(t, ast.Name) and t.id in names for t in s.targets)
+            for s in stmt.body
+        ) and not stmt.orelse:
             keep.append(stmt)
     scope = {"ct": _Ct, "min": min, "max": max, **values}
     exec(compile(ast.Module(body=keep, type_ignores=[]), "<bounds>", "exec"), scope)
@@ -131,11 +110,7 @@ def _visible(row, key, seq_q, seq_k, q_offset):
     return row < q_offset + seq_q and key < seq_k and key <= row
 
 
-CASES = list(
-    itertools.product(
-        [1, 63, 64, 130, 257], [1, 64, 100, 256, 300], [0, 5, 64, -3, 200]
-    )
-)
+CASES = list(itertools.product([1, 63, 64, 130, 257], [1, 64, 100, 256, 300], [0, 5, 64, -3, 200]))
 
 
 @pytest.mark.parametrize("seq_q,seq_k,q_offset", CASES)
@@ -148,28 +123,13 @@ def test_causal_loop_split_bounds_classify_every_tile(seq_q, seq_k, q_offset):
     dq = kernel_source(text, "fmha_bwd_dq_")
     TM, TN = 64, 64
     for kv_tile in range(math.ceil(seq_k / TN)):
-        b = _bounds(
-            dkdv,
-            {"first_m", "end_m", "lo_m", "hi_m"},
-            kv_tile=kv_tile,
-            TILE_M=TM,
-            TILE_N=TN,
-            seq_q=seq_q,
-            seq_k=seq_k,
-            q_offset=q_offset,
-        )
+        b = _bounds(dkdv, {"first_m", "end_m", "lo_m", "hi_m"}, kv_tile=kv_tile, TILE_M=TM, TILE_N=TN,
+                    seq_q=seq_q, seq_k=seq_k, q_offset=q_offset)
         masked = [*range(b["first_m"], b["lo_m"]), *range(b["hi_m"], b["end_m"])]
         interior = list(range(b["lo_m"], b["hi_m"]))
-        assert len(set(masked + interior)) == len(masked + interior), (
-            kv_tile,
-            b,
-        )  # once each
+        assert len(set(masked + interior)) == len(masked + interior), (kv_tile, b)  # once each
         for i in range(math.ceil(seq_q / TM)):
-            pairs = [
-                (q_offset + i * TM + r, kv_tile * TN + c)
-                for r in range(TM)
-                for c in range(TN)
-            ]
+            pairs = [(q_offset + i * TM + r, kv_tile * TN + c) for r in range(TM) for c in range(TN)]
             seen = [_visible(row, key, seq_q, seq_k, q_offset) for row, key in pairs]
             if i in interior:
                 assert all(seen), (kv_tile, i)
@@ -177,25 +137,11 @@ def test_causal_loop_split_bounds_classify_every_tile(seq_q, seq_k, q_offset):
                 assert i in masked or i in interior, (kv_tile, i)
     TM, TN = 128, 64
     for tile in range(math.ceil(seq_q / TM)):
-        b = _bounds(
-            dq,
-            {"end_row", "num_n", "hi_n"},
-            tile=tile,
-            TILE_M=TM,
-            TILE_N=TN,
-            seq_q=seq_q,
-            seq_k=seq_k,
-            q_offset=q_offset,
-        )
-        assert (
-            0 <= b["hi_n"] <= max(b["num_n"], 0)
-        )  # range(0, hi_n), then range(hi_n, num_n)
+        b = _bounds(dq, {"end_row", "num_n", "hi_n"}, tile=tile, TILE_M=TM, TILE_N=TN,
+                    seq_q=seq_q, seq_k=seq_k, q_offset=q_offset)
+        assert 0 <= b["hi_n"] <= max(b["num_n"], 0)  # range(0, hi_n), then range(hi_n, num_n)
         for j in range(math.ceil(seq_k / TN)):
-            pairs = [
-                (q_offset + tile * TM + r, j * TN + c)
-                for r in range(TM)
-                for c in range(TN)
-            ]
+            pairs = [(q_offset + tile * TM + r, j * TN + c) for r in range(TM) for c in range(TN)]
             seen = [_visible(row, key, seq_q, seq_k, q_offset) for row, key in pairs]
             if j < b["hi_n"]:
                 assert all(seen), (tile, j)

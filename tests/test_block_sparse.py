@@ -14,13 +14,8 @@ from specgen.spec.hooks import block_quotients, compile_hook, tile_pretest
 
 from .helpers import kernel_source
 
-DOC = {
-    "name": "doc",
-    "causal": True,
-    "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-    "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-    "block_sparse": True,
-}
+DOC = {"name": "doc", "causal": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+       "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True}
 
 
 def _errors(data):
@@ -29,59 +24,26 @@ def _errors(data):
     return info.value.lines()
 
 
-@pytest.mark.parametrize(
-    "overrides,field,words",
-    [
-        ({"mask_mod": None, "tensors": {}}, "block_sparse", "needs a mask_mod"),
-        (
-            {"skip_masked_tiles": True},
-            "skip_masked_tiles",
-            "cannot be combined with block_sparse",
-        ),
-        (
-            {"targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}}},
-            "targets.default.persistent",
-            "one CTA per query tile",
-        ),
-    ],
-)
+@pytest.mark.parametrize("overrides,field,words", [
+    ({"mask_mod": None, "tensors": {}}, "block_sparse", "needs a mask_mod"),
+    ({"skip_masked_tiles": True}, "skip_masked_tiles", "cannot be combined with block_sparse"),
+    ({"targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}}},
+     "targets.default.persistent", "one CTA per query tile"),
+])
 def test_bad_block_sparse_specs_name_the_field(overrides, field, words):
     lines = _errors({**DOC, **overrides})
-    assert (
-        len(lines) == 1
-        and lines[0].startswith(f"specs/bad.yaml: {field}: ")
-        and words in lines[0]
-    )
+    assert len(lines) == 1 and lines[0].startswith(f"specs/bad.yaml: {field}: ") and words in lines[0]
 
 
-@pytest.mark.parametrize(
-    "overrides,field,words",
-    [
-        ({}, "block_sparse", "needs a mask_mod"),
-        (
-            {
-                "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_q"]}},
-                "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-            },
-            "tensors.doc.shape[1]",
-            "family decode has no seq_q",
-        ),
-        (
-            {"mask_mod": "kv_idx > 3", "score_mod": "score * 2.0"},
-            "score_mod",
-            "a prefill field",
-        ),
-    ],
-)
+@pytest.mark.parametrize("overrides,field,words", [
+    ({}, "block_sparse", "needs a mask_mod"),
+    ({"tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_q"]}},
+      "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"}, "tensors.doc.shape[1]", "family decode has no seq_q"),
+    ({"mask_mod": "kv_idx > 3", "score_mod": "score * 2.0"}, "score_mod", "a prefill field"),
+])
 def test_bad_decode_block_sparse_specs_name_the_field(overrides, field, words):
-    lines = _errors(
-        {"name": "d", "family": "decode", "block_sparse": True, **overrides}
-    )
-    assert (
-        len(lines) == 1
-        and lines[0].startswith(f"specs/bad.yaml: {field}: ")
-        and words in lines[0]
-    ), lines
+    lines = _errors({"name": "d", "family": "decode", "block_sparse": True, **overrides})
+    assert len(lines) == 1 and lines[0].startswith(f"specs/bad.yaml: {field}: ") and words in lines[0], lines
 
 
 class _Ct:
@@ -112,45 +74,27 @@ def test_bound_test_never_rejects_a_tile_with_a_visible_pair(mask, dims, per_til
     tensors = {n: ("int32", d) for n, d in dims.items()}
     hook = compile_hook(mask, "mask_mod", tensors)
     shape = {"kv_idx": "(CHUNK, TILE_N)", "q_idx": "(CHUNK, TILE_M)"}.get(per_tile)
-    test = tile_pretest(
-        mask, tensors, hook.gathers, per_tile=per_tile and (per_tile, shape)
-    )
+    test = tile_pretest(mask, tensors, hook.gathers, per_tile=per_tile and (per_tile, shape))
     assert test is not None
     rng = random.Random(7)
     rejected = 0
     for trial in range(300):
-        doc = np.cumsum(
-            np.array([rng.random() < 0.05 for _ in range(400)], dtype=np.int32)
-        )
+        doc = np.cumsum(np.array([rng.random() < 0.05 for _ in range(400)], dtype=np.int32))
         pre = np.array([rng.randrange(0, 400)], dtype=np.int32)
         r0, k0 = rng.randrange(0, 336), rng.randrange(0, 336)
         rows = np.arange(r0, r0 + 64)[:, None]
         keys = np.arange(k0, k0 + 64)[None, :]
-        env = {
-            "rows": rows,
-            "keys": keys,
-            "batch": 0,
-            "head": 0,
-            "ct": _Ct,
-            "np": np,
-            "CHUNK": 4,
-            "TILE_M": 16,
-            "TILE_N": 16,
-        }
+        env = {"rows": rows, "keys": keys, "batch": 0, "head": 0, "ct": _Ct, "np": np,
+               "CHUNK": 4, "TILE_M": 16, "TILE_N": 16}
         for g in hook.gathers + test.gathers:  # every operand, as the kernel gathers it
             table = {"doc": doc[None, :], "pre": pre}[g.tensor]
             index = tuple(eval(i, {}, env) for i in g.indices)
             env[g.local] = table[index]
-        visible = np.broadcast_to(
-            eval(hook.kernel.replace("ct.where", "np.where"), {}, env), (64, 64)
-        )
+        visible = np.broadcast_to(eval(hook.kernel.replace("ct.where", "np.where"), {}, env), (64, 64))
         may = np.broadcast_to(eval(test.expr, {}, env), (4,) if per_tile else ())
         # the pairs of each tile the test answers for: [tile, pairs]
-        tiles = {
-            None: visible.reshape(1, -1),
-            "q_idx": visible.reshape(4, -1),
-            "kv_idx": visible.reshape(64, 4, 16).transpose(1, 0, 2).reshape(4, -1),
-        }[per_tile]
+        tiles = {None: visible.reshape(1, -1), "q_idx": visible.reshape(4, -1),
+                 "kv_idx": visible.reshape(64, 4, 16).transpose(1, 0, 2).reshape(4, -1)}[per_tile]
         assert (may.reshape(-1) | ~tiles.any(axis=1)).all(), (mask, trial)
         rejected += (~may).sum()
     assert rejected > 0
@@ -164,18 +108,11 @@ def test_map_span_renames_the_step_positions_and_their_operands():
     tensors = {"doc": ("int32", 2)}
     hook = compile_hook(DOC["mask_mod"], "mask_mod", tensors)
     span = _map_span(DOC["mask_mod"], tensors, hook, "keys", rename=True)
-    assert [(g.local, g.indices) for g in span.gathers] == [
-        ("span_doc_1", ("batch", "span_keys"))
-    ]
-    assert (
-        "ct.reshape(span_doc_1, (CHUNK, TILE_N))" in span.expr
-        and "ct.min(doc_0)" in span.expr
-    )
+    assert [(g.local, g.indices) for g in span.gathers] == [("span_doc_1", ("batch", "span_keys"))]
+    assert "ct.reshape(span_doc_1, (CHUNK, TILE_N))" in span.expr and "ct.min(doc_0)" in span.expr
     assert "doc_1" not in span.expr.replace("span_doc_1", "")
     by_keys = _map_span(DOC["mask_mod"], tensors, hook, "rows", rename=True)
-    assert [(g.local, g.indices) for g in by_keys.gathers] == [
-        ("span_doc_0", ("batch", "span_rows"))
-    ]
+    assert [(g.local, g.indices) for g in by_keys.gathers] == [("span_doc_0", ("batch", "span_rows"))]
     plain = _map_span(DOC["mask_mod"], tensors, hook, "keys", rename=False)
     assert plain.gathers == () and "ct.reshape(doc_1, (CHUNK, TILE_N))" in plain.expr
 
@@ -184,60 +121,33 @@ def test_block_quotients_find_masks_constant_on_blocks():
     assert block_quotients("blocks[b, q_idx // 128, kv_idx // 128] != 0") == (128, 128)
     assert block_quotients("q_idx // 128 + q_idx // 64 > kv_idx // 96") == (64, 96)
     assert block_quotients("(f[b, kv_idx // 64] > 0) & (h > 2)") == (None, 64)
-    for mask in (
-        "doc[b, q_idx] == doc[b, kv_idx]",
-        "(q_idx + 1) // 128 == kv_idx // 128",
-        "q_idx // 128 >= kv_idx",
-        "q_idx // 0 == 1",
-    ):
+    for mask in ("doc[b, q_idx] == doc[b, kv_idx]", "(q_idx + 1) // 128 == kv_idx // 128",
+                 "q_idx // 128 >= kv_idx", "q_idx // 0 == 1"):
         assert block_quotients(mask) is None, mask
     # The map kernel evaluates such masks per block only where no causal or window
     # term reads the positions, and the blocks are powers of two.
-    blocks = {
-        "tensors": {"f": {"dtype": "int32", "shape": ["batch", 8, 8]}},
-        "causal": False,
-        "mask_mod": "f[b, q_idx // 128, kv_idx // 256] != 0",
-    }
+    blocks = {"tensors": {"f": {"dtype": "int32", "shape": ["batch", 8, 8]}}, "causal": False,
+              "mask_mod": "f[b, q_idx // 128, kv_idx // 256] != 0"}
     assert make_plan(validate_spec({**DOC, **blocks})).map_blocks == (128, 256)
-    assert (
-        make_plan(validate_spec({**DOC, **blocks, "causal": True})).map_blocks is None
-    )
+    assert make_plan(validate_spec({**DOC, **blocks, "causal": True})).map_blocks is None
     chunks = {**blocks, "tensors": {}, "mask_mod": "q_idx // 96 == kv_idx // 96"}
     assert make_plan(validate_spec({**DOC, **chunks})).map_blocks is None
     assert make_plan(validate_spec(DOC)).map_blocks is None
 
 
 def test_dense_and_sparse_renders():
-    dense = render(
-        make_plan(validate_spec({**DOC, "block_sparse": False})), "specs/doc.yaml"
-    ).text
+    dense = render(make_plan(validate_spec({**DOC, "block_sparse": False})), "specs/doc.yaml").text
     sparse = render(make_plan(validate_spec(DOC)), "specs/doc.yaml").text
     assert "make_block_map" not in dense and "MapIdx" not in dense
-    for text in (
-        "def make_block_map(",
-        "class BlockMap",
-        "def fmha_block_map_causal",
-        "block_map=None",
-        "(ct.max(ct.reshape(doc_1, (CHUNK, TILE_N)), axis=1))",
-        "for j in range(first, last, CHUNK):",
-        "MAP_STEP_PAIRS = 32768",
-    ):
+    for text in ("def make_block_map(", "class BlockMap", "def fmha_block_map_causal", "block_map=None",
+                 "(ct.max(ct.reshape(doc_1, (CHUNK, TILE_N)), axis=1))",
+                 "for j in range(first, last, CHUNK):", "MAP_STEP_PAIRS = 32768"):
         assert text in sparse
     # A mask of positions alone: the steps test CHUNK tiles, then walk those that pass.
-    chunks = render(
-        make_plan(
-            validate_spec(
-                {**DOC, "tensors": {}, "mask_mod": "q_idx // 300 == kv_idx // 300"}
-            )
-        ),
-        "specs/doc.yaml",
-    ).text
-    for text in (
-        "MAP_SPAN = 2048",
-        "for j0 in range(first, last, CHUNK):",
-        "while j < last:",
-        "ct.reshape((span_keys // 300), (CHUNK, TILE_N))",
-    ):
+    chunks = render(make_plan(validate_spec({**DOC, "tensors": {}, "mask_mod": "q_idx // 300 == kv_idx // 300"})),
+                    "specs/doc.yaml").text
+    for text in ("MAP_SPAN = 2048", "for j0 in range(first, last, CHUNK):", "while j < last:",
+                 "ct.reshape((span_keys // 300), (CHUNK, TILE_N))"):
         assert text in chunks
     # Deterministic: the same spec renders byte-identically.
     assert render(make_plan(validate_spec(DOC)), "specs/doc.yaml").text == sparse
@@ -247,53 +157,30 @@ def test_sparse_backward_masks_partial_tiles_only():
     """The dK/dV and dQ kernels walk a map row in two loops: its partial tiles with
     the mask_mod, its full ones with no mask (only rows past seq_q zeroed) and
     without reading the mask_mod's operands."""
-    text = render(
-        make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml"
-    ).text
+    text = render(make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml").text
     for prefix, index in (("fmha_bwd_dkdv_", "kv_tile"), ("fmha_bwd_dq_", "tile")):
         kernel = kernel_source(text, prefix)
-        partial, _, full = kernel.partition(
-            "for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):"
-        )
+        partial, _, full = kernel.partition("for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):")
         assert full, prefix
-        assert (
-            "for e in range(0, num_partial):" in partial and "doc_0 == doc_1" in partial
-        )
+        assert "for e in range(0, num_partial):" in partial and "doc_0 == doc_1" in partial
         assert "doc_0 == doc_1" not in full and "ct.gather(Doc" not in full
         assert "visible = rows < q_offset + seq_q" in full
-        assert (
-            f"j = ct.load(MapIdx, (batch, 0, {index}, e), shape=())" in full
-            or f"i = ct.load(MapIdx, (batch, 0, {index}, e), shape=())" in full
-        )
+        assert f"j = ct.load(MapIdx, (batch, 0, {index}, e), shape=())" in full or \
+            f"i = ct.load(MapIdx, (batch, 0, {index}, e), shape=())" in full
     # A score_mod still applies on full tiles, with the operands it reads.
-    alibi = render(
-        make_plan(
-            validate_spec(
-                {
-                    **DOC,
-                    "backward": True,
-                    "score_mod": "score - slope[h] * (q_idx - kv_idx)",
-                    "tensors": {
-                        **DOC["tensors"],
-                        "slope": {"dtype": "float32", "shape": ["heads"]},
-                    },
-                }
-            )
-        ),
-        "specs/doc.yaml",
-    ).text
+    alibi = render(make_plan(validate_spec({
+        **DOC, "backward": True, "score_mod": "score - slope[h] * (q_idx - kv_idx)",
+        "tensors": {**DOC["tensors"], "slope": {"dtype": "float32", "shape": ["heads"]}}})),
+        "specs/doc.yaml").text
     full = kernel_source(alibi, "fmha_bwd_dq_").partition(
-        "for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):"
-    )[2]
+        "for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):")[2]
     assert "slope" in full and "doc_0 == doc_1" not in full
 
 
 def test_backward_delta_is_the_diagonal_of_the_dp_mma():
     """D = rowsum(dO O) comes from an MMA (dO O^T), as dP = dO V^T does, so a row
     with one visible key gets dP - D = 0 exactly."""
-    text = render(
-        make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml"
-    ).text
+    text = render(make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml").text
     delta = kernel_source(text, "fmha_bwd_delta_")
     assert "ct.mma(" in delta and "ct.permute(o, (1, 0))" in delta
     assert "ct.sum(o.astype(ct.float32) * do.astype(ct.float32)" not in delta
@@ -337,9 +224,7 @@ class _Tiles:
 
     @staticmethod
     def arange(size, dtype):
-        assert (
-            size > 0 and size & (size - 1) == 0
-        ), f"arange({size}): not a power of two"
+        assert size > 0 and size & (size - 1) == 0, f"arange({size}): not a power of two"
         return np.arange(size, dtype=dtype)
 
     @staticmethod
@@ -357,18 +242,14 @@ class _Tiles:
 
     def scatter(self, array, indices, value, mask=None):
         indices, inside = self._indices(array, indices, mask)
-        array[tuple(i[inside] for i in indices)] = np.broadcast_to(value, inside.shape)[
-            inside
-        ]
+        array[tuple(i[inside] for i in indices)] = np.broadcast_to(value, inside.shape)[inside]
 
     @staticmethod
     def cdiv(a, b):
         return -(-a // b)
 
     min, max, sum = (staticmethod(f) for f in (np.min, np.max, np.sum))
-    minimum, maximum, where, reshape = (
-        staticmethod(f) for f in (np.minimum, np.maximum, np.where, np.reshape)
-    )
+    minimum, maximum, where, reshape = (staticmethod(f) for f in (np.minimum, np.maximum, np.where, np.reshape))
 
     @staticmethod
     def cumsum(x, axis=0):
@@ -383,36 +264,20 @@ class _Tiles:
         return np.asarray(x).astype(dtype)
 
 
-def _run_map(
-    module,
-    tensors,
-    batch,
-    map_heads,
-    seq_q,
-    seq_k,
-    q_offset,
-    tile_m,
-    tile_n,
-    by_keys,
-    constants=None,
-):
+def _run_map(module, tensors, batch, map_heads, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys,
+             constants=None):
     """(counts, indices) of module's map kernel run CTA by CTA on the CPU;
     ``constants``: module constants to run it with instead (smaller steps)."""
     import types
 
-    kernel = next(
-        getattr(module, n) for n in dir(module) if n.startswith("fmha_block_map_")
-    )._pyfunc
+    kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_block_map_"))._pyfunc
     outer = -(-seq_k // tile_n) if by_keys else -(-seq_q // tile_m)
     inner = -(-seq_q // tile_m) if by_keys else -(-seq_k // tile_n)
     counts = np.full((batch, map_heads, outer, 3), -2, dtype=np.int32)
     indices = np.full((batch, map_heads, outer, max(inner, 1)), -1, dtype=np.int32)
     tiles = _Tiles((outer, batch * map_heads, 1))
-    run = types.FunctionType(
-        kernel.__code__,
-        {**kernel.__globals__, **(constants or {}), "ct": tiles},
-        kernel.__name__,
-    )
+    run = types.FunctionType(kernel.__code__, {**kernel.__globals__, **(constants or {}), "ct": tiles},
+                             kernel.__name__)
     for block in itertools.product(range(outer), range(batch * map_heads)):
         tiles.block = (*block, 0)
         run(counts, indices, *tensors, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys)
@@ -426,14 +291,10 @@ def _tile_states(mask, tile_m, tile_n, by_keys):
     padded = np.zeros((batch, heads, tq * tile_m, tk * tile_n), dtype=np.int8)
     padded[:, :, seq_q:, :seq_k] = -1  # rows past seq_q: neither visible nor hidden
     padded[:, :, :seq_q, :seq_k] = mask
-    tiles = padded.reshape(batch, heads, tq, tile_m, tk, tile_n).transpose(
-        0, 1, 2, 4, 3, 5
-    )
+    tiles = padded.reshape(batch, heads, tq, tile_m, tk, tile_n).transpose(0, 1, 2, 4, 3, 5)
     tiles = tiles.reshape(batch, heads, tq, tk, tile_m * tile_n)
     real = tiles >= 0
-    states = np.where(
-        ((tiles == 1) | ~real).all(-1), 2, np.where(((tiles == 1) & real).any(-1), 1, 0)
-    )
+    states = np.where(((tiles == 1) | ~real).all(-1), 2, np.where(((tiles == 1) & real).any(-1), 1, 0))
     return states.transpose(0, 1, 3, 2) if by_keys else states
 
 
@@ -446,10 +307,8 @@ def _map_states(counts, indices, inner):
     for b, h, o in itertools.product(*map(range, counts.shape[:3])):
         partial, full, run = counts[b, h, o]
         listed_partial = indices[b, h, o, :partial].tolist()
-        listed_full = indices[b, h, o, capacity - full :].tolist()
-        assert listed_partial == sorted(listed_partial) and listed_full == sorted(
-            listed_full, reverse=True
-        )
+        listed_full = indices[b, h, o, capacity - full:].tolist()
+        assert listed_partial == sorted(listed_partial) and listed_full == sorted(listed_full, reverse=True)
         assert len(set(listed_partial + listed_full)) == partial + full <= capacity
         assert run == expected_full_run(listed_full), (listed_full, run)
         states[b, h, o, listed_partial] = 1
@@ -473,15 +332,9 @@ def _pairs(spec, tensors, batch, heads, seq_q, seq_k, q_offset):
         vis &= keys >= rows - window["left"]
     if window.get("right") is not None and not spec["causal"]:
         vis &= keys <= rows + window["right"]
-    env = {
-        "b": torch.arange(batch)[:, None, None, None],
-        "h": torch.arange(heads)[None, :, None, None],
-        "q_idx": rows[None, None],
-        "kv_idx": keys[None, None],
-    }
-    mask = evaluate(
-        spec["mask_mod"], env, {n: torch.from_numpy(t) for n, t in tensors.items()}
-    )
+    env = {"b": torch.arange(batch)[:, None, None, None], "h": torch.arange(heads)[None, :, None, None],
+           "q_idx": rows[None, None], "kv_idx": keys[None, None]}
+    mask = evaluate(spec["mask_mod"], env, {n: torch.from_numpy(t) for n, t in tensors.items()})
     return (vis[None, None] & mask.expand(batch, heads, seq_q, seq_k)).numpy()
 
 
@@ -489,10 +342,8 @@ def _hook_tensors(spec, batch, heads, seq_k, rng):
     """Document ids (runs of random length), 0/1 block flags, prefix lengths."""
     made = {}
     for name, decl in spec["tensors"].items():
-        shape = tuple(
-            {"batch": batch, "heads": heads, "seq_k": seq_k, "seq_q": seq_k}.get(d, d)
-            for d in decl["shape"]
-        )
+        shape = tuple({"batch": batch, "heads": heads, "seq_k": seq_k, "seq_q": seq_k}.get(d, d)
+                      for d in decl["shape"])
         last = decl["shape"][-1]
         if isinstance(last, int):
             made[name] = (rng.random(shape) < 0.3).astype(np.int32)
@@ -503,42 +354,21 @@ def _hook_tensors(spec, batch, heads, seq_k, rng):
     return made
 
 
-MAP_SPECS = [
-    "fmha_document_mask",
-    "fmha_chunked_local",
-    "fmha_prefix_lm",
-    "fmha_window_document",
-    "fmha_block_pattern",
-    "fmha_train_document",
-]
+MAP_SPECS = ["fmha_document_mask", "fmha_chunked_local", "fmha_prefix_lm", "fmha_window_document",
+             "fmha_block_pattern", "fmha_train_document"]
 MAP_VARIANTS = {  # masks the shipped specs do not cover: other blocks, windows, heads
-    "blocks_64x256": {
-        "causal": False,
-        "tensors": {"f": {"dtype": "int32", "shape": ["batch", 32, 8]}},
-        "mask_mod": "f[b, q_idx // 64, kv_idx // 256] != 0",
-    },
-    "key_blocks_only": {
-        "causal": False,
-        "tensors": {"f": {"dtype": "int32", "shape": ["batch", 16]}},
-        "mask_mod": "(f[b, kv_idx // 128] != 0) & (h != 1)",
-    },
+    "blocks_64x256": {"causal": False, "tensors": {"f": {"dtype": "int32", "shape": ["batch", 32, 8]}},
+                      "mask_mod": "f[b, q_idx // 64, kv_idx // 256] != 0"},
+    "key_blocks_only": {"causal": False, "tensors": {"f": {"dtype": "int32", "shape": ["batch", 16]}},
+                        "mask_mod": "(f[b, kv_idx // 128] != 0) & (h != 1)"},
     "chunk_300": {"causal": True, "mask_mod": "q_idx // 300 == kv_idx // 300"},
-    "window_doc_bwd": {
-        "causal": True,
-        "window": {"left": 200},
-        "backward": True,
-        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-    },
+    "window_doc_bwd": {"causal": True, "window": {"left": 200}, "backward": True,
+                       "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                       "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
 }
 # Steps of two to four tiles, so that rows cross many step boundaries.
 SMALL_STEPS = {"MAP_SPAN": 256, "MAP_STEP_PAIRS": 16384, "MAP_STEP_BLOCKS": 16}
-MAP_SHAPES = [
-    (2, 4, 1000, 1000, 0),
-    (1, 4, 300, 1100, 800),
-    (1, 4, 517, 300, -217),
-    (1, 4, 700, 2100, 1400),
-]
+MAP_SHAPES = [(2, 4, 1000, 1000, 0), (1, 4, 300, 1100, 800), (1, 4, 517, 300, -217), (1, 4, 700, 2100, 1400)]
 
 
 def _map_module(name):
@@ -548,19 +378,10 @@ def _map_module(name):
         return generated_module(name)
     from specgen.compile.export import load_module_from_source
 
-    spec = {
-        "name": f"map_{name}",
-        "dtype": "bfloat16",
-        "head_dim": 64,
-        "gqa_ratio": 1,
-        "block_sparse": True,
-        **MAP_VARIANTS[name],
-    }
-    return load_module_from_source(
-        f"map_{name}",
-        render(make_plan(validate_spec(spec)), "specs/x.yaml").text,
-        f"<map_{name}>",
-    )
+    spec = {"name": f"map_{name}", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 1,
+            "block_sparse": True, **MAP_VARIANTS[name]}
+    return load_module_from_source(f"map_{name}", render(make_plan(validate_spec(spec)), "specs/x.yaml").text,
+                                   f"<map_{name}>")
 
 
 @pytest.mark.parametrize("name", MAP_SPECS + list(MAP_VARIANTS))
@@ -573,44 +394,18 @@ def test_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
     rng = np.random.default_rng(len(name))
     for batch, heads, seq_q, seq_k, q_offset in MAP_SHAPES:
         tensors = _hook_tensors(spec, batch, heads, seq_k, rng)
-        map_heads = (
-            heads
-            if "h"
-            in compile_hook(
-                spec["mask_mod"],
-                "mask_mod",
-                {n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()},
-            ).uses
-            else 1
-        )
+        map_heads = heads if "h" in compile_hook(spec["mask_mod"], "mask_mod", {
+            n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()}).uses else 1
         pairs = _pairs(spec, tensors, batch, map_heads, seq_q, seq_k, q_offset)
         args = [tensors[n] for n in spec["tensors"]]
         for (tile_m, tile_n), by_keys, constants in itertools.product(
-            [(64, 128), (128, 128), (64, 64)], (False, True), (None, SMALL_STEPS)
-        ):
+                [(64, 128), (128, 128), (64, 64)], (False, True), (None, SMALL_STEPS)):
             want = _tile_states(pairs, tile_m, tile_n, by_keys)
-            counts, indices = _run_map(
-                module,
-                args,
-                batch,
-                map_heads,
-                seq_q,
-                seq_k,
-                q_offset,
-                tile_m,
-                tile_n,
-                by_keys,
-                constants,
-            )
+            counts, indices = _run_map(module, args, batch, map_heads, seq_q, seq_k, q_offset,
+                                       tile_m, tile_n, by_keys, constants)
             got = _map_states(counts, indices, want.shape[3])
-            assert (got == want).all(), (
-                name,
-                (batch, heads, seq_q, seq_k, q_offset),
-                tile_m,
-                tile_n,
-                by_keys,
-                constants,
-            )
+            assert (got == want).all(), (name, (batch, heads, seq_q, seq_k, q_offset), tile_m, tile_n, by_keys,
+                                         constants)
 
 
 def test_training_block_map_is_checked_before_the_op():
@@ -626,21 +421,10 @@ def test_training_block_map_is_checked_before_the_op():
     doc = torch.zeros(1, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_map must be a BlockMap"):
         mod.attention(q, k, k, doc=doc, block_map="map")
-    forward_only = mod.BlockMap(
-        torch.zeros(1, 1, 1, 2, dtype=torch.int32),
-        torch.zeros(1, 1, 1, 1, dtype=torch.int32),
-        1,
-        1,
-        8,
-        8,
-        0,
-        (64, 128),
-        torch.device("cuda", 0),
-    )
+    forward_only = mod.BlockMap(torch.zeros(1, 1, 1, 2, dtype=torch.int32), torch.zeros(1, 1, 1, 1, dtype=torch.int32),
+                                1, 1, 8, 8, 0, (64, 128), torch.device("cuda", 0))
     assert forward_only.grads == ()
-    with pytest.raises(
-        ValueError, match="no backward maps, and gradients are required"
-    ):
+    with pytest.raises(ValueError, match="no backward maps, and gradients are required"):
         mod.attention(q, k, k, doc=doc, block_map=forward_only)
 
 
@@ -661,34 +445,18 @@ def test_block_map_check_refuses_lists_of_other_shapes():
     def rows(n, t):
         return -(-n // t)
 
-    counts, indices = ints(batch, 1, rows(seq_q, 64), 3), ints(
-        batch, 1, rows(seq_q, 64), rows(seq_k, 128)
-    )
-    grads = (
-        ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), 3),
-        ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), rows(seq_k, mod.BWD_DQ_TILE_N)),
-        ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), 3),
-        ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), rows(seq_q, mod.BWD_TILE_M)),
-    )
+    counts, indices = ints(batch, 1, rows(seq_q, 64), 3), ints(batch, 1, rows(seq_q, 64), rows(seq_k, 128))
+    grads = (ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), 3),
+             ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), rows(seq_k, mod.BWD_DQ_TILE_N)),
+             ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), 3),
+             ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), rows(seq_q, mod.BWD_TILE_M)))
 
     def made(**changes):
-        fields = dict(
-            counts=counts,
-            indices=indices,
-            batch=batch,
-            num_heads=1,
-            seq_q=seq_q,
-            seq_k=seq_k,
-            q_offset=0,
-            tile=tile,
-            device=cpu,
-            grads=grads,
-        )
+        fields = dict(counts=counts, indices=indices, batch=batch, num_heads=1, seq_q=seq_q, seq_k=seq_k,
+                      q_offset=0, tile=tile, device=cpu, grads=grads)
         return mod.BlockMap(**{**fields, **changes})
 
-    made().check(
-        batch, 8, seq_q, seq_k, 0, tile, cpu
-    )  # the shapes make_block_map gives
+    made().check(batch, 8, seq_q, seq_k, 0, tile, cpu)  # the shapes make_block_map gives
     made(grads=()).check(batch, 8, seq_q, seq_k, 0, tile, cpu)
     for changes, field in [
         (dict(counts=ints(batch, 1, rows(seq_q, 64), 2)), "block_map.counts"),
@@ -715,16 +483,10 @@ def test_maps_as_built_pass_their_check(name, monkeypatch):
     monkeypatch.setattr(mod.ct, "launch", lambda *args: None)
     cpu = torch.device("cpu")
     extra = {"backward": True} if mod.SPEC["backward"] else {}
-    for batch, heads, seq_q, seq_k, q_offset, tile in [
-        (2, 8, 300, 700, 400, (64, 128)),
-        (1, 4, 129, 129, 0, (128, 128)),
-    ]:
-        tensors = dict.fromkeys(
-            mod.SPEC["tensors"]
-        )  # read only by the stubbed launches
-        block_map = mod._block_map(
-            tensors, batch, heads, seq_q, seq_k, q_offset, cpu, tile, **extra
-        )
+    for batch, heads, seq_q, seq_k, q_offset, tile in [(2, 8, 300, 700, 400, (64, 128)),
+                                                      (1, 4, 129, 129, 0, (128, 128))]:
+        tensors = dict.fromkeys(mod.SPEC["tensors"])  # read only by the stubbed launches
+        block_map = mod._block_map(tensors, batch, heads, seq_q, seq_k, q_offset, cpu, tile, **extra)
         block_map.check(batch, heads, seq_q, seq_k, q_offset, tile, cpu)
         assert len(getattr(block_map, "grads", ())) == (4 if extra else 0)
 
@@ -732,44 +494,23 @@ def test_maps_as_built_pass_their_check(name, monkeypatch):
 # --- decode: the map kernel of a decode spec, on the CPU ------------------------
 
 DECODE_MAPS = {  # mask, tensors, other fields
-    "doc": {
-        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-    },
-    "chunk_300_window": {
-        "mask_mod": "q_idx // 300 == kv_idx // 300",
-        "window": {"left": 500},
-    },
-    "per_head_limit": {
-        "tensors": {"lim": {"dtype": "int32", "shape": ["heads"]}},
-        "mask_mod": "kv_idx >= lim[h]",
-    },
-    "scattered_blocks": {
-        "tensors": {"f": {"dtype": "int32", "shape": ["batch", 64]}},
-        "mask_mod": "f[b, kv_idx // 64] != 0",
-    },
+    "doc": {"tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+            "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+    "chunk_300_window": {"mask_mod": "q_idx // 300 == kv_idx // 300", "window": {"left": 500}},
+    "per_head_limit": {"tensors": {"lim": {"dtype": "int32", "shape": ["heads"]}}, "mask_mod": "kv_idx >= lim[h]"},
+    "scattered_blocks": {"tensors": {"f": {"dtype": "int32", "shape": ["batch", 64]}},
+                         "mask_mod": "f[b, kv_idx // 64] != 0"},
 }
 
 
 def _decode_map_module(name, gqa, max_q_len, tile_n):
     from specgen.compile.export import load_module_from_source
 
-    spec = {
-        "name": f"dmap_{name}",
-        "family": "decode",
-        "dtype": "bfloat16",
-        "head_dim": 64,
-        "gqa_ratio": gqa,
-        "max_q_len": max_q_len,
-        "block_sparse": True,
-        **DECODE_MAPS[name],
-        "targets": {"default": {"tile_m": 16, "tile_n": tile_n}},
-    }
-    return load_module_from_source(
-        f"dmap_{name}",
-        render(make_plan(validate_spec(spec)), "specs/x.yaml").text,
-        f"<dmap_{name}>",
-    )
+    spec = {"name": f"dmap_{name}", "family": "decode", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": gqa,
+            "max_q_len": max_q_len, "block_sparse": True, **DECODE_MAPS[name],
+            "targets": {"default": {"tile_m": 16, "tile_n": tile_n}}}
+    return load_module_from_source(f"dmap_{name}", render(make_plan(validate_spec(spec)), "specs/x.yaml").text,
+                                   f"<dmap_{name}>")
 
 
 def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
@@ -781,11 +522,8 @@ def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
     from specgen.spec.hooks import evaluate
 
     spec, group = module.SPEC, module.GROUP_SIZE
-    uses = compile_hook(
-        spec["mask_mod"],
-        "mask_mod",
-        {n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()},
-    ).uses
+    uses = compile_hook(spec["mask_mod"], "mask_mod", {
+        n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()}).uses
     map_heads = heads // group if "h" in uses else 1
     tiles = -(-max_len // tile_n)
     states = np.zeros((len(seq_lens), map_heads, 1, tiles), dtype=np.int64)
@@ -797,25 +535,10 @@ def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
         if left is not None:
             vis &= keys >= rows - left
         for m in range(map_heads):
-            group_heads = (
-                torch.arange(m * group, (m + 1) * group)
-                if map_heads > 1
-                else torch.zeros(1, dtype=torch.long)
-            )
-            env = {
-                "b": torch.tensor(b),
-                "h": group_heads[:, None, None],
-                "q_idx": rows[None],
-                "kv_idx": keys[None],
-            }
-            mask = evaluate(
-                spec["mask_mod"],
-                env,
-                {k: torch.from_numpy(t) for k, t in tensors.items()},
-            )
-            pairs = (vis[None] & mask).reshape(
-                -1, tiles, tile_n
-            )  # [rows, tiles, tile_n]
+            group_heads = torch.arange(m * group, (m + 1) * group) if map_heads > 1 else torch.zeros(1, dtype=torch.long)
+            env = {"b": torch.tensor(b), "h": group_heads[:, None, None], "q_idx": rows[None], "kv_idx": keys[None]}
+            mask = evaluate(spec["mask_mod"], env, {k: torch.from_numpy(t) for k, t in tensors.items()})
+            pairs = (vis[None] & mask).reshape(-1, tiles, tile_n)  # [rows, tiles, tile_n]
             full = pairs.all(dim=2).all(dim=0)
             any_ = pairs.any(dim=2).any(dim=0)
             states[b, m, 0] = torch.where(full, 2, torch.where(any_, 1, 0)).numpy()
@@ -826,9 +549,7 @@ def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
 SMALL_DECODE_STEPS = {"MAP_STEP_PAIRS": 512, "LIST_CHUNK": 16}
 
 
-def _run_decode_map(
-    module, constants, seq_lens, tensors, map_heads, tiles, q_len, tile_n
-):
+def _run_decode_map(module, constants, seq_lens, tensors, map_heads, tiles, q_len, tile_n):
     """(counts, indices) of a decode module's two map kernels run CTA by CTA on the
     CPU, as _block_map launches them."""
     import types
@@ -836,13 +557,9 @@ def _run_decode_map(
     def kernel(listing):
         """The map's classifying kernel, or (``listing``) its listing kernel, run on ``ct``."""
         names = [n for n in dir(module) if n.startswith("fmha_decode_map_")]
-        fn = getattr(
-            module,
-            next(n for n in names if n.startswith("fmha_decode_map_list_") == listing),
-        )._pyfunc
-        return lambda ct: types.FunctionType(
-            fn.__code__, {**fn.__globals__, **(constants or {}), "ct": ct}, fn.__name__
-        )
+        fn = getattr(module, next(n for n in names if n.startswith("fmha_decode_map_list_") == listing))._pyfunc
+        return lambda ct: types.FunctionType(fn.__code__, {**fn.__globals__, **(constants or {}), "ct": ct},
+                                             fn.__name__)
 
     values = {**vars(module), **(constants or {})}
     rows, list_chunk = values["MAP_ROWS"], values["LIST_CHUNK"]
@@ -856,13 +573,7 @@ def _run_decode_map(
     classify = kernel(False)(ct)
     for block in itertools.product(range(padded // chunk), range(batch * map_heads)):
         ct.block = (*block, 0)
-        classify(
-            state,
-            seq_lens,
-            *[tensors[n] for n in module.SPEC["tensors"]],
-            q_len,
-            tile_n,
-        )
+        classify(state, seq_lens, *[tensors[n] for n in module.SPEC["tensors"]], q_len, tile_n)
     assert (state >= 0).all(), "a state left unwritten"
     ct = _Tiles((batch * map_heads, 1, 1))
     listing = kernel(True)(ct)
@@ -881,29 +592,14 @@ def test_decode_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
     for gqa, max_q_len, tile_n in [(8, 1, 128), (4, 4, 64), (1, 3, 64)]:
         module = _decode_map_module(name, gqa, max_q_len, tile_n)
         heads, max_len = 2 * gqa, 3000
-        for q_len, constants in itertools.product(
-            sorted({1, max_q_len}), (None, SMALL_DECODE_STEPS)
-        ):
+        for q_len, constants in itertools.product(sorted({1, max_q_len}), (None, SMALL_DECODE_STEPS)):
             # (3100: a length past the cache, which the map must not list past its end)
-            seq_lens = np.array(
-                [q_len, 129, 1000, 2999, 3000, 3100][: 5 if q_len > 1 else 6],
-                dtype=np.int32,
-            )
+            seq_lens = np.array([q_len, 129, 1000, 2999, 3000, 3100][:5 if q_len > 1 else 6], dtype=np.int32)
             seq_lens = np.maximum(seq_lens, q_len)
             tensors = _hook_tensors(module.SPEC, len(seq_lens), heads, max_len, rng)
-            want = _decode_states(
-                module, tensors, seq_lens.tolist(), heads, q_len, max_len, tile_n
-            )
-            counts, indices = _run_decode_map(
-                module,
-                constants,
-                seq_lens,
-                tensors,
-                want.shape[1],
-                want.shape[3],
-                q_len,
-                tile_n,
-            )
+            want = _decode_states(module, tensors, seq_lens.tolist(), heads, q_len, max_len, tile_n)
+            counts, indices = _run_decode_map(module, constants, seq_lens, tensors, want.shape[1], want.shape[3],
+                                              q_len, tile_n)
             got = _map_states(counts, indices, want.shape[3])
             assert (got == want).all(), (name, gqa, max_q_len, tile_n, q_len, constants)
 
@@ -919,43 +615,25 @@ def test_decode_block_map_is_checked_before_any_launch(monkeypatch):
     cpu = torch.device("cpu")
     lens = torch.tensor([5, 300], dtype=torch.int32)
     doc = torch.zeros(2, 1000, dtype=torch.int32)
-    built = module._block_map(
-        {"doc": doc}, lens, 2, 1, 1000, cpu, 128
-    )  # (launches stubbed)
-    assert tuple(built.counts.shape) == (2, 1, 1, 3) and tuple(built.indices.shape) == (
-        2,
-        1,
-        1,
-        8,
-    )
+    built = module._block_map({"doc": doc}, lens, 2, 1, 1000, cpu, 128)  # (launches stubbed)
+    assert tuple(built.counts.shape) == (2, 1, 1, 3) and tuple(built.indices.shape) == (2, 1, 1, 8)
     built.check(2, 2, 1, 1000, 128, cpu)
-    for args, words in [
-        ((3, 2, 1, 1000, 128, cpu), "built for batch 2, but this call has 3"),
-        ((2, 2, 1, 999, 128, cpu), "built for max_len 1000, but this call has 999"),
-        ((2, 2, 1, 1000, 64, cpu), "built for tile_n 128, but this call has 64"),
-    ]:
+    for args, words in [((3, 2, 1, 1000, 128, cpu), "built for batch 2, but this call has 3"),
+                        ((2, 2, 1, 999, 128, cpu), "built for max_len 1000, but this call has 999"),
+                        ((2, 2, 1, 1000, 64, cpu), "built for tile_n 128, but this call has 64")]:
         with pytest.raises(ValueError, match=words):
             built.check(*args)
     import dataclasses
 
-    for changes, field in [
-        (dict(counts=built.counts[..., :2]), "block_map.counts"),
-        (dict(indices=built.indices[..., :7]), "block_map.indices"),
-        (dict(indices=built.indices.long()), "block_map.indices"),
-    ]:
+    for changes, field in [(dict(counts=built.counts[..., :2]), "block_map.counts"),
+                           (dict(indices=built.indices[..., :7]), "block_map.indices"),
+                           (dict(indices=built.indices.long()), "block_map.indices")]:
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(built, **changes).check(2, 2, 1, 1000, 128, cpu)
-    for kwargs, words in [
-        (dict(seq_lens=lens.long()), "seq_lens must be a 1-D int32 CUDA tensor"),
-        (dict(num_heads=12), "num_heads must be a multiple of 8"),
-        (dict(q_len=2), r"q_len must be in \[1, 1\]"),
-        (dict(max_len=0), "max_len must be an int >= 1"),
-    ]:
-        call = {
-            **dict(seq_lens=lens, num_heads=16, max_len=1000, q_len=1, doc=doc),
-            **kwargs,
-        }
+    for kwargs, words in [(dict(seq_lens=lens.long()), "seq_lens must be a 1-D int32 CUDA tensor"),
+                          (dict(num_heads=12), "num_heads must be a multiple of 8"),
+                          (dict(q_len=2), r"q_len must be in \[1, 1\]"),
+                          (dict(max_len=0), "max_len must be an int >= 1")]:
+        call = {**dict(seq_lens=lens, num_heads=16, max_len=1000, q_len=1, doc=doc), **kwargs}
         with pytest.raises(ValueError, match=words):
-            module.make_block_map(
-                call.pop("seq_lens"), call.pop("num_heads"), call.pop("max_len"), **call
-            )
+            module.make_block_map(call.pop("seq_lens"), call.pop("num_heads"), call.pop("max_len"), **call)

@@ -5,13 +5,7 @@ reference with maps reused, rebuilt and refused."""
 import pytest
 import torch
 
-from specgen.check.cases import (
-    compare,
-    feature_inputs,
-    random_qkv,
-    reference_for,
-    shape_dims,
-)
+from specgen.check.cases import compare, feature_inputs, random_qkv, reference_for, shape_dims
 from specgen.spec.hooks import evaluate
 
 from .helpers import expected_full_run, generated_module
@@ -19,14 +13,8 @@ from .test_gpu import _check, _variant_module
 
 pytestmark = pytest.mark.gpu
 
-SPARSE_SPECS = [
-    "fmha_document_mask",
-    "fmha_chunked_local",
-    "fmha_prefix_lm",
-    "fmha_window_document",
-    "fmha_block_pattern",
-    "fmha_train_document",
-]
+SPARSE_SPECS = ["fmha_document_mask", "fmha_chunked_local", "fmha_prefix_lm", "fmha_window_document",
+                "fmha_block_pattern", "fmha_train_document"]
 
 
 def _visible(spec, extra, batch, heads, seq_q, seq_k, q_offset):
@@ -53,14 +41,10 @@ def _tile_states(vis, tile_m, tile_n, by_keys=False):
     """[B, H, outer, inner] int: 0 empty, 1 partial, 2 full, from the pairs."""
     batch, heads, seq_q, seq_k = vis.shape
     tq, tk = -(-seq_q // tile_m), -(-seq_k // tile_n)
-    padded = torch.zeros(
-        batch, heads, tq * tile_m, tk * tile_n, dtype=torch.int8, device="cuda"
-    )
+    padded = torch.zeros(batch, heads, tq * tile_m, tk * tile_n, dtype=torch.int8, device="cuda")
     padded[:, :, seq_q:, :seq_k] = -1  # rows past seq_q: neither visible nor hidden
     padded[:, :, :seq_q, :seq_k] = vis.to(torch.int8)
-    tiles = padded.reshape(batch, heads, tq, tile_m, tk, tile_n).permute(
-        0, 1, 2, 4, 3, 5
-    )
+    tiles = padded.reshape(batch, heads, tq, tile_m, tk, tile_n).permute(0, 1, 2, 4, 3, 5)
     tiles = tiles.reshape(batch, heads, tq, tk, tile_m * tile_n)
     real = tiles >= 0
     any_ = ((tiles == 1) & real).any(-1)
@@ -79,65 +63,39 @@ def _map_states(counts, indices, inner):
             for o in range(outer):
                 partial, full, run = counts[b, h, o].tolist()
                 assert partial + full <= capacity
-                listed_full = indices[b, h, o, capacity - full :].tolist()
+                listed_full = indices[b, h, o, capacity - full:].tolist()
                 listed = indices[b, h, o, :partial].tolist() + listed_full
                 assert len(set(listed)) == len(listed), "a tile listed twice"
                 assert run == expected_full_run(listed_full), (listed_full, run)
                 states[b, h, o, indices[b, h, o, :partial]] = 1
-                states[b, h, o, indices[b, h, o, capacity - full :]] = 2
+                states[b, h, o, indices[b, h, o, capacity - full:]] = 2
     return states
 
 
 @pytest.mark.parametrize("name", SPARSE_SPECS)
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 8, 1000, 1000, 0), (1, 4, 300, 1100, 800), (1, 4, 517, 300, -217)],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(2, 8, 1000, 1000, 0), (1, 4, 300, 1100, 800), (1, 4, 517, 300, -217)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_block_map_lists_exactly_the_visible_tiles(name, shape):
     mod = generated_module(name)
     spec = mod.SPEC
     batch, heads, seq_q, seq_k, q_offset = shape
     gen = torch.Generator(device="cuda").manual_seed(seq_q)
-    extra = feature_inputs(
-        spec,
-        {
-            "batch": batch,
-            "heads": heads,
-            "kv_heads": heads // spec["gqa_ratio"],
-            "seq_q": seq_q,
-            "seq_k": seq_k,
-        },
-        gen,
-    )
+    extra = feature_inputs(spec, {"batch": batch, "heads": heads, "kv_heads": heads // spec["gqa_ratio"],
+                                  "seq_q": seq_q, "seq_k": seq_k}, gen)
     tensors = {n: extra[n] for n in spec["tensors"]}
-    block_map = mod.make_block_map(
-        batch, heads, seq_q, seq_k, q_offset=q_offset, device="cuda", **tensors
-    )
+    block_map = mod.make_block_map(batch, heads, seq_q, seq_k, q_offset=q_offset, device="cuda", **tensors)
     vis = _visible(spec, extra, batch, block_map.num_heads, seq_q, seq_k, q_offset)
     tile_m, tile_n = block_map.tile
     want = _tile_states(vis, tile_m, tile_n).cpu()
-    assert torch.equal(
-        _map_states(block_map.counts, block_map.indices, want.shape[3]), want
-    )
-    args = (
-        tensors,
-        batch,
-        block_map.num_heads,
-        seq_q,
-        seq_k,
-        q_offset,
-        block_map.device,
-    )
+    assert torch.equal(_map_states(block_map.counts, block_map.indices, want.shape[3]), want)
+    args = (tensors, batch, block_map.num_heads, seq_q, seq_k, q_offset, block_map.device)
     # By key tile at the same tiles: the backward's direction, for every mask.
     by_keys = _tile_states(vis, tile_m, tile_n, by_keys=True).cpu()
     counts, indices = mod._map_rows(*args, tile_m, tile_n, True)
     assert torch.equal(_map_states(counts, indices, by_keys.shape[3]), by_keys)
     if hasattr(mod, "BWD_TILE_M"):  # training specs: the maps the backward builds
         dq = _tile_states(vis, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N).cpu()
-        counts, indices = mod._map_rows(
-            *args, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N, False
-        )
+        counts, indices = mod._map_rows(*args, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N, False)
         assert torch.equal(_map_states(counts, indices, dq.shape[3]), dq)
         kv = _tile_states(vis, mod.BWD_TILE_M, mod.BWD_TILE_N, by_keys=True).cpu()
         counts, indices = mod._map_rows(*args, mod.BWD_TILE_M, mod.BWD_TILE_N, True)
@@ -145,11 +103,8 @@ def test_block_map_lists_exactly_the_visible_tiles(name, shape):
 
 
 @pytest.mark.parametrize("name", SPARSE_SPECS)
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 2, 3000, 3000, 0), (2, 1, 700, 2100, 1400), (1, 1, 9000, 9000, 0)],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(1, 2, 3000, 3000, 0), (2, 1, 700, 2100, 1400), (1, 1, 9000, 9000, 0)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_sparse_specs_match_reference_long(name, shape):
     """Lengths that cross tiles, documents and the 8192-token chunk."""
     _check(generated_module(name), *shape, seed=shape[2])
@@ -164,24 +119,16 @@ def test_reused_map_gives_the_same_output_and_mismatches_are_refused():
     block_map = mod.make_block_map(2, 8, 1500, 1500, doc=extra["doc"])
     once = mod.attention(q, k, v, doc=extra["doc"])
     for _ in range(3):  # one map, several layers
-        assert torch.equal(
-            mod.attention(q, k, v, doc=extra["doc"], block_map=block_map), once
-        )
+        assert torch.equal(mod.attention(q, k, v, doc=extra["doc"], block_map=block_map), once)
     ref = reference_for(spec, q, k, v, extra)[0]
     assert compare(once, ref, spec["dtype"]).ok
-    with pytest.raises(
-        ValueError, match="block_map was built for seq_q 1500, but this call has 1499"
-    ):
+    with pytest.raises(ValueError, match="block_map was built for seq_q 1500, but this call has 1499"):
         mod.attention(q[:, :, :1499], k, v, doc=extra["doc"], block_map=block_map)
-    with pytest.raises(
-        ValueError, match="block_map was built for q_offset 0, but this call has 1"
-    ):
+    with pytest.raises(ValueError, match="block_map was built for q_offset 0, but this call has 1"):
         mod.attention(q, k, v, doc=extra["doc"], block_map=block_map, q_offset=1)
     with pytest.raises(ValueError, match="block_map must be a BlockMap"):
         mod.attention(q, k, v, doc=extra["doc"], block_map=block_map.indices)
-    with pytest.raises(
-        ValueError, match=r"doc must be a torch.int32 tensor of shape \(2, 1500\)"
-    ):
+    with pytest.raises(ValueError, match=r"doc must be a torch.int32 tensor of shape \(2, 1500\)"):
         mod.make_block_map(2, 8, 1500, 1500, doc=extra["doc"][:, :100])
     with pytest.raises(ValueError, match="num_heads must be a multiple of 4"):
         mod.make_block_map(2, 6, 1500, 1500, doc=extra["doc"])
@@ -210,17 +157,11 @@ def test_training_reuses_a_prebuilt_map_with_the_backward_maps():
         for got, want in zip(grads(block_map=block_map), fresh):
             assert torch.equal(got, want)
     forward_only = mod.make_block_map(2, 8, 1300, 1300, doc=extra["doc"])
-    with pytest.raises(
-        ValueError, match=r"no backward maps.*make_block_map\(\.\.\., backward=True\)"
-    ):
+    with pytest.raises(ValueError, match=r"no backward maps.*make_block_map\(\.\.\., backward=True\)"):
         grads(block_map=forward_only)
     with torch.no_grad():  # inference takes a forward-only map
-        assert torch.equal(
-            mod.attention(q, k, v, doc=extra["doc"], block_map=forward_only), fresh[0]
-        )
-    with pytest.raises(
-        ValueError, match="block_map was built for seq_q 1300, but this call has 1299"
-    ):
+        assert torch.equal(mod.attention(q, k, v, doc=extra["doc"], block_map=forward_only), fresh[0])
+    with pytest.raises(ValueError, match="block_map was built for seq_q 1300, but this call has 1299"):
         mod.attention(q[:, :, :1299], k, v, doc=extra["doc"], block_map=block_map)
 
 
@@ -259,14 +200,8 @@ def test_map_build_and_attention_capture_in_a_cuda_graph():
 
 def test_chunk_boundary_variant_matches_reference():
     """Chunked-local attention with a chunk that is not a multiple of any tile."""
-    mod = _variant_module(
-        "chunk_300",
-        {
-            "mask_mod": "q_idx // 300 == kv_idx // 300",
-            "block_sparse": True,
-            "dtype": "bfloat16",
-        },
-    )
+    mod = _variant_module("chunk_300", {"mask_mod": "q_idx // 300 == kv_idx // 300", "block_sparse": True,
+                                         "dtype": "bfloat16"})
     _check(mod, 1, 2, 1000, 1000)
     _check(mod, 2, 1, 128, 1000, 872)
 
@@ -277,22 +212,11 @@ def test_chunk_boundary_variant_matches_reference():
 def _decode_sparse(name):
     from .test_gpu import DECODE_VARIANTS, _decode_module
 
-    return (
-        generated_module(name)
-        if name.startswith("fmha_")
-        else _decode_module(name, DECODE_VARIANTS[name])
-    )
+    return generated_module(name) if name.startswith("fmha_") else _decode_module(name, DECODE_VARIANTS[name])
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "fmha_decode_chunked_local",
-        "doc_sparse_gqa8",
-        "per_head_sparse_f16_d64_q4_paged64_window_sinks",
-        "blocks_sparse_gqa8_q2",
-    ],
-)
+@pytest.mark.parametrize("name", ["fmha_decode_chunked_local", "doc_sparse_gqa8",
+                                  "per_head_sparse_f16_d64_q4_paged64_window_sinks", "blocks_sparse_gqa8_q2"])
 def test_decode_block_map_lists_exactly_the_visible_tiles(name):
     from specgen.check.cases import random_decode
 
@@ -306,21 +230,10 @@ def test_decode_block_map_lists_exactly_the_visible_tiles(name):
     extra = feature_inputs(spec, batch.dims(), gen)
     tensors = {n: extra[n] for n in spec["tensors"]}
     heads = batch.q.shape[2]
-    block_map = mod.make_block_map(
-        batch.seq_lens, heads, batch.capacity, q_len=q_len, **tensors
-    )
-    want = _decode_states(
-        mod,
-        {n: t.cpu().numpy() for n, t in tensors.items()},
-        batch.seq_lens.tolist(),
-        heads,
-        q_len,
-        batch.capacity,
-        block_map.tile_n,
-    )
-    got = map_states_np(
-        block_map.counts.cpu().numpy(), block_map.indices.cpu().numpy(), want.shape[3]
-    )
+    block_map = mod.make_block_map(batch.seq_lens, heads, batch.capacity, q_len=q_len, **tensors)
+    want = _decode_states(mod, {n: t.cpu().numpy() for n, t in tensors.items()}, batch.seq_lens.tolist(), heads,
+                          q_len, batch.capacity, block_map.tile_n)
+    got = map_states_np(block_map.counts.cpu().numpy(), block_map.indices.cpu().numpy(), want.shape[3])
     assert (got == want).all()
 
 
@@ -335,30 +248,15 @@ def test_decode_map_is_reused_across_layers_and_refused_for_other_sizes():
     block_map = mod.make_block_map(batch.seq_lens, 16, batch.capacity, doc=extra["doc"])
     once = mod.attention(*batch.args(), doc=extra["doc"])
     for _ in range(3):  # one map, several layers
-        assert torch.equal(
-            mod.attention(*batch.args(), doc=extra["doc"], block_map=block_map), once
-        )
+        assert torch.equal(mod.attention(*batch.args(), doc=extra["doc"], block_map=block_map), once)
     assert compare(once, decode_reference(spec, batch, extra), spec["dtype"]).ok
-    with pytest.raises(
-        ValueError,
-        match="block_map was built for max_len 12345, but this call has 12344",
-    ):
-        mod.attention(
-            batch.q,
-            batch.k_cache[:, :12344],
-            batch.v_cache[:, :12344],
-            batch.seq_lens,
-            doc=extra["doc"][:, :12344],
-            block_map=block_map,
-        )
+    with pytest.raises(ValueError, match="block_map was built for max_len 12345, but this call has 12344"):
+        mod.attention(batch.q, batch.k_cache[:, :12344], batch.v_cache[:, :12344], batch.seq_lens,
+                      doc=extra["doc"][:, :12344], block_map=block_map)
     with pytest.raises(ValueError, match="block_map must be a BlockMap"):
         mod.attention(*batch.args(), doc=extra["doc"], block_map=block_map.counts)
-    with pytest.raises(
-        ValueError, match=r"doc must be a torch.int32 tensor of shape \(3, 12345\)"
-    ):
-        mod.make_block_map(
-            batch.seq_lens, 16, batch.capacity, doc=extra["doc"][:, :100]
-        )
+    with pytest.raises(ValueError, match=r"doc must be a torch.int32 tensor of shape \(3, 12345\)"):
+        mod.make_block_map(batch.seq_lens, 16, batch.capacity, doc=extra["doc"][:, :100])
 
 
 def test_decode_map_and_step_replay_in_a_cuda_graph_as_lengths_advance():
@@ -370,9 +268,7 @@ def test_decode_map_and_step_replay_in_a_cuda_graph_as_lengths_advance():
     spec = mod.SPEC
     gen = torch.Generator(device="cuda").manual_seed(13)
     batch = random_decode(spec, [8190, 16385, 20000], 1, 1, gen)
-    full = random_decode(
-        spec, [20000, 20000, 20000], 1, 1, gen
-    )  # keys for the steps ahead
+    full = random_decode(spec, [20000, 20000, 20000], 1, 1, gen)  # keys for the steps ahead
     k_cache, v_cache = full.k_cache.clone(), full.v_cache.clone()
     seq_lens = batch.seq_lens.clone()
     q = batch.q.clone()

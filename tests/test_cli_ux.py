@@ -19,50 +19,27 @@ def project(tmp_path):
 
 
 def test_a_copied_spec_that_kept_its_name_is_refused_without_force(project):
-    assert (
-        specgen(
-            "build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project
-        ).returncode
-        == 0
-    )
+    assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
     module = project / "generated" / "fmha_gqa_causal.py"
     before = module.read_bytes()
     mine = project / "mine.yaml"
-    mine.write_text(
-        (project / "specs" / "fmha_gqa_causal.yaml")
-        .read_text()
-        .replace("dtype: float16", "dtype: bfloat16")
-    )
+    mine.write_text((project / "specs" / "fmha_gqa_causal.yaml").read_text().replace("dtype: float16", "dtype: bfloat16"))
     result = specgen("build", "mine.yaml", "--no-compile", cwd=project)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
         "mine.yaml: name: 'fmha_gqa_causal' would overwrite generated/fmha_gqa_causal.py, made from "
-        "specs/fmha_gqa_causal.yaml; rename the spec's name, or pass --force"
-    ]
+        "specs/fmha_gqa_causal.yaml; rename the spec's name, or pass --force"]
     assert module.read_bytes() == before
     # The same spec file rebuilds as usual; --force replaces the module.
-    assert (
-        specgen(
-            "build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project
-        ).returncode
-        == 0
-    )
-    assert (
-        specgen("build", "mine.yaml", "--no-compile", "--force", cwd=project).returncode
-        == 0
-    )
+    assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
+    assert specgen("build", "mine.yaml", "--no-compile", "--force", cwd=project).returncode == 0
     assert "from mine.yaml" in module.read_text().splitlines()[0]
 
 
 def test_generated_files_get_the_mode_open_would_give(project):
     old = os.umask(0o022)
     try:
-        assert (
-            specgen(
-                "build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project
-            ).returncode
-            == 0
-        )
+        assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
     finally:
         os.umask(old)
     for path in (project / "generated").iterdir():
@@ -70,17 +47,9 @@ def test_generated_files_get_the_mode_open_would_give(project):
 
 
 def test_a_build_says_that_it_compiles_before_the_first_cubin_is_done(project):
-    result = specgen(
-        "build", "specs/fmha_gqa_causal.yaml", "--targets", "sm_90", cwd=project
-    )
+    result = specgen("build", "specs/fmha_gqa_causal.yaml", "--targets", "sm_90", cwd=project)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    start = next(
-        i
-        for i, line in enumerate(lines)
-        if line.startswith("compiling 1 module-target pair")
-    )
-    done = next(
-        i for i, line in enumerate(lines) if line.startswith("[1/1] fmha_gqa_causal")
-    )
+    start = next(i for i, line in enumerate(lines) if line.startswith("compiling 1 module-target pair"))
+    done = next(i for i, line in enumerate(lines) if line.startswith("[1/1] fmha_gqa_causal"))
     assert start < done

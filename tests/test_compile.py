@@ -37,9 +37,8 @@ def test_shipped_spec_compiles(path, target):
     # One cubin per kernel of each distinct launch config (by_seq_k buckets and the
     # own config): decode adds its combine, backward: true its three kernels.
     # block_sparse adds the map kernel (decode: its two, classifying and listing).
-    per_config = (
-        2 if plan.spec.family == "decode" else 4 if plan.backward else 1
-    ) + plan.block_sparse * (2 if plan.spec.family == "decode" else 1)
+    per_config = ((2 if plan.spec.family == "decode" else 4 if plan.backward else 1)
+                  + plan.block_sparse * (2 if plan.spec.family == "decode" else 1))
     assert len(result.paths) == per_config * len(target_configs(plan, target))
     assert len(set(result.paths)) == len(result.paths)
     sizes = [p.stat().st_size for p in result.paths]
@@ -61,9 +60,7 @@ def test_cache_key_depends_on_source_target_and_toolchain():
 
 def test_signatures_follow_the_plan():
     for path in SPECS:
-        plan = make_plan(
-            validate_spec(yaml.safe_load(path.read_text()), path)
-        )  # no render needed
+        plan = make_plan(validate_spec(yaml.safe_load(path.read_text()), path))  # no render needed
         sigs = signatures(plan, "sm_90")
         assert len(sigs) == (2 if plan.even_n_param else 1)
 
@@ -78,24 +75,15 @@ def test_broken_source_is_a_compile_error_naming_module_and_target():
 
 def test_bucketed_target_compiles_each_distinct_config_once():
     data = yaml.safe_load(SPECS[0].read_text())
-    data["targets"] = {
-        "sm_90": {
-            "tile_m": 64,
-            "tile_n": 64,
-            "occupancy": 2,
-            "by_seq_k": [
-                {"max_seq_k": 512, "tile_m": 32, "tile_n": 32, "occupancy": 1},
-                {"max_seq_k": 1024, "tile_m": 32, "tile_n": 32, "occupancy": 1},
-                {"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2},
-            ],
-        }
-    }
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2,
+        "by_seq_k": [{"max_seq_k": 512, "tile_m": 32, "tile_n": 32, "occupancy": 1},
+                     {"max_seq_k": 1024, "tile_m": 32, "tile_n": 32, "occupancy": 1},
+                     {"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}],
+    }}
     plan = make_plan(validate_spec(data))
     configs = target_configs(plan, "sm_90")
-    assert [(c.tile_m, c.extra_hints) for c in configs] == [
-        (32, {"occupancy": 1}),
-        (64, {}),
-    ]
+    assert [(c.tile_m, c.extra_hints) for c in configs] == [(32, {"occupancy": 1}), (64, {})]
     source = render(plan, "specs/b.yaml").text
     keys = {cache_key(plan, source, "sm_90", c) for c in configs}
     assert len(keys) == 2
@@ -103,58 +91,32 @@ def test_bucketed_target_compiles_each_distinct_config_once():
 
 def test_global_tile_order_is_a_kernel_constant_compiled_per_config():
     data = yaml.safe_load(SPECS[0].read_text())
-    data["targets"] = {
-        "sm_90": {
-            "tile_m": 64,
-            "tile_n": 64,
-            "occupancy": 2,
-            "by_seq_k": [
-                {
-                    "max_seq_k": 2048,
-                    "tile_m": 64,
-                    "tile_n": 64,
-                    "occupancy": 2,
-                    "tile_order": "global",
-                }
-            ],
-        }
-    }
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2,
+                      "tile_order": "global"}],
+    }}
     plan = make_plan(validate_spec(data))
     assert plan.tile_order_param and plan.kernel_constants[-1] == "TILES_OUTER"
     # Same tiles and options, another order: two builds, told apart by TILES_OUTER.
     configs = target_configs(plan, "sm_90")
     assert [c.tile_order for c in configs] == ["global", "per_head"]
-    assert [
-        s.parameters[-1].value for c in configs for s in signatures(plan, "sm_90", c)
-    ] == [
-        True,
-        True,
-        False,
-        False,
-    ]  # per EVEN_N value
+    assert [s.parameters[-1].value for c in configs for s in signatures(plan, "sm_90", c)] == [
+        True, True, False, False]  # per EVEN_N value
     source = render(plan, "specs/order.yaml").text
     assert len({cache_key(plan, source, "sm_90", c) for c in configs}) == 2
     result = compile_target(plan, source, "generated/order.py", "sm_90")
     assert len(result.paths) == 2 and all(p.stat().st_size > 0 for p in result.paths)
     # A spec that never asks for the global order has no such argument.
-    assert not make_plan(
-        validate_spec(yaml.safe_load(SPECS[0].read_text()))
-    ).tile_order_param
+    assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).tile_order_param
 
 
 def test_v_transposed_is_a_kernel_constant_compiled_per_config():
     data = yaml.safe_load(SPECS[0].read_text())
-    data["targets"] = {
-        "sm_90": {
-            "tile_m": 64,
-            "tile_n": 64,
-            "occupancy": 2,
-            "v_transposed": True,
-            "by_seq_k": [
-                {"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}
-            ],
-        }
-    }
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2, "v_transposed": True,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}],
+    }}
     plan = make_plan(validate_spec(data))
     assert plan.v_layout_param and plan.kernel_constants[-1] == "V_TRANSPOSED"
     configs = target_configs(plan, "sm_90")
@@ -172,17 +134,10 @@ def test_v_transposed_is_a_kernel_constant_compiled_per_config():
 
 def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
     data = yaml.safe_load(SPECS[0].read_text())
-    data["targets"] = {
-        "sm_90": {
-            "tile_m": 64,
-            "tile_n": 64,
-            "occupancy": 2,
-            "persistent": True,
-            "by_seq_k": [
-                {"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}
-            ],
-        }
-    }
+    data["targets"] = {"sm_90": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2, "persistent": True,
+        "by_seq_k": [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 64, "occupancy": 2}],
+    }}
     plan = make_plan(validate_spec(data))
     assert plan.persistent_loop
     assert [c.persistent for c in plan.target("sm_90").configs] == [False, True]
@@ -190,13 +145,8 @@ def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
     configs = target_configs(plan, "sm_90")
     assert len(configs) == 1
     source = render(plan, "specs/persistent.yaml").text
-    assert (
-        "for work in range(ct.bid(0), num_tiles * batch_heads, ct.num_blocks(0)):"
-        in source
-    )
-    assert (
-        'grid = (min(work, _sm_count(q.device) * config["occupancy"]), 1, 1)' in source
-    )
+    assert "for work in range(ct.bid(0), num_tiles * batch_heads, ct.num_blocks(0)):" in source
+    assert "grid = (min(work, _sm_count(q.device) * config[\"occupancy\"]), 1, 1)" in source
     assert '"persistent": True' in source
     result = compile_target(plan, source, "generated/persistent.py", "sm_90")
     assert len(result.paths) == 1 and result.paths[0].stat().st_size > 0
@@ -206,64 +156,36 @@ def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
     assert "for work in range" not in render(plain, "specs/x.yaml").text
 
 
-@pytest.mark.parametrize(
-    "dims,wide",
-    [
-        ((128, None), False),
-        ((80, None), False),
-        ((256, None), True),
-        ((192, 128), True),
-        ((128, 256), True),
-    ],
-)
+@pytest.mark.parametrize("dims,wide", [((128, None), False), ((80, None), False),
+                                       ((256, None), True), ((192, 128), True), ((128, 256), True)])
 def test_backward_tiles_follow_the_padded_head_dim(dims, wide):
     data = yaml.safe_load(SPECS[0].read_text())
     data.update(backward=True, head_dim=dims[0], targets={})
     if dims[1]:
         data["v_head_dim"] = dims[1]
     plan = make_plan(validate_spec(data))
-    assert (plan.bwd_tile, plan.bwd_dq_tile) == (
-        ((64, 64), (64, 64)) if wide else ((64, 64), (128, 64))
-    )
+    assert (plan.bwd_tile, plan.bwd_dq_tile) == (((64, 64), (64, 64)) if wide else ((64, 64), (128, 64)))
     source = render(plan, "specs/wide.yaml").text
-    dkdv = (
-        "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef "
-        + plan.bwd_names[1]
-    )
+    dkdv = "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef " + plan.bwd_names[1]
     assert (dkdv in source) == wide
-    assert (
-        f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[1]}" in source
-    ) == (not wide)
+    assert (f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[1]}" in source) == (not wide)
 
 
-@pytest.mark.parametrize(
-    "extra,pre",
-    [
-        ({}, "qk_scale * INV_LN2"),
-        ({"softcap": 30.0}, "qk_scale / SOFTCAP"),
-        ({"score_mod": "score * 0.5"}, "qk_scale"),
-    ],
-)
+@pytest.mark.parametrize("extra,pre", [({}, "qk_scale * INV_LN2"), ({"softcap": 30.0}, "qk_scale / SOFTCAP"),
+                                       ({"score_mod": "score * 0.5"}, "qk_scale")])
 def test_backward_scores_use_q_as_the_forward_prescaled_it(extra, pre):
     """With prescale_q the backward's scores come from Q * pre rounded once, the Q
     the forward's scores came from, and dK is scaled back by post = qk_scale / pre."""
-    data = yaml.safe_load(
-        next(p for p in SPECS if p.stem == "fmha_gqa_causal").read_text()
-    )
+    data = yaml.safe_load(next(p for p in SPECS if p.stem == "fmha_gqa_causal").read_text())
     data.update(backward=True, prescale_q=True, targets={}, **extra)
     plan = make_plan(validate_spec(data))
     assert plan.bwd_prescale == pre
     source = render(plan, "specs/pre.yaml").text
     assert source.count(f"post = qk_scale / ({pre})") == 2  # the dK/dV and dQ kernels
     assert "dk = dk * post" in source and "q_s = q * pre" in source
-    assert (
-        len(re.findall(r"\(\s*q_s,\s*k,\s*v,", source)) == 2
-    )  # the dK/dV and dQ launches
+    assert len(re.findall(r"\(\s*q_s,\s*k,\s*v,", source)) == 2  # the dK/dV and dQ launches
     torch_pre = pre.replace("qk_scale", "")
-    assert (
-        f"pre = (torch.tensor(float(scale), dtype=torch.float32){torch_pre}).item()"
-        in source
-    )
+    assert f"pre = (torch.tensor(float(scale), dtype=torch.float32){torch_pre}).item()" in source
     # Without prescale_q the backward reads Q as given.
     data["prescale_q"] = False
     plain = render(make_plan(validate_spec(data)), "specs/pre.yaml").text
@@ -275,29 +197,21 @@ def test_float8_prefill_reads_v_transposed_by_default():
     plan, source = _plan_and_source(fp8)
     assert plan.v_layout_param
     assert all(c.v_transposed for t in plan.targets for c in t.configs)
-    assert (
-        '"v_transposed": True' in source
-        and "return v_t.copy_(v.transpose(2, 3))" in source
-    )
+    assert '"v_transposed": True' in source and "return v_t.copy_(v.transpose(2, 3))" in source
     assert "v_arg = transposed_v(v) if v_transposed else v" in source
     # 16-bit specs keep V as given, and their kernels have no V_TRANSPOSED argument.
-    assert not make_plan(
-        validate_spec(yaml.safe_load(SPECS[0].read_text()))
-    ).v_layout_param
+    assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).v_layout_param
 
 
-@pytest.mark.parametrize(
-    "pdl,target,expected",
-    [
-        ("auto", "sm_90", True),  # auto: Hopper, where PDL was measured
-        ("auto", "sm_100", False),
-        ("auto", "sm_80", False),  # no programmatic dependent launch before sm_90
-        (True, "sm_90", True),
-        (True, "sm_100", True),
-        (True, "sm_80", False),
-        (False, "sm_120", False),
-    ],
-)
+@pytest.mark.parametrize("pdl,target,expected", [
+    ("auto", "sm_90", True),  # auto: Hopper, where PDL was measured
+    ("auto", "sm_100", False),
+    ("auto", "sm_80", False),  # no programmatic dependent launch before sm_90
+    (True, "sm_90", True),
+    (True, "sm_100", True),
+    (True, "sm_80", False),
+    (False, "sm_120", False),
+])
 def test_decode_kernels_compile_the_pdl_value_the_launcher_picks(pdl, target, expected):
     data = yaml.safe_load(open("specs/fmha_decode_gqa8_bf16.yaml").read())
     plan = make_plan(validate_spec({**data, "pdl": pdl}))
@@ -306,8 +220,7 @@ def test_decode_kernels_compile_the_pdl_value_the_launcher_picks(pdl, target, ex
     split_sigs, combine_sigs = sigs[plan.kernel_name], sigs[plan.combine_name]
     # The split kernel: both SINGLE_SPLIT values; the combine: every padded split count.
     assert [(s.parameters[-2].value, s.parameters[-1].value) for s in split_sigs] == [
-        (single, expected) for single in (True, False)
-    ]
+        (single, expected) for single in (True, False)]
     tiles = sorted({s.parameters[-2].value for s in combine_sigs})
     assert tiles == [2, 4, 8, 16, 32, 64]
     assert [s.parameters[-1].value for s in combine_sigs] == [expected] * len(tiles)
@@ -318,11 +231,7 @@ def test_decode_build_compiles_the_pdl_value_the_generated_launcher_picks(pdl):
     """The policy lives twice, in the build (pdl_value) and in the module (use_pdl):
     they agree on every architecture."""
     data = yaml.safe_load(open("specs/fmha_decode_gqa8_bf16.yaml").read())
-    plan = make_plan(
-        validate_spec({**data, "name": f"pdl_policy_{str(pdl).lower()}", "pdl": pdl})
-    )
-    module = load_module_from_source(
-        plan.module_name, render(plan, "specs/v.yaml").text, "v.py"
-    )
+    plan = make_plan(validate_spec({**data, "name": f"pdl_policy_{str(pdl).lower()}", "pdl": pdl}))
+    module = load_module_from_source(plan.module_name, render(plan, "specs/v.yaml").text, "v.py")
     for target in ("sm_80", "sm_86", "sm_90", "sm_100", "sm_120"):
         assert pdl_value(plan, target) is module.use_pdl(int(target[3:-1])), target

@@ -6,13 +6,7 @@ from specgen.errors import SpecError
 from specgen.spec import defaults
 from specgen.spec import TargetConfig, decode_rows, spec_to_dict, validate_spec
 
-QWEN2 = {
-    "name": "qwen2",
-    "dtype": "bfloat16",
-    "head_dim": 128,
-    "gqa_ratio": 7,
-    "causal": True,
-}
+QWEN2 = {"name": "qwen2", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 7, "causal": True}
 KEY_FIELDS = {"family", "target", "dtype", "head_dim", "masked", "extras"}
 SOURCE_FIELDS = {"how", "spec", "device", "date", "shapes", "log"}
 
@@ -53,19 +47,16 @@ def test_the_filled_spec_round_trips_and_is_deterministic():
     assert spec_to_dict(validate_spec(dict(QWEN2))) == first
 
 
-@pytest.mark.parametrize(
-    "fields, bucket_key",
-    [
-        ({"head_dim": 64}, {"head_dim": 64, "masked": True}),
-        ({"head_dim": 80}, {"head_dim": 128}),
-        ({"head_dim": 192, "v_head_dim": 128}, {"head_dim": 256}),
-        ({"causal": False}, {"masked": False}),
-        ({"causal": False, "window": {"left": 7, "right": 7}}, {"masked": True}),
-        ({"softcap": 50.0}, {"extras": True}),
-        ({"dtype": "float16"}, {"dtype": "16-bit"}),
-        ({"dtype": "float8_e4m3fn"}, {"dtype": "float8_e4m3fn"}),
-    ],
-)
+@pytest.mark.parametrize("fields, bucket_key", [
+    ({"head_dim": 64}, {"head_dim": 64, "masked": True}),
+    ({"head_dim": 80}, {"head_dim": 128}),
+    ({"head_dim": 192, "v_head_dim": 128}, {"head_dim": 256}),
+    ({"causal": False}, {"masked": False}),
+    ({"causal": False, "window": {"left": 7, "right": 7}}, {"masked": True}),
+    ({"softcap": 50.0}, {"extras": True}),
+    ({"dtype": "float16"}, {"dtype": "16-bit"}),
+    ({"dtype": "float8_e4m3fn"}, {"dtype": "float8_e4m3fn"}),
+])
 def test_the_key_names_what_decides_a_config(fields, bucket_key):
     key = defaults.key_of({**QWEN2, **fields})
     assert {k: key[k] for k in bucket_key} == bucket_key
@@ -80,41 +71,24 @@ def test_extras_fall_back_to_the_plain_entry_and_unknown_classes_to_portable():
     assert set(fp8_d64.targets) == {"default"}
 
 
-@pytest.mark.parametrize(
-    "gqa, q_len, rows", [(8, 1, 16), (1, 4, 16), (4, 4, 16), (16, 2, 32), (64, 2, 128)]
-)
+@pytest.mark.parametrize("gqa, q_len, rows", [(8, 1, 16), (1, 4, 16), (4, 4, 16), (16, 2, 32), (64, 2, 128)])
 def test_decode_derives_tile_m_from_the_packed_query_tile(gqa, q_len, rows):
-    spec = validate_spec(
-        {
-            "name": "dec",
-            "family": "decode",
-            "dtype": "bfloat16",
-            "gqa_ratio": gqa,
-            "max_q_len": q_len,
-        }
-    )
+    spec = validate_spec({"name": "dec", "family": "decode", "dtype": "bfloat16",
+                          "gqa_ratio": gqa, "max_q_len": q_len})
     assert rows == decode_rows(gqa, q_len)
     assert {cfg.tile_m for cfg in spec.targets.values()} == {rows}
     assert spec.targets["sm_90"].tile_n == 128
 
 
 def test_decode_keeps_a_key_tile_inside_one_page():
-    spec = validate_spec(
-        {"name": "dec", "family": "decode", "gqa_ratio": 4, "paged": {"page_size": 32}}
-    )
+    spec = validate_spec({"name": "dec", "family": "decode", "gqa_ratio": 4,
+                          "paged": {"page_size": 32}})
     assert {cfg.tile_n for cfg in spec.targets.values()} == {32}
 
 
 def test_decode_float8_cache_uses_its_own_entry():
-    spec = validate_spec(
-        {
-            "name": "dec",
-            "family": "decode",
-            "dtype": "bfloat16",
-            "kv_dtype": "float8_e4m3fn",
-            "gqa_ratio": 8,
-        }
-    )
+    spec = validate_spec({"name": "dec", "family": "decode", "dtype": "bfloat16",
+                          "kv_dtype": "float8_e4m3fn", "gqa_ratio": 8})
     assert spec.targets["sm_90"].num_worker_warps == 8
 
 
@@ -131,7 +105,5 @@ def test_the_module_names_the_run_behind_each_measured_default():
     assert "measured defaults of the spec's class" in text
     assert "fmha_gqa8_bf16" in text and "NVIDIA H200" in text
     mine = {"sm_90": {"tile_m": 64, "tile_n": 64, "occupancy": 2}}
-    text = render(
-        make_plan(validate_spec({**QWEN2, "targets": mine})), "specs/qwen2.yaml"
-    ).text
+    text = render(make_plan(validate_spec({**QWEN2, "targets": mine})), "specs/qwen2.yaml").text
     assert "measured defaults" not in text

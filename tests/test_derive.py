@@ -38,10 +38,8 @@ def _env(generator):
         "q_idx": torch.arange(16).view(1, 1, 16, 1) + 40,
         "kv_idx": torch.arange(16).view(1, 1, 1, 16) + 32,
     }
-    tensors = {
-        "slope": torch.rand(8, generator=generator, dtype=torch.float64),
-        "bias": torch.randn(8, 4, generator=generator, dtype=torch.float64),
-    }
+    tensors = {"slope": torch.rand(8, generator=generator, dtype=torch.float64),
+               "bias": torch.randn(8, 4, generator=generator, dtype=torch.float64)}
     return env, tensors
 
 
@@ -50,9 +48,7 @@ def test_derivative_matches_autograd(hook):
     env, tensors = _env(torch.Generator().manual_seed(0))
     compile_hook(hook, "score_mod", TENSORS)  # the hook itself is valid
     derivative = score_derivative(hook)
-    compile_hook(
-        derivative, "score_mod", TENSORS, check_size=False
-    )  # and compiles to cuTile
+    compile_hook(derivative, "score_mod", TENSORS, check_size=False)  # and compiles to cuTile
     value = evaluate(hook, env, tensors)
     (grad,) = torch.autograd.grad(value.sum(), env["score"])
     got = evaluate(derivative, {**env, "score": env["score"].detach()}, tensors)
@@ -66,15 +62,9 @@ def test_a_bias_has_derivative_one():
     assert score_derivative("score + 0.5") == "1.0"
 
 
-@pytest.mark.parametrize(
-    "hook,message",
-    [
-        (
-            "score // 2",
-            "'//' and '%' of the score or of a learnable tensor have no derivative",
-        ),
-    ],
-)
+@pytest.mark.parametrize("hook,message", [
+    ("score // 2", "'//' and '%' of the score or of a learnable tensor have no derivative"),
+])
 def test_no_derivative_is_an_error(hook, message):
     with pytest.raises(ExprError, match=message):
         score_derivative(hook)
@@ -97,16 +87,9 @@ def test_tensor_derivatives_match_autograd(hook):
     env, tensors = _env(torch.Generator().manual_seed(1))
     env["score"] = env["score"].detach()
     leaves = {n: t.clone().requires_grad_() for n, t in tensors.items()}
-    upstream = torch.randn(
-        env["score"].shape,
-        generator=torch.Generator().manual_seed(2),
-        dtype=torch.float64,
-    )
+    upstream = torch.randn(env["score"].shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     (evaluate(hook, env, leaves) * upstream).sum().backward()
-    ids = {
-        n: torch.arange(t.numel(), dtype=torch.float64).view(t.shape)
-        for n, t in tensors.items()
-    }
+    ids = {n: torch.arange(t.numel(), dtype=torch.float64).view(t.shape) for n, t in tensors.items()}
     got = {n: torch.zeros_like(t) for n, t in tensors.items()}
     for source, text in tensor_derivatives(hook, {"slope", "bias"}):
         compile_hook(text, "score_mod", TENSORS, check_size=False)  # compiles to cuTile
@@ -114,22 +97,15 @@ def test_tensor_derivatives_match_autograd(hook):
         where = evaluate(source, env, ids).long()  # the element each score reads
         value = torch.as_tensor(evaluate(text, env, tensors), dtype=torch.float64)
         contribution = (upstream * value.expand_as(upstream)).flatten()
-        got[name].view(-1).index_add_(
-            0, where.expand_as(upstream).flatten(), contribution
-        )
+        got[name].view(-1).index_add_(0, where.expand_as(upstream).flatten(), contribution)
     for name, leaf in leaves.items():
         want = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-6)
 
 
 def test_tensor_derivatives_list_each_subscript_once():
-    assert tensor_derivatives(
-        "score * slope[h] + slope[h] + bias[h, kv_idx]", {"slope"}
-    ) == [("slope[h]", "(1.0 + score)")]
-    assert [
-        s
-        for s, _ in tensor_derivatives(
-            "score + bias[h, kv_idx] + bias[h, q_idx]", {"bias"}
-        )
-    ] == ["bias[h, kv_idx]", "bias[h, q_idx]"]
+    assert tensor_derivatives("score * slope[h] + slope[h] + bias[h, kv_idx]", {"slope"}) == [
+        ("slope[h]", "(1.0 + score)")]
+    assert [s for s, _ in tensor_derivatives("score + bias[h, kv_idx] + bias[h, q_idx]", {"bias"})] == [
+        "bias[h, kv_idx]", "bias[h, q_idx]"]
     assert tensor_derivatives("score - slope[h]", set()) == []

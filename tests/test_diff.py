@@ -16,9 +16,7 @@ def diff(*args, cwd=ROOT):
 
 
 def test_set_gives_one_spec_line_and_the_source_hunk():
-    result = diff(
-        "specs/fmha_gqa_causal.yaml", "--set", "loop_split=false", "--no-compile"
-    )
+    result = diff("specs/fmha_gqa_causal.yaml", "--set", "loop_split=false", "--no-compile")
     assert result.returncode == 1, result.stderr
     out = result.stdout
     spec = out.split("1. Spec\n")[1].split("\n\n")[0].splitlines()
@@ -31,32 +29,18 @@ def test_set_gives_one_spec_line_and_the_source_hunk():
 
 
 def test_set_values_are_yaml_and_nested():
-    result = diff(
-        "specs/fmha_gqa_causal.yaml",
-        "--set",
-        "fast_math.exp2=false",
-        "--set",
-        "targets.sm_100.tile_m=128",
-        "--no-compile",
-        "--stat",
-    )
+    result = diff("specs/fmha_gqa_causal.yaml", "--set", "fast_math.exp2=false",
+                  "--set", "targets.sm_100.tile_m=128", "--no-compile", "--stat")
     spec = result.stdout.split("1. Spec\n")[1].split("\n\n")[0].splitlines()
-    assert spec == [
-        "  fast_math.exp2: true → false",
-        "  targets.sm_100.tile_m: 256 → 128",
-    ]
-    assert (
-        'tiles.sm_100: "256x128, occupancy 1" → "128x128, occupancy 1"' in result.stdout
-    )
-    assert 'exp_fn: "ct.exp2" → "ct.exp"' in result.stdout
+    assert spec == ["  fast_math.exp2: true → false", "  targets.sm_100.tile_m: 256 → 128"]
+    assert 'tiles.sm_100: "256x128, occupancy 1" → "128x128, occupancy 1"' in result.stdout
+    assert "exp_fn: \"ct.exp2\" → \"ct.exp\"" in result.stdout
     assert "\n--- " not in result.stdout  # --stat: counts only
     assert "3. Source: +" in result.stdout
 
 
 def test_identical_is_exit_0_and_generated_module_side():
-    result = diff(
-        "specs/fmha_mha_bf16.yaml", "generated/fmha_mha_bf16.py", "--no-compile"
-    )
+    result = diff("specs/fmha_mha_bf16.yaml", "generated/fmha_mha_bf16.py", "--no-compile")
     assert result.returncode == 0, result.stderr
     assert "1. Spec\n  identical" in result.stdout and "+0 -0 lines" in result.stdout
 
@@ -66,14 +50,9 @@ def test_identical_is_exit_0_and_generated_module_side():
     [
         (["specs/fmha_gqa_causal.yaml"], "give two specs or modules"),
         (["specs/nope.yaml", "specs/fmha_mha_bf16.yaml"], "no such spec file"),
-        (
-            ["specs/fmha_gqa_causal.yaml", "--set", "loop_split"],
-            "expected key.path=value",
-        ),
-        (
-            ["specs/fmha_gqa_causal.yaml", "--set", "targets.sm_90.tile_m=100"],
-            "targets.sm_90.tile_m: must be a power of two in [16, 256], got 100",
-        ),
+        (["specs/fmha_gqa_causal.yaml", "--set", "loop_split"], "expected key.path=value"),
+        (["specs/fmha_gqa_causal.yaml", "--set", "targets.sm_90.tile_m=100"],
+         "targets.sm_90.tile_m: must be a power of two in [16, 256], got 100"),
         (["specs/fmha_gqa_causal.yaml", "--set", "bogus=1"], "bogus: unknown key"),
     ],
 )
@@ -84,23 +63,11 @@ def test_bad_input_exits_2(args, message):
 
 
 def test_json_has_all_sections_including_performance():
-    result = diff(
-        "specs/fmha_seed_baseline.yaml",
-        "specs/fmha_gqa_causal.yaml",
-        "--json",
-        "--no-compile",
-    )
+    result = diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--json",
+                  "--no-compile")
     assert result.returncode == 1
     report = json.loads(result.stdout)
-    assert set(report) == {
-        "a",
-        "b",
-        "spec",
-        "plan",
-        "source",
-        "compiled",
-        "performance",
-    }
+    assert set(report) == {"a", "b", "spec", "plan", "source", "compiled", "performance"}
     fields = {c["field"] for c in report["spec"]}
     assert {"name", "loop_split", "fast_math.exp2", "loads.k_latency"} <= fields
     assert report["source"]["added"] > 0 and report["source"]["diff"].startswith("--- ")
@@ -111,17 +78,10 @@ def test_json_has_all_sections_including_performance():
 
 
 def test_performance_section_only_with_results(tmp_path):
-    result = diff(
-        "specs/fmha_seed_baseline.yaml",
-        "specs/fmha_gqa_causal.yaml",
-        "--no-compile",
-        "--results",
-        str(tmp_path),
-    )
+    result = diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--no-compile",
+                  "--results", str(tmp_path))
     assert "5. Performance" not in result.stdout
-    result = diff(
-        "specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--no-compile"
-    )
+    result = diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--no-compile")
     assert "5. Performance" in result.stdout and "S=16384:" in result.stdout
 
 
@@ -141,45 +101,29 @@ def test_compiled_section_reports_cubins_and_resources():
     # The short-sequence bucket (64 rows) launches in the global tile order.
     assert {k["kernel"] for k in a["kernels"]} == {
         f"TILE_M={m} TILE_N=128 EVEN_N={even} TILES_OUTER={m == 64}"
-        for m in (64, 128)
-        for even in (True, False)
-    }
-    assert all(
-        k["registers"] > 0 and k["shared"] > 0 for k in a["kernels"] + b["kernels"]
-    )
+        for m in (64, 128) for even in (True, False)}
+    assert all(k["registers"] > 0 and k["shared"] > 0 for k in a["kernels"] + b["kernels"])
     text = diff("specs/fmha_gqa_causal.yaml", "--set", "loop_split=false").stdout
     assert "4. Compiled\n  sm_90: cubin" in text and "reg 128 → 128" in text
 
 
 def test_pair_kernels_matches_labels_then_order():
-    a = [
-        {"kernel": "X EVEN_N=False", "registers": 1},
-        {"kernel": "X EVEN_N=True", "registers": 2},
-    ]
+    a = [{"kernel": "X EVEN_N=False", "registers": 1}, {"kernel": "X EVEN_N=True", "registers": 2}]
     b = [{"kernel": "X EVEN_N=True", "registers": 3}, {"kernel": "X", "registers": 4}]
     pairs = pair_kernels(a, b)
-    assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [
-        (2, 3),
-        (1, 4),
-    ]
+    assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [(2, 3), (1, 4)]
 
 
 def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
     (tmp_path / "specs").mkdir()
-    names = (
-        "fmha_mha_bf16",
-        "fmha_gqa_causal",
-        "fmha_decode_gqa8_bf16",
-    )  # (each spec is alike here)
+    names = ("fmha_mha_bf16", "fmha_gqa_causal", "fmha_decode_gqa8_bf16")  # (each spec is alike here)
     for name in names:
         shutil.copy(ROOT / "specs" / f"{name}.yaml", tmp_path / "specs")
     assert specgen("build", "specs", "--no-compile", cwd=tmp_path).returncode == 0
     clean = specgen("diff", "--templates", cwd=tmp_path)
     assert clean.returncode == 0 and clean.stdout.count("+0 -0 lines") == len(names)
     module = tmp_path / "generated" / "fmha_mha_bf16.py"
-    module.write_text(
-        module.read_text().replace("MAX_GRID_Y = 65535", "MAX_GRID_Y = 1")
-    )
+    module.write_text(module.read_text().replace("MAX_GRID_Y = 65535", "MAX_GRID_Y = 1"))
     changed = specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path)
     assert changed.returncode == 1
     assert "-MAX_GRID_Y = 1\n+MAX_GRID_Y = 65535" in changed.stdout
@@ -188,12 +132,8 @@ def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
 def test_decode_specs_diff_without_tracebacks():
     """Decode specs diff like prefill ones; their bench results (µs rows, not
     TFLOPS tables) are read without a traceback."""
-    result = diff(
-        "specs/fmha_decode_gqa8_bf16.yaml",
-        "specs/fmha_decode_gqa4_bf16.yaml",
-        "--no-compile",
-        "--stat",
-    )
+    result = diff("specs/fmha_decode_gqa8_bf16.yaml", "specs/fmha_decode_gqa4_bf16.yaml", "--no-compile",
+                  "--stat")
     assert result.returncode == 1, result.stderr
     assert "group_size: 8 → 4" in result.stdout and "Traceback" not in result.stderr
 
@@ -202,9 +142,7 @@ def test_decode_specs_diff_without_tracebacks():
 def test_compiled_section_lists_every_kernel_of_a_decode_spec():
     """Each kernel has its own cubin, so the combine kernel's resources are read too
     (one file holding both images showed only the first)."""
-    result = diff(
-        "specs/fmha_decode_gqa8_bf16.yaml", "--set", "targets.sm_90.tile_n=64", "--json"
-    )
+    result = diff("specs/fmha_decode_gqa8_bf16.yaml", "--set", "targets.sm_90.tile_n=64", "--json")
     rows = {row["target"]: row for row in json.loads(result.stdout)["compiled"]}
     a, b = rows["sm_90"]["a"], rows["sm_90"]["b"]
     if a["kernels"] is None:
@@ -212,55 +150,34 @@ def test_compiled_section_lists_every_kernel_of_a_decode_spec():
     for side, tile_n in ((a, 128), (b, 64)):
         labels = [k["kernel"] for k in side["kernels"]]
         # pdl: auto launches (so compiles) the PDL kernels on sm_90.
-        assert {
-            f"TILE_N={tile_n} SINGLE_SPLIT={s} PDL=True" for s in (True, False)
-        } == {label for label in labels if label.startswith("TILE_N=")}
+        assert {f"TILE_N={tile_n} SINGLE_SPLIT={s} PDL=True" for s in (True, False)
+                } == {label for label in labels if label.startswith("TILE_N=")}
         # The combine, once per padded split count 2..64 (MAX_SPLITS).
-        assert sorted(
-            label for label in labels if label.startswith("fmha_decode_combine_")
-        ) == sorted(
-            f"fmha_decode_combine_gqa8_bf16_d128 ({n}, True)"
-            for n in (2, 4, 8, 16, 32, 64)
-        )
+        assert sorted(label for label in labels if label.startswith("fmha_decode_combine_")) == sorted(
+            f"fmha_decode_combine_gqa8_bf16_d128 ({n}, True)" for n in (2, 4, 8, 16, 32, 64))
 
 
 def test_decode_performance_compares_steady_state_microseconds(tmp_path):
-    result = diff(
-        "specs/fmha_decode_gqa4_bf16.yaml",
-        "specs/fmha_decode_paged_mtp.yaml",
-        "--json",
-        "--no-compile",
-    )
+    result = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
+                  "--no-compile")
     block = json.loads(result.stdout)["performance"][0]
-    committed = {
-        name: json.loads((ROOT / f"bench/results/h200/{name}-decode.json").read_text())
-        for name in ("fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp")
-    }
+    committed = {name: json.loads((ROOT / f"bench/results/h200/{name}-decode.json").read_text())
+                 for name in ("fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp")}
     assert block["suite"] == "decode" and block["unit"] == "µs"
     first = block["rows"][0]
     a_us = committed["fmha_decode_gqa4_bf16"]["rows"][0]["timings"]["specgen"]["us"]
     b_us = committed["fmha_decode_paged_mtp"]["rows"][0]["timings"]["specgen"]["us"]
     assert (first["a_us"], first["b_us"]) == (a_us, b_us)
     assert first["ratio"] == pytest.approx(a_us / b_us)
-    text = diff(
-        "specs/fmha_decode_gqa4_bf16.yaml",
-        "specs/fmha_decode_paged_mtp.yaml",
-        "--no-compile",
-    ).stdout
+    text = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--no-compile").stdout
     assert f"B1 Hkv8 L8192: {a_us:.1f} → {b_us:.1f} µs" in text
     # A result of the one-call schema (1) is not compared with a steady-state one.
     (tmp_path / "h200").mkdir()
     for name, data in committed.items():
         data = dict(data, schema_version=1) if name == "fmha_decode_paged_mtp" else data
         (tmp_path / "h200" / f"{name}-decode.json").write_text(json.dumps(data))
-    old = diff(
-        "specs/fmha_decode_gqa4_bf16.yaml",
-        "specs/fmha_decode_paged_mtp.yaml",
-        "--json",
-        "--no-compile",
-        "--results",
-        str(tmp_path),
-    )
+    old = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
+               "--no-compile", "--results", str(tmp_path))
     assert json.loads(old.stdout)["performance"] == []
 
 
@@ -269,11 +186,7 @@ def overlaps(loop: str) -> bool:
     wait after its head: the tensor cores run while the softmax does."""
     events = loop.split()
     head = 1 if events[0].startswith("W") else 0
-    window = (
-        events[head : events.index("W", head)]
-        if "W" in events[head:]
-        else events[head:]
-    )
+    window = events[head:events.index("W", head)] if "W" in events[head:] else events[head:]
     mmas = [i for i, e in enumerate(window) if e.startswith("Q")]
     exps = [i for i, e in enumerate(window) if e.startswith("E")]
     return bool(mmas and exps and mmas[0] < exps[-1])
@@ -292,34 +205,18 @@ def test_compiled_section_shows_what_qk_ahead_does_to_the_loop_schedule(tmp_path
     import yaml
 
     data = yaml.safe_load((ROOT / "specs" / "fmha_gqa8_bf16.yaml").read_text())
-    data.update(
-        name="qk_probe",
-        prescale_q=False,
-        compile_for=["sm_90"],
-        autotune={},
-        targets={
-            "sm_90": {
-                "tile_m": 128,
-                "tile_n": 128,
-                "occupancy": 1,
-                "num_worker_warps": 8,
-            }
-        },
-    )
+    data.update(name="qk_probe", prescale_q=False, compile_for=["sm_90"], autotune={},
+                targets={"sm_90": {"tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8}})
     spec = tmp_path / "qk_probe.yaml"
     spec.write_text(yaml.safe_dump(data))
     result = diff(spec, "--set", "qk_ahead=true", "--json", "--gen", tmp_path)
     rows = {row["target"]: row for row in json.loads(result.stdout)["compiled"]}
     kernels = rows["sm_90"]["a"]["kernels"], rows["sm_90"]["b"]["kernels"]
     if kernels[0] is None or kernels[0][0].get("loops") is None:
-        pytest.skip(
-            "cuobjdump/nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)"
-        )
+        pytest.skip("cuobjdump/nvdisasm not installed (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     plain = [loop for k in kernels[0] for loop in k["loops"]]
     ahead = [loop for k in kernels[1] for loop in k["loops"]]
-    assert plain and all(
-        loop.split()[:4] == ["W", "Q8", "W", "E66"] for loop in plain
-    ), plain
+    assert plain and all(loop.split()[:4] == ["W", "Q8", "W", "E66"] for loop in plain), plain
     for loop in ahead:
         assert overlaps(loop), loop
     assert not any(overlaps(loop) for loop in plain)

@@ -37,17 +37,9 @@ def test_generated_docs_are_up_to_date(rel):
     assert path.is_file(), f"{rel} is missing; run `{REGENERATE}`"
     have = path.read_text()
     if have != want:
-        diff = "".join(
-            difflib.unified_diff(
-                have.splitlines(True),
-                want.splitlines(True),
-                f"{rel} (on disk)",
-                f"{rel} (generated)",
-            )
-        )
-        pytest.fail(
-            f"{rel} differs from its generator; run `{REGENERATE}`\n{diff[:4000]}"
-        )
+        diff = "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True),
+                                            f"{rel} (on disk)", f"{rel} (generated)"))
+        pytest.fail(f"{rel} differs from its generator; run `{REGENERATE}`\n{diff[:4000]}")
 
 
 def test_write_docs_check_reports_drift_and_writes_nothing(tmp_path):
@@ -81,28 +73,13 @@ def test_a_description_of_no_field_fails_loudly(monkeypatch):
 
 # A value other than the default for each family-only field, valid in its own family.
 FAMILY_SAMPLES = {
-    "kv_dtype": "float8_e4m3fn",
-    "max_q_len": 2,
-    "paged": {"page_size": 64},
-    "splits": 4,
-    "pdl": True,
-    "out_dtype": "bfloat16",
-    "v_head_dim": 64,
-    "softcap": 30.0,
+    "kv_dtype": "float8_e4m3fn", "max_q_len": 2, "paged": {"page_size": 64}, "splits": 4,
+    "pdl": True, "out_dtype": "bfloat16", "v_head_dim": 64, "softcap": 30.0,
     "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-    "score_mod": "score * 0.5",
-    "mask_mod": "kv_idx <= q_idx",
-    "skip_masked_tiles": True,
+    "score_mod": "score * 0.5", "mask_mod": "kv_idx <= q_idx", "skip_masked_tiles": True,
     "block_sparse": True,
-    "dropout": True,
-    "varlen": True,
-    "return_lse": True,
-    "loop_split": False,
-    "block_remap": False,
-    "prescale_q": True,
-    "q_subtiles": 2,
-    "qk_ahead": True,
-    "backward": True,
+    "dropout": True, "varlen": True, "return_lse": True, "loop_split": False,
+    "block_remap": False, "prescale_q": True, "q_subtiles": 2, "qk_ahead": True, "backward": True,
 }
 # Other fields a sample needs to pass its own field's checks, so that the family check
 # is the one that refuses it: two query half-tiles need a decode tile of 32 rows.
@@ -113,14 +90,8 @@ FAMILY_CONTEXT = {"q_subtiles": {"gqa_ratio": 32}}
 def test_family_column_matches_the_validator(field):
     other = "prefill" if FAMILY_ONLY[field] == "decode" else "decode"
     with pytest.raises(ValidationError) as info:
-        Spec.model_validate(
-            {
-                "name": "x",
-                "family": other,
-                field: FAMILY_SAMPLES[field],
-                **FAMILY_CONTEXT.get(field, {}),
-            }
-        )
+        Spec.model_validate({"name": "x", "family": other, field: FAMILY_SAMPLES[field],
+                             **FAMILY_CONTEXT.get(field, {})})
     assert f"not supported by family {other}" in str(info.value)
 
 
@@ -133,9 +104,7 @@ def test_spec_reference_counts_the_shipped_specs():
 
 def test_readme_is_short():
     lines = README.read_text().splitlines()
-    assert (
-        len(lines) < 200
-    ), f"README.md has {len(lines)} lines; move reference material to docs/"
+    assert len(lines) < 200, f"README.md has {len(lines)} lines; move reference material to docs/"
 
 
 def test_readme_first_screen_has_install_and_test_commands():
@@ -153,27 +122,20 @@ def _pages():
     return [README, *sorted(DOCS.glob("*.md"))]
 
 
-@pytest.mark.parametrize(
-    "path",
-    [p for p in _pages() if p != EXPERIMENT_LOG],
-    ids=lambda p: p.relative_to(ROOT).as_posix(),
-)
+@pytest.mark.parametrize("path", [p for p in _pages() if p != EXPERIMENT_LOG],
+                         ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_no_history_references_outside_the_experiment_log(path):
     text = path.read_text()
     for pattern in HISTORY:
         found = pattern.search(text)
-        assert not found, (
-            f"{path.relative_to(ROOT)}: {found.group(0)!r}: history belongs in "
-            "docs/experiments.md (link to it instead)"
-        )
+        assert not found, (f"{path.relative_to(ROOT)}: {found.group(0)!r}: history belongs in "
+                           "docs/experiments.md (link to it instead)")
 
 
 @pytest.mark.parametrize("path", _pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_relative_links_resolve(path):
     for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", path.read_text()):
-        assert (
-            path.parent / target
-        ).exists(), f"{path.relative_to(ROOT)}: broken link {target}"
+        assert (path.parent / target).exists(), f"{path.relative_to(ROOT)}: broken link {target}"
 
 
 def test_spec_comments_list_every_allowed_value():
@@ -184,13 +146,9 @@ def test_spec_comments_list_every_allowed_value():
             found = re.match(r"(\w+):.*#\s*(\w+(?: \| \w+)+)\s*$", line)
             if not found or found.group(1) not in Spec.model_fields:
                 continue
-            allowed = set(
-                map(str, get_args(Spec.model_fields[found.group(1)].annotation))
-            )
+            allowed = set(map(str, get_args(Spec.model_fields[found.group(1)].annotation)))
             listed = set(found.group(2).split(" | "))
-            assert (
-                listed == allowed
-            ), f"{path.name}: {line.strip()}: the model allows {sorted(allowed)}"
+            assert listed == allowed, f"{path.name}: {line.strip()}: the model allows {sorted(allowed)}"
 
 
 def test_performance_reads_every_schema_version(tmp_path):
@@ -207,20 +165,14 @@ def test_performance_reads_every_schema_version(tmp_path):
     current = json.loads((h200 / "fa3" / "fmha_gqa8_bf16-prefill.json").read_text())
     assert current["schema"] == 3 and "fa3" in current["baselines"]
     shutil.copy(h200 / "fa3" / "fmha_gqa8_bf16-prefill.json", folder / "a-prefill.json")
-    shutil.copy(
-        h200 / "fmha_gqa8_bf16-prefill.json", folder / "b-prefill.json"
-    )  # schema_version 1
-    shutil.copy(
-        h200 / "fmha_decode_gqa4_bf16-decode.json", folder / "c-decode.json"
-    )  # version 2
+    shutil.copy(h200 / "fmha_gqa8_bf16-prefill.json", folder / "b-prefill.json")  # schema_version 1
+    shutil.copy(h200 / "fmha_decode_gqa4_bf16-decode.json", folder / "c-decode.json")  # version 2
     page = performance_markdown(tmp_path / "results")
     assert page.count("#### `fmha_gqa8_bf16`, prefill") == 2
     assert "FlashAttention-3 TFLOPS (ms)" in page and "vs FlashAttention-3" in page
     first = current["rows"][0]["timings"]["fa3"]
     assert f"{first['tflops']:.0f} ({first['ms']:.3f})" in page
-    assert (
-        "#### `fmha_decode_gqa4_bf16`, decode" in page and "| B | L | splits |" in page
-    )
+    assert "#### `fmha_decode_gqa4_bf16`, decode" in page and "| B | L | splits |" in page
     (folder / "d-prefill.json").write_text(json.dumps(dict(current, schema=99)))
     with pytest.raises(DocsError, match="schema"):
         performance_markdown(tmp_path / "results")
@@ -235,11 +187,7 @@ def test_flex_ratios_of_dynamic_shape_runs_are_marked(tmp_path):
     from specgen.bench.baselines import FLEX_STATIC
     from specgen.docs import DYNAMIC_MARK, performance_markdown
 
-    source = json.loads(
-        (
-            ROOT / "bench" / "results" / "h200" / "fmha_chunked_local-prefill.json"
-        ).read_text()
-    )
+    source = json.loads((ROOT / "bench" / "results" / "h200" / "fmha_chunked_local-prefill.json").read_text())
     assert all(r["timings"]["flex"]["note"] == FLEX_STATIC for r in source["rows"])
     folder = tmp_path / "results" / "gpu"
     folder.mkdir(parents=True)

@@ -29,42 +29,28 @@ def _cases(spec: dict) -> list[Case]:
     varlen: uneven sequences, one of length 1."""
     if spec["family"] == "decode":
         q_len = spec.get("max_q_len", 1)
-        return [
-            Case(4, 2, q_len, 0, decode_lens=(17, q_len, 300, 64 + q_len)),
-            Case(1, 1, 1, 0, decode_lens=(1000,)),
-        ]
+        return [Case(4, 2, q_len, 0, decode_lens=(17, q_len, 300, 64 + q_len)),
+                Case(1, 1, 1, 0, decode_lens=(1000,))]
     if spec["varlen"]:
         return [Case(3, 2, 0, 0, lengths=((5, 300), (128, 200), (1, 1)))]
-    return [
-        Case(1, 1, 130, 300, 170),
-        Case(2, 2, 257, 129, -128, "transposed"),
-        Case(1, 2, 1, 1),
-    ]
+    return [Case(1, 1, 130, 300, 170), Case(2, 2, 257, 129, -128, "transposed"), Case(1, 2, 1, 1)]
 
 
 def _module(name: str, source: str | None = None):
-    return emulate.load_module(
-        ROOT / "generated" / f"{name}.py",
-        source=source,
-        name=f"_test_emulated_{name}_{hash(source)}",
-    )
+    return emulate.load_module(ROOT / "generated" / f"{name}.py", source=source,
+                               name=f"_test_emulated_{name}_{hash(source)}")
 
 
 def _emulated(data: dict, label: str, spec_path: str = "specs/variant.yaml"):
     """The module of a spec given as data, rendered and emulated."""
     plan, source = render_spec_data(data, spec_path)
-    return emulate.load_module(
-        ROOT / "generated" / f"{plan.module_name}.py",
-        source=source,
-        name=f"_test_emulated_{label}",
-    )
+    return emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                               name=f"_test_emulated_{label}")
 
 
 def _run(module, case: Case, seed: int = 3) -> dict:
     with emulate.emulating():
-        return run_case(
-            torch, module, case, torch.Generator().manual_seed(seed), device="cpu"
-        )
+        return run_case(torch, module, case, torch.Generator().manual_seed(seed), device="cpu")
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
@@ -72,9 +58,7 @@ def test_shipped_kernels_match_the_fp64_reference_when_emulated(name):
     module = _module(name)
     for case in _cases(module.SPEC):
         row = _run(module, case)
-        assert row[
-            "ok"
-        ], f"{name} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+        assert row["ok"], f"{name} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
         if module.SPEC.get("backward") and name not in VARLEN_SPEC_NAMES:
             assert "grad_ratio" in row  # the gradients were checked too
 
@@ -88,18 +72,11 @@ def test_every_family_is_covered():
 # kernels get right (text of fmha_gqa8_bf16's kernel).
 MUTATIONS = {
     "causal mask off by one": ("visible = keys <= rows", "visible = keys < rows"),
-    "V padding left undetermined": (
-        "            latency=4,\n            padding_mode=ct.PaddingMode.ZERO,",
-        "            latency=4,",
-    ),
-    "one unmasked key tile skipped": (
-        "    for j in range(0, mask_start):",
-        "    for j in range(0, mask_start - 1):",
-    ),
-    "no final normalisation": (
-        "    l_div = ct.where(l_i == 0.0, 1.0, l_i)",
-        "    l_div = ct.where(l_i == 0.0, 1.0, 1.0)",
-    ),
+    "V padding left undetermined": ("            latency=4,\n            padding_mode=ct.PaddingMode.ZERO,",
+                                    "            latency=4,"),
+    "one unmasked key tile skipped": ("    for j in range(0, mask_start):",
+                                      "    for j in range(0, mask_start - 1):"),
+    "no final normalisation": ("    l_div = ct.where(l_i == 0.0, 1.0, l_i)", "    l_div = ct.where(l_i == 0.0, 1.0, 1.0)"),
 }
 
 
@@ -109,18 +86,14 @@ def test_a_broken_kernel_fails_the_emulated_check(what):
     source = (ROOT / "generated" / "fmha_gqa8_bf16.py").read_text()
     assert source.count(old) == 1, what
     broken = _module("fmha_gqa8_bf16", source.replace(old, new))
-    rows = [
-        _run(broken, case) for case in (Case(1, 1, 130, 300, 170), Case(1, 1, 200, 200))
-    ]
+    rows = [_run(broken, case) for case in (Case(1, 1, 130, 300, 170), Case(1, 1, 200, 200))]
     assert not all(row["ok"] for row in rows), what
 
 
 def test_a_wrong_kv_head_reads_outside_its_array():
     source = (ROOT / "generated" / "fmha_gqa8_bf16.py").read_text()
-    broken = _module(
-        "fmha_gqa8_bf16",
-        source.replace("kv_head = head // GROUP_SIZE", "kv_head = head % GROUP_SIZE"),
-    )
+    broken = _module("fmha_gqa8_bf16", source.replace("kv_head = head // GROUP_SIZE",
+                                                      "kv_head = head % GROUP_SIZE"))
     with pytest.raises(emulate.EmulationError, match="wholly outside"):
         _run(broken, Case(1, 2, 130, 300, 170))
 
@@ -133,9 +106,7 @@ def test_loads_follow_cutile_tile_spaces():
     # a partial tile: padding undetermined (NaN here) unless asked for
     edge = emulate.load(a, (0, 0, 1, 0), (1, 1, 4, 4))
     assert torch.equal(edge[0, 0, :1], a[0, 0, 4:5]) and edge[0, 0, 1:].isnan().all()
-    zero = emulate.load(
-        a, (0, 0, 1, 0), (1, 1, 4, 4), padding_mode=emulate._ct.PaddingMode.ZERO
-    )
+    zero = emulate.load(a, (0, 0, 1, 0), (1, 1, 4, 4), padding_mode=emulate._ct.PaddingMode.ZERO)
     assert (zero[0, 0, 1:] == 0).all()
     with pytest.raises(emulate.EmulationError, match="wholly outside"):
         emulate.load(a, (0, 0, 2, 0), (1, 1, 4, 4))
@@ -159,22 +130,16 @@ def test_gather_scatter_and_slices():
         with pytest.raises(emulate.EmulationError, match="start < N"):
             a.slice(axis=0, start=10, stop=10)
         assert torch.ones(2).astype(emulate._ct.int32).dtype == torch.int32
-    assert (
-        not hasattr(torch.Tensor, "astype")
-        or torch.Tensor.astype is not emulate._tile_astype
-    )
+    assert not hasattr(torch.Tensor, "astype") or torch.Tensor.astype is not emulate._tile_astype
 
 
 def test_uint32_tiles_wrap_as_the_gpu_does():
     from specgen.check.reference import _mul32
 
-    x = emulate.astype(
-        torch.tensor([1, 2**31 + 5, 2**32 - 1], dtype=torch.int64), emulate._ct.uint32
-    )
+    x = emulate.astype(torch.tensor([1, 2**31 + 5, 2**32 - 1], dtype=torch.int64), emulate._ct.uint32)
     y = (x * 0x85EBCA77) ^ (x >> 13)
     want = _mul32(torch.tensor([1, 2**31 + 5, 2**32 - 1]), 0x85EBCA77) ^ (
-        torch.tensor([1, 2**31 + 5, 2**32 - 1]) >> 13
-    )
+        torch.tensor([1, 2**31 + 5, 2**32 - 1]) >> 13)
     assert y.as_subclass(torch.Tensor).tolist() == want.tolist()
     assert ((x >> 8) >= 3).dtype == torch.bool
 
@@ -183,51 +148,26 @@ def test_scalar_defaults_and_builtin_max():
     assert emulate.where(torch.tensor([True, False]), 2, 0).dtype == torch.int32
     assert emulate.where(torch.tensor([True]), 1.5, -math.inf).dtype == torch.float32
     assert emulate._builtin_max(3, 5) == 5
-    assert emulate._builtin_max(
-        torch.tensor([1.0, 4.0]), torch.tensor([2.0, 3.0])
-    ).tolist() == [2.0, 4.0]
+    assert emulate._builtin_max(torch.tensor([1.0, 4.0]), torch.tensor([2.0, 3.0])).tolist() == [2.0, 4.0]
     assert emulate.cdiv(7, 2) == 4 and emulate.cdiv(8, 2) == 4
 
 
 def test_specgen_test_emulate_runs_without_a_gpu(tmp_path):
     from .test_cli import specgen
 
-    result = specgen(
-        "test",
-        ROOT / "specs" / "fmha_mistral_window.yaml",
-        "--emulate",
-        "--gen",
-        tmp_path,
-        cwd=ROOT,
-    )
+    result = specgen("test", ROOT / "specs" / "fmha_mistral_window.yaml", "--emulate",
+                     "--gen", tmp_path, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "kernels emulated on the CPU" in result.stderr
     assert "cases passed" in result.stdout and "FAIL" not in result.stdout
-    fuzz = specgen(
-        "test",
-        ROOT / "specs" / "fmha_decode_gqa8_bf16.yaml",
-        "--emulate",
-        "--fuzz",
-        "3",
-        "--seed",
-        "5",
-        "--gen",
-        tmp_path,
-        cwd=ROOT,
-    )
+    fuzz = specgen("test", ROOT / "specs" / "fmha_decode_gqa8_bf16.yaml", "--emulate", "--fuzz", "3",
+                   "--seed", "5", "--gen", tmp_path, cwd=ROOT)
     assert fuzz.returncode == 0, fuzz.stderr[-2000:]
     assert "3/3 fuzz cases (3 drawn) passed" in fuzz.stdout
 
 
-QK_AHEAD_SPECS = [
-    "fmha_gqa8_bf16",
-    "fmha_mistral_window",
-    "fmha_fp8_llama",
-    "fmha_varlen_llama",
-    "fmha_gemma_softcap",
-    "fmha_train_gqa_causal",
-    "fmha_mha_bf16",
-]
+QK_AHEAD_SPECS = ["fmha_gqa8_bf16", "fmha_mistral_window", "fmha_fp8_llama", "fmha_varlen_llama",
+                  "fmha_gemma_softcap", "fmha_train_gqa_causal", "fmha_mha_bf16"]
 
 
 @pytest.mark.parametrize("name", QK_AHEAD_SPECS)
@@ -237,38 +177,26 @@ def test_qk_ahead_gives_the_plain_kernels_results(name):
     import yaml
 
     data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
-    ahead = _emulated(
-        {**data, "qk_ahead": True}, f"qk_ahead_{name}", f"specs/{name}.yaml"
-    )
+    ahead = _emulated({**data, "qk_ahead": True}, f"qk_ahead_{name}", f"specs/{name}.yaml")
     plain = _module(name)
     for case in _cases(ahead.SPEC):
         rows = [_run(module, case, seed=11) for module in (plain, ahead)]
         assert rows[1]["ok"], case_verdict(rows[1])
-        assert (
-            rows[0]["rel_err"] == rows[1]["rel_err"]
-            and rows[0]["max_abs_err"] == rows[1]["max_abs_err"]
-        )
+        assert rows[0]["rel_err"] == rows[1]["rel_err"] and rows[0]["max_abs_err"] == rows[1]["max_abs_err"]
         assert rows[0].get("grad_ratio") == rows[1].get("grad_ratio")
 
 
-@pytest.mark.parametrize(
-    "stem", ["hopper_qk_ahead", "hopper_qk_ahead_fp8", "hopper_qk_ahead_noncausal"]
-)
+@pytest.mark.parametrize("stem", ["hopper_qk_ahead", "hopper_qk_ahead_fp8", "hopper_qk_ahead_noncausal"])
 def test_variants_to_be_timed_pass_the_fp64_check_when_emulated(stem, monkeypatch):
     """Each variant of these files passes, emulated, the check the GPU run makes
     before timing it, so no device time goes to a variant that is wrong."""
     from specgen.commands.explore import load_variants
 
     monkeypatch.chdir(ROOT)
-    _, plans, sources = load_variants(
-        (ROOT / "bench" / "variants" / f"{stem}.yaml").relative_to(ROOT)
-    )
+    _, plans, sources = load_variants((ROOT / "bench" / "variants" / f"{stem}.yaml").relative_to(ROOT))
     for label, source in sources.items():
-        module = emulate.load_module(
-            ROOT / "generated" / f"{plans[label].module_name}.py",
-            source=source,
-            name=f"_test_variant_{stem}_{len(label)}_{hash(label)}",
-        )
+        module = emulate.load_module(ROOT / "generated" / f"{plans[label].module_name}.py", source=source,
+                                     name=f"_test_variant_{stem}_{len(label)}_{hash(label)}")
         row = _run(module, Case(1, 1, 150, 600, 450))
         assert row["ok"], f"{stem} / {label}: {case_verdict(row)}"
 
@@ -277,11 +205,8 @@ def test_flush_to_zero_is_modelled():
     tiny = torch.tensor([-130.0, -100.0], dtype=torch.float32)
     assert emulate.exp2(tiny).tolist()[0] > 0
     assert emulate.exp2(tiny, flush_to_zero=True).tolist()[0] == 0.0
-    assert emulate.exp2(tiny, flush_to_zero=True).tolist()[1] == 2.0**-100
-    assert (
-        emulate.truediv(torch.tensor([2.0**-127]), 1.0, flush_to_zero=True).item()
-        == 0.0
-    )
+    assert emulate.exp2(tiny, flush_to_zero=True).tolist()[1] == 2.0 ** -100
+    assert emulate.truediv(torch.tensor([2.0 ** -127]), 1.0, flush_to_zero=True).item() == 0.0
 
 
 def test_a_block_pattern_with_blocks_set_matches_the_reference():
@@ -295,54 +220,32 @@ def test_a_block_pattern_with_blocks_set_matches_the_reference():
     blocks = (torch.rand(2, 128, 128, generator=g) < 0.35).to(torch.int32)
     blocks[0, 0, 0] = 1
     with emulate.emulating():
-        block_map = module.make_block_map(
-            2, q.shape[1], 300, 450, q_offset=0, device=q.device, blocks=blocks
-        )
+        block_map = module.make_block_map(2, q.shape[1], 300, 450, q_offset=0, device=q.device,
+                                          blocks=blocks)
         out = module.attention(q, k, v, blocks=blocks, block_map=block_map)
     ref, _ = reference_for(module.SPEC, q, k, v, {"blocks": blocks})
     result = compare(out, ref, "bfloat16")
     assert result.ok and ref.abs().max() > 0.1, result
 
 
-def test_an_emulated_fuzz_failure_prints_an_emulated_replay(
-    tmp_path, monkeypatch, capsys
-):
+def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatch, capsys):
     from specgen.check import runner
 
     def failing(module_path, case, generator_seed):
-        return {
-            "shape": "x",
-            "max_abs_err": 1.0,
-            "rel_err": 1.0,
-            "nonfinite": 0,
-            "ok": False,
-        }
+        return {"shape": "x", "max_abs_err": 1.0, "rel_err": 1.0, "nonfinite": 0, "ok": False}
 
     monkeypatch.setattr(runner, "_emulated_case", failing)
-    code = runner.run_test(
-        [str(ROOT / "specs" / "fmha_mha_bf16.yaml")],
-        tmp_path,
-        quick=False,
-        seed=3,
-        fuzz=2,
-        emulate=True,
-    )
+    code = runner.run_test([str(ROOT / "specs" / "fmha_mha_bf16.yaml")], tmp_path, quick=False,
+                           seed=3, fuzz=2, emulate=True)
     out, err = capsys.readouterr()
     assert code == 1
-    assert (
-        "--fuzz-case 3:0 --emulate" in out
-        and "replay: --fuzz-case 3:1 --emulate" in err
-    )
+    assert "--fuzz-case 3:0 --emulate" in out and "replay: --fuzz-case 3:1 --emulate" in err
 
 
 def _gpu_variants() -> dict:
     from . import test_gpu
 
-    return {
-        **test_gpu.VARIANTS,
-        **test_gpu.VARLEN_VARIANTS,
-        **test_gpu.FEATURE_VARIANTS,
-    }
+    return {**test_gpu.VARIANTS, **test_gpu.VARLEN_VARIANTS, **test_gpu.FEATURE_VARIANTS}
 
 
 @pytest.mark.parametrize("variant", sorted(_gpu_variants()))
@@ -352,19 +255,12 @@ def test_gpu_template_variants_pass_when_emulated(variant):
     float8, dropout), each on ragged shapes: rows past the keys, a partial last half."""
     from specgen.check.runner import case_matrix
 
-    module = _emulated(
-        prefill_variant_data(variant, _gpu_variants()[variant]), f"variant_{variant}"
-    )
-    cases = (
-        [case_matrix(True, module.SPEC)[2]]
-        if module.SPEC["varlen"]
-        else [Case(2, 1, 128, 600, 472), Case(1, 2, 77, 77), Case(1, 1, 100, 300, 450)]
-    )
+    module = _emulated(prefill_variant_data(variant, _gpu_variants()[variant]), f"variant_{variant}")
+    cases = ([case_matrix(True, module.SPEC)[2]] if module.SPEC["varlen"]
+             else [Case(2, 1, 128, 600, 472), Case(1, 2, 77, 77), Case(1, 1, 100, 300, 450)])
     for case in cases:
         row = _run(module, case)
-        assert row[
-            "ok"
-        ], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+        assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
 
 
 def _decode_variants() -> dict:
@@ -379,13 +275,8 @@ def test_gpu_decode_variants_pass_when_emulated(variant):
     windows, sinks, splits, masks and block maps) on the quick decode batches."""
     from specgen.check.runner import case_matrix
 
-    module = _emulated(
-        decode_variant_data(variant, _decode_variants()[variant]),
-        f"decode_{variant}",
-        "specs/v.yaml",
-    )
+    module = _emulated(decode_variant_data(variant, _decode_variants()[variant]), f"decode_{variant}",
+                       "specs/v.yaml")
     for i, case in enumerate(case_matrix(True, module.SPEC)[:4]):
         row = _run(module, case, seed=i)
-        assert row[
-            "ok"
-        ], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+        assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"

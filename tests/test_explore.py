@@ -1,18 +1,15 @@
 """`specgen bench --variants` without a GPU: every variant is validated and
 rendered before anything runs; bad files and bad variants exit 2 in one line."""
 
+
 import pytest
 
 from specgen.errors import UsageError
-from specgen.commands.explore import (
-    VariantsResult,
-    VariantTiming,
-    format_markdown,
-    load_variants,
-)
+from specgen.commands.explore import VariantsResult, VariantTiming, format_markdown, load_variants
 
 from .helpers import ROOT
 from .test_cli import specgen
+
 
 VARIANT_FILES = sorted((ROOT / "bench" / "variants").glob("*.yaml"))
 
@@ -26,42 +23,27 @@ def test_shipped_variant_files_all_render(path, monkeypatch):
     monkeypatch.chdir(ROOT)
     config, plans, sources = load_variants(path.relative_to(ROOT))
     assert set(plans) == set(config.variants) == set(sources)
-    assert len(set(sources.values())) == len(
-        sources
-    ), f"{path.name}: two variants render alike"
+    assert len(set(sources.values())) == len(sources), f"{path.name}: two variants render alike"
 
 
 def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = tmp_path / "v.yaml"
-    path.write_text(
-        "spec: specs/fmha_gqa_causal.yaml\nvariants:\n  base: []\n"
-        "  split off: [loop_split=false]\n"
-    )
+    path.write_text("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  base: []\n"
+                    "  split off: [loop_split=false]\n")
     _, plans, sources = load_variants(path)
     assert plans["base"].loop_split and not plans["split off"].loop_split
-    assert (
-        "No loop split" in sources["split off"]
-        and "No loop split" not in sources["base"]
-    )
+    assert "No loop split" in sources["split off"] and "No loop split" not in sources["base"]
 
 
-@pytest.mark.parametrize(
-    "text,message",
-    [
-        ("spec: specs/fmha_gqa_causal.yaml\nvariants: {}\n", "variants:"),
-        (
-            "spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [targets.sm_90.tile_m=100]\n",
-            "variant 'x': targets.sm_90.tile_m: must be a power of two in [16, 256], got 100",
-        ),
-        (
-            "spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [loop_split]\n",
-            "expected key.path=value",
-        ),
-        ("spec: specs/fmha_gqa_causal.yaml\nbogus: 1\nvariants:\n  x: []\n", "bogus"),
-        ("spec: [\n", "not valid YAML"),
-    ],
-)
+@pytest.mark.parametrize("text,message", [
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants: {}\n", "variants:"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [targets.sm_90.tile_m=100]\n",
+     "variant 'x': targets.sm_90.tile_m: must be a power of two in [16, 256], got 100"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [loop_split]\n", "expected key.path=value"),
+    ("spec: specs/fmha_gqa_causal.yaml\nbogus: 1\nvariants:\n  x: []\n", "bogus"),
+    ("spec: [\n", "not valid YAML"),
+])
 def test_bad_variant_files_are_usage_errors(tmp_path, monkeypatch, text, message):
     monkeypatch.chdir(ROOT)
     path = tmp_path / "v.yaml"
@@ -72,9 +54,7 @@ def test_bad_variant_files_are_usage_errors(tmp_path, monkeypatch, text, message
 
 
 def test_bench_variants_cli_errors():
-    both = specgen(
-        "bench", "specs/fmha_gqa_causal.yaml", "--variants", "x.yaml", cwd=ROOT
-    )
+    both = specgen("bench", "specs/fmha_gqa_causal.yaml", "--variants", "x.yaml", cwd=ROOT)
     assert both.returncode == 2 and "not both" in both.stderr
     neither = specgen("bench", cwd=ROOT)
     assert neither.returncode == 2 and "at least one SPEC" in neither.stderr
@@ -84,25 +64,12 @@ def test_bench_variants_cli_errors():
 
 def test_markdown_table_has_one_row_per_variant_and_the_cudnn_row():
     result = VariantsResult(
-        file="v.yaml",
-        spec="specs/s.yaml",
-        created="2026-11-21",
-        device={"name": "GPU"},
-        shapes={"batch": 1, "heads": 2, "seqs": [2048]},
-        variants={"a": [], "b": ["x=1"]},
+        file="v.yaml", spec="specs/s.yaml", created="2026-11-21", device={"name": "GPU"},
+        shapes={"batch": 1, "heads": 2, "seqs": [2048]}, variants={"a": [], "b": ["x=1"]},
         max_rel_err={"a": 1e-4, "b": None},
-        rows=[
-            VariantTiming(
-                variant="a",
-                seq=2048,
-                ms=1.0,
-                tflops=500.0,
-                cudnn_ms=1.1,
-                cudnn_tflops=455.0,
-                vs_cudnn=1.1,
-            ),
-            VariantTiming(variant="b", seq=2048, error="incorrect or failed"),
-        ],
+        rows=[VariantTiming(variant="a", seq=2048, ms=1.0, tflops=500.0, cudnn_ms=1.1,
+                            cudnn_tflops=455.0, vs_cudnn=1.1),
+              VariantTiming(variant="b", seq=2048, error="incorrect or failed")],
     )
     table = format_markdown(result)
     assert "| a | 1.0e-04 | 500 (1.10×) |" in table
@@ -112,38 +79,14 @@ def test_markdown_table_has_one_row_per_variant_and_the_cudnn_row():
 
 def test_markdown_table_gives_each_other_baseline_a_ratio_and_a_row():
     result = VariantsResult(
-        file="v.yaml",
-        spec="specs/s.yaml",
-        created="2026-11-25",
-        device={"name": "GPU"},
-        shapes={"batch": 1, "heads": 2, "seqs": [1024, 2048]},
-        variants={"a": []},
-        max_rel_err={"a": 1e-4},
-        baselines=["fa3", "flex"],
-        skipped={"flex": "Flex not here"},
-        rows=[
-            VariantTiming(
-                variant="a",
-                seq=1024,
-                ms=1.0,
-                tflops=400.0,
-                cudnn_ms=1.0,
-                cudnn_tflops=400.0,
-                vs_cudnn=1.0,
-                baseline_ms={"fa3": 0.8},
-                baseline_tflops={"fa3": 500.0},
-                speedup={"fa3": 0.8},
-            ),
-            VariantTiming(
-                variant="a",
-                seq=2048,
-                ms=1.0,
-                tflops=600.0,
-                cudnn_ms=1.2,
-                cudnn_tflops=500.0,
-                vs_cudnn=1.2,
-            ),
-        ],
+        file="v.yaml", spec="specs/s.yaml", created="2026-11-25", device={"name": "GPU"},
+        shapes={"batch": 1, "heads": 2, "seqs": [1024, 2048]}, variants={"a": []},
+        max_rel_err={"a": 1e-4}, baselines=["fa3", "flex"], skipped={"flex": "Flex not here"},
+        rows=[VariantTiming(variant="a", seq=1024, ms=1.0, tflops=400.0, cudnn_ms=1.0, cudnn_tflops=400.0,
+                            vs_cudnn=1.0, baseline_ms={"fa3": 0.8}, baseline_tflops={"fa3": 500.0},
+                            speedup={"fa3": 0.8}),
+              VariantTiming(variant="a", seq=2048, ms=1.0, tflops=600.0, cudnn_ms=1.2, cudnn_tflops=500.0,
+                            vs_cudnn=1.2)],
     )
     table = format_markdown(result)
     assert "| a | 1.0e-04 | 400 (1.00×) 0.80× FA3 | 600 (1.20×) |" in table
@@ -156,37 +99,22 @@ def test_variants_refuse_a_baseline_that_patches_cuda_tile(monkeypatch):
 
     monkeypatch.chdir(ROOT)
     with pytest.raises(UsageError, match="tilegym cannot be timed beside the variants"):
-        run_variants(
-            ROOT / "bench" / "variants" / "hopper_qk_ahead.yaml",
-            ROOT / "bench" / "results",
-            baselines=("cudnn", "tilegym"),
-        )
+        run_variants(ROOT / "bench" / "variants" / "hopper_qk_ahead.yaml", ROOT / "bench" / "results",
+                     baselines=("cudnn", "tilegym"))
 
 
-def test_a_variants_file_picks_graph_timing_and_the_table_says_so(
-    tmp_path, monkeypatch
-):
+def test_a_variants_file_picks_graph_timing_and_the_table_says_so(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     path = tmp_path / "v.yaml"
-    path.write_text(
-        "spec: specs/fmha_gqa_causal.yaml\ntiming: graph\nvariants:\n  base: []\n"
-    )
+    path.write_text("spec: specs/fmha_gqa_causal.yaml\ntiming: graph\nvariants:\n  base: []\n")
     config, _, _ = load_variants(path)
     assert config.timing == "graph"
-    path.write_text(
-        "spec: specs/fmha_gqa_causal.yaml\ntiming: cuda\nvariants:\n  base: []\n"
-    )
+    path.write_text("spec: specs/fmha_gqa_causal.yaml\ntiming: cuda\nvariants:\n  base: []\n")
     with pytest.raises(UsageError, match="timing"):
         load_variants(path)
     result = VariantsResult(
-        file="v.yaml",
-        spec="specs/s.yaml",
-        created="2026-11-25",
-        device={"name": "GPU"},
-        shapes={"batch": 1, "heads": 2, "seqs": [1024]},
-        timing="graph",
-        variants={"a": []},
-        max_rel_err={"a": 1e-4},
-        rows=[],
+        file="v.yaml", spec="specs/s.yaml", created="2026-11-25", device={"name": "GPU"},
+        shapes={"batch": 1, "heads": 2, "seqs": [1024]}, timing="graph", variants={"a": []},
+        max_rel_err={"a": 1e-4}, rows=[],
     )
     assert "Sq=Skv; CUDA graphs of one call." in format_markdown(result)

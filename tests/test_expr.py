@@ -16,9 +16,7 @@ TENSORS = {"slope": ("float32", 1), "doc": ("int32", 2)}
 def test_alibi_prints_hoisted_gather_and_kernel_names():
     hook = compile_hook("score - slope[h] * (q_idx - kv_idx)", "score_mod", TENSORS)
     assert hook.kernel == "(s - (slope_0 * (rows - keys)))"
-    assert [(g.local, g.indices, g.where) for g in hook.gathers] == [
-        ("slope_0", ("head",), "head")
-    ]
+    assert [(g.local, g.indices, g.where) for g in hook.gathers] == [("slope_0", ("head",), "head")]
     assert hook.uses == {"h", "q_idx", "kv_idx"} and hook.kind == "float"
 
 
@@ -26,60 +24,34 @@ def test_document_mask_gathers_per_tile_and_per_step():
     hook = compile_hook("doc[b, q_idx] == doc[b, kv_idx]", "mask_mod", TENSORS)
     assert hook.kernel == "(doc_0 == doc_1)"
     assert [(g.indices, g.where) for g in hook.gathers] == [
-        (("batch", "rows"), "rows"),
-        (("batch", "keys"), "keys"),
-    ]
+        (("batch", "rows"), "rows"), (("batch", "keys"), "keys")]
 
 
-@pytest.mark.parametrize(
-    "text,kernel",
-    [
-        (
-            "score * 0.5 if q_idx > kv_idx else score",
-            "ct.where((rows > keys), (s * 0.5), s)",
-        ),
-        (
-            "where(q_idx - kv_idx < 128, score, score - 1)",
-            "ct.where(((rows - keys) < 128), s, (s - 1))",
-        ),
-        (
-            "score + (q_idx - kv_idx) / 2",
-            "(s + (ct.astype((rows - keys), ct.float32) / 2.0))",
-        ),
-        ("tanh(score / 30) * 30", "(ct.tanh((s / 30.0)) * 30)"),
-        ("-abs(q_idx - kv_idx)", "ct.astype((-ct.abs((rows - keys))), ct.float32)"),
-        ("min(score, 10.0)", "ct.minimum(s, 10.0)"),
-    ],
-)
+@pytest.mark.parametrize("text,kernel", [
+    ("score * 0.5 if q_idx > kv_idx else score", "ct.where((rows > keys), (s * 0.5), s)"),
+    ("where(q_idx - kv_idx < 128, score, score - 1)", "ct.where(((rows - keys) < 128), s, (s - 1))"),
+    ("score + (q_idx - kv_idx) / 2", "(s + (ct.astype((rows - keys), ct.float32) / 2.0))"),
+    ("tanh(score / 30) * 30", "(ct.tanh((s / 30.0)) * 30)"),
+    ("-abs(q_idx - kv_idx)", "ct.astype((-ct.abs((rows - keys))), ct.float32)"),
+    ("min(score, 10.0)", "ct.minimum(s, 10.0)"),
+])
 def test_score_mods_print(text, kernel):
     assert compile_hook(text, "score_mod", TENSORS).kernel == kernel
 
 
-@pytest.mark.parametrize(
-    "text,kernel",
-    [
-        (
-            "q_idx - kv_idx < 256 and h % 2 == 0",
-            "(((rows - keys) < 256) & ((head % 2) == 0))",
-        ),
-        ("not (kv_idx < 4) or b == 1", "((~(keys < 4)) | (batch == 1))"),
-        ("0 <= q_idx - kv_idx < 64", "((0 <= (rows - keys)) & ((rows - keys) < 64))"),
-        (
-            "(kv_idx % 64 == 0) | (q_idx == kv_idx)",
-            "(((keys % 64) == 0) | (rows == keys))",
-        ),
-    ],
-)
+@pytest.mark.parametrize("text,kernel", [
+    ("q_idx - kv_idx < 256 and h % 2 == 0", "(((rows - keys) < 256) & ((head % 2) == 0))"),
+    ("not (kv_idx < 4) or b == 1", "((~(keys < 4)) | (batch == 1))"),
+    ("0 <= q_idx - kv_idx < 64", "((0 <= (rows - keys)) & ((rows - keys) < 64))"),
+    ("(kv_idx % 64 == 0) | (q_idx == kv_idx)", "(((keys % 64) == 0) | (rows == keys))"),
+])
 def test_mask_mods_print(text, kernel):
     assert compile_hook(text, "mask_mod", TENSORS).kernel == kernel
 
 
 # Payloads that must never reach generated source, each with the reason given.
 INJECTIONS = [
-    (
-        "__import__('os').system('rm -rf /')",
-        "calling __import__('os').system is not allowed",
-    ),
+    ("__import__('os').system('rm -rf /')", "calling __import__('os').system is not allowed"),
     ("__import__('os')", "calling __import__ is not allowed"),
     ("score.__class__", "attribute access is not allowed"),
     ("().__class__.__bases__[0]", "only declared tensors can be indexed"),
@@ -124,57 +96,25 @@ def test_spec_error_names_field_and_expression(tmp_path):
     data = {"name": "x", "mask_mod": "__import__('os')"}
     with pytest.raises(SpecError) as info:
         validate_spec(data, "specs/x.yaml")
-    assert str(info.value) == (
-        "specs/x.yaml: mask_mod: calling __import__ is not allowed; functions: "
-        "abs, exp, log, sqrt, tanh, min, max, where, got \"__import__('os')\""
-    )
+    assert str(info.value) == ("specs/x.yaml: mask_mod: calling __import__ is not allowed; functions: "
+                               "abs, exp, log, sqrt, tanh, min, max, where, got \"__import__('os')\"")
 
 
-@pytest.mark.parametrize(
-    "data,message",
-    [
-        (
-            {"tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}}},
-            "tensors.slope: declared but used by neither score_mod nor mask_mod",
-        ),
-        (
-            {
-                "tensors": {"out": {"dtype": "float32", "shape": ["heads"]}},
-                "score_mod": "out[h]",
-            },
-            "tensors: tensor name 'out' must be a lowercase identifier",
-        ),
-        (
-            {
-                "tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}},
-                "score_mod": "Slope[h]",
-            },
-            "tensors: tensor name 'Slope' must be a lowercase identifier",
-        ),
-        (
-            {
-                "tensors": {"x": {"dtype": "float64", "shape": ["heads"]}},
-                "score_mod": "x[h]",
-            },
-            "tensors.x.dtype: must be one of 'float32' or 'int32', got \"float64\"",
-        ),
-        (
-            {
-                "tensors": {"x": {"dtype": "float32", "shape": ["rows"]}},
-                "score_mod": "x[h]",
-            },
-            "tensors.x.shape[0]",
-        ),
-        (
-            {
-                "score_mod": "score",
-                "q_subtiles": 2,
-                "targets": {"default": {"tile_m": 64, "tile_n": 64}},
-            },
-            "q_subtiles: 2 does not support score_mod yet; use 1",
-        ),
-    ],
-)
+@pytest.mark.parametrize("data,message", [
+    ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}}},
+     "tensors.slope: declared but used by neither score_mod nor mask_mod"),
+    ({"tensors": {"out": {"dtype": "float32", "shape": ["heads"]}}, "score_mod": "out[h]"},
+     "tensors: tensor name 'out' must be a lowercase identifier"),
+    ({"tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}}, "score_mod": "Slope[h]"},
+     "tensors: tensor name 'Slope' must be a lowercase identifier"),
+    ({"tensors": {"x": {"dtype": "float64", "shape": ["heads"]}}, "score_mod": "x[h]"},
+     "tensors.x.dtype: must be one of 'float32' or 'int32', got \"float64\""),
+    ({"tensors": {"x": {"dtype": "float32", "shape": ["rows"]}}, "score_mod": "x[h]"},
+     "tensors.x.shape[0]"),
+    ({"score_mod": "score", "q_subtiles": 2,
+      "targets": {"default": {"tile_m": 64, "tile_n": 64}}},
+     "q_subtiles: 2 does not support score_mod yet; use 1"),
+])
 def test_hook_spec_errors(data, message):
     with pytest.raises(SpecError) as info:
         validate_spec({"name": "x", **data}, "s.yaml")
@@ -183,60 +123,34 @@ def test_hook_spec_errors(data, message):
 
 def test_evaluate_matches_torch_and_reads_zero_outside():
     slope = torch.tensor([0.5, 0.25], dtype=torch.float32)
-    env = {
-        "score": torch.zeros(1, 2, 3, 4, dtype=torch.float64),
-        "b": torch.arange(1).view(-1, 1, 1, 1),
-        "h": torch.arange(2).view(1, -1, 1, 1),
-        "q_idx": torch.arange(3).view(1, 1, -1, 1),
-        "kv_idx": torch.arange(4).view(1, 1, 1, -1),
-    }
+    env = {"score": torch.zeros(1, 2, 3, 4, dtype=torch.float64),
+           "b": torch.arange(1).view(-1, 1, 1, 1), "h": torch.arange(2).view(1, -1, 1, 1),
+           "q_idx": torch.arange(3).view(1, 1, -1, 1), "kv_idx": torch.arange(4).view(1, 1, 1, -1)}
     got = evaluate("score - slope[h] * (q_idx - kv_idx)", env, {"slope": slope})
-    want = -slope.view(1, 2, 1, 1).double() * (
-        torch.arange(3).view(3, 1) - torch.arange(4)
-    )
+    want = -slope.view(1, 2, 1, 1).double() * (torch.arange(3).view(3, 1) - torch.arange(4))
     assert torch.equal(got, want)
     doc = torch.tensor([[0, 0, 1]], dtype=torch.int32)  # kv_idx 3 is outside: reads 0
     mask = evaluate("doc[b, q_idx] == doc[b, kv_idx]", env, {"doc": doc})
-    assert mask[0, 0].tolist() == [
-        [True, True, False, True],
-        [True, True, False, True],
-        [False, False, True, False],
-    ]
+    assert mask[0, 0].tolist() == [[True, True, False, True], [True, True, False, True],
+                                   [False, False, True, False]]
 
 
 def test_reference_hooks_equal_explicit_bias_and_mask():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 9, 16, generator=gen) for _ in range(3))
     slope = torch.tensor([0.3, 0.1])
-    out = attention_reference(
-        q,
-        k,
-        v,
-        causal=True,
-        score_mod="score - slope[h] * (q_idx - kv_idx)",
-        tensors={"slope": slope},
-    )
+    out = attention_reference(q, k, v, causal=True, score_mod="score - slope[h] * (q_idx - kv_idx)",
+                              tensors={"slope": slope})
     dist = (torch.arange(9).view(9, 1) - torch.arange(9)).double()
-    scores = (
-        q.double() @ k.double().transpose(-1, -2) / math.sqrt(16)
-        - slope.view(1, 2, 1, 1) * dist
-    )
+    scores = q.double() @ k.double().transpose(-1, -2) / math.sqrt(16) - slope.view(1, 2, 1, 1) * dist
     scores = scores.masked_fill(dist < 0, -math.inf)
     assert torch.allclose(out, torch.softmax(scores, -1) @ v.double())
 
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0] * 9], dtype=torch.int32)
-    out = attention_reference(
-        q,
-        k,
-        v,
-        causal=False,
-        mask_mod="doc[b, q_idx] == doc[b, kv_idx]",
-        tensors={"doc": doc},
-    )
+    out = attention_reference(q, k, v, causal=False, mask_mod="doc[b, q_idx] == doc[b, kv_idx]",
+                              tensors={"doc": doc})
     same = doc[:, None, :, None] == doc[:, None, None, :]
-    scores = (q.double() @ k.double().transpose(-1, -2) / 4).masked_fill(
-        ~same, -math.inf
-    )
+    scores = (q.double() @ k.double().transpose(-1, -2) / 4).masked_fill(~same, -math.inf)
     assert torch.allclose(out, torch.softmax(scores, -1) @ v.double())
 
 
@@ -249,35 +163,18 @@ def test_hooks_trace_into_compiled_flex_attention():
     score_fn = torch_fn("score - slope[h] * (q_idx - kv_idx)")
     mask_fn = torch_fn("doc[b, q_idx] == doc[b, kv_idx]")
     gen = torch.Generator().manual_seed(0)
-    tensors = {
-        "slope": torch.rand(2, generator=gen),
-        "doc": torch.cumsum(
-            (torch.rand(1, 128, generator=gen) < 0.03).int(), -1, dtype=torch.int32
-        ),
-    }
+    tensors = {"slope": torch.rand(2, generator=gen),
+               "doc": torch.cumsum((torch.rand(1, 128, generator=gen) < 0.03).int(), -1, dtype=torch.int32)}
 
     def score_mod(score, b, h, qi, ki):
-        return score_fn(
-            {"score": score, "b": b, "h": h, "q_idx": qi, "kv_idx": ki}, tensors
-        )
+        return score_fn({"score": score, "b": b, "h": h, "q_idx": qi, "kv_idx": ki}, tensors)
 
     def mask_mod(b, h, qi, ki):
-        return (qi >= ki) & mask_fn(
-            {"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, tensors
-        )
+        return (qi >= ki) & mask_fn({"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, tensors)
 
     q = torch.randn(1, 2, 128, 16, generator=gen)
     block_mask = create_block_mask(mask_mod, 1, None, 128, 128, device="cpu")
-    out = torch.compile(flex_attention, fullgraph=True)(
-        q, q, q, score_mod=score_mod, block_mask=block_mask
-    )
-    ref = attention_reference(
-        q,
-        q,
-        q,
-        causal=True,
-        score_mod="score - slope[h] * (q_idx - kv_idx)",
-        mask_mod="doc[b, q_idx] == doc[b, kv_idx]",
-        tensors=tensors,
-    )
+    out = torch.compile(flex_attention, fullgraph=True)(q, q, q, score_mod=score_mod, block_mask=block_mask)
+    ref = attention_reference(q, q, q, causal=True, score_mod="score - slope[h] * (q_idx - kv_idx)",
+                              mask_mod="doc[b, q_idx] == doc[b, kv_idx]", tensors=tensors)
     assert (out.double() - ref).abs().max() < 1e-4

@@ -37,26 +37,19 @@ from specgen.spec import Spec, validate_spec  # noqa: E402
 # makes every run draw the same specs, so a failure reproduces.
 EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_EXAMPLES", "30"))
 COMPILE_EXAMPLES = int(os.environ.get("SPECGEN_FUZZ_COMPILE", "4"))
-FUZZ = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 pow2 = st.sampled_from([16, 32, 64, 128, 256])
 names = st.from_regex(r"[a-z][a-z0-9_]{0,30}", fullmatch=True).filter(
-    lambda n: not keyword.iskeyword(n)
-)
+    lambda n: not keyword.iskeyword(n))
 
 
 @st.composite
 def launch_config(draw, tile_m=None):
-    config = {
-        "tile_m": tile_m or draw(st.sampled_from([16, 32, 64, 128])),
-        "tile_n": draw(st.sampled_from([16, 32, 64, 128])),
-        "occupancy": draw(st.integers(1, 4)),
-    }
+    config = {"tile_m": tile_m or draw(st.sampled_from([16, 32, 64, 128])),
+              "tile_n": draw(st.sampled_from([16, 32, 64, 128])),
+              "occupancy": draw(st.integers(1, 4))}
     if draw(st.booleans()):
         config["num_worker_warps"] = draw(st.sampled_from([None, 4, 8]))
     if draw(st.booleans()):
@@ -68,39 +61,20 @@ def launch_config(draw, tile_m=None):
 def prefill_specs(draw):
     dtype = draw(st.sampled_from(["float16", "bfloat16", "float8_e4m3fn"]))
     head_dim = draw(st.sampled_from([16, 32, 48, 64, 80, 96, 128, 192, 256]))
-    spec = {
-        "name": draw(names),
-        "dtype": dtype,
-        "head_dim": head_dim,
-        "gqa_ratio": draw(st.sampled_from([1, 2, 4, 8])),
-        "causal": draw(st.booleans()),
-    }
+    spec = {"name": draw(names), "dtype": dtype, "head_dim": head_dim,
+            "gqa_ratio": draw(st.sampled_from([1, 2, 4, 8])),
+            "causal": draw(st.booleans())}
     if draw(st.booleans()):
         spec["v_head_dim"] = draw(st.sampled_from([64, 128]))
     if draw(st.integers(0, 3)) == 0:
         left = draw(st.one_of(st.none(), st.integers(0, 4096)))
-        right = (
-            None if spec["causal"] else draw(st.one_of(st.none(), st.integers(0, 4096)))
-        )
+        right = None if spec["causal"] else draw(st.one_of(st.none(), st.integers(0, 4096)))
         if left is not None or right is not None:
             spec["window"] = {"left": left, "right": right}
     if draw(st.integers(0, 3)) == 0:
         spec["softcap"] = draw(st.floats(0.5, 1000.0, allow_nan=False))
-    feature = draw(
-        st.sampled_from(
-            [
-                "none",
-                "none",
-                "sinks",
-                "lse",
-                "dropout",
-                "varlen",
-                "alibi",
-                "doc_mask",
-                "backward",
-            ]
-        )
-    )
+    feature = draw(st.sampled_from(["none", "none", "sinks", "lse", "dropout", "varlen",
+                                    "alibi", "doc_mask", "backward"]))
     if feature == "sinks":
         spec["sinks"] = True
     elif feature == "lse":
@@ -116,29 +90,17 @@ def prefill_specs(draw):
         spec["tensors"] = {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}}
         spec["mask_mod"] = "doc[b, q_idx] == doc[b, kv_idx]"
     elif feature == "backward":
-        spec = {
-            k: v
-            for k, v in spec.items()
-            if k not in ("window", "softcap", "v_head_dim")
-        }
-        spec.update(
-            backward=True,
-            dtype=draw(st.sampled_from(["float16", "bfloat16"])),
-            head_dim=draw(st.sampled_from([32, 64, 128])),
-        )
-    spec["fast_math"] = {
-        "exp2": draw(st.booleans()),
-        "flush_to_zero": draw(st.booleans()),
-        "approx_div": draw(st.booleans()),
-    }
+        spec = {k: v for k, v in spec.items() if k not in ("window", "softcap", "v_head_dim")}
+        spec.update(backward=True, dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+                    head_dim=draw(st.sampled_from([32, 64, 128])))
+    spec["fast_math"] = {"exp2": draw(st.booleans()), "flush_to_zero": draw(st.booleans()),
+                         "approx_div": draw(st.booleans())}
     spec["loop_split"] = draw(st.booleans())
     spec["block_remap"] = draw(st.sampled_from([None, True, False]))
-    spec["loads"] = {
-        "k_transposed": draw(st.booleans()),
-        "k_latency": draw(st.one_of(st.none(), st.integers(1, 10))),
-        "v_latency": draw(st.one_of(st.none(), st.integers(1, 10))),
-        "allow_tma": draw(st.sampled_from([None, True, False])),
-    }
+    spec["loads"] = {"k_transposed": draw(st.booleans()),
+                     "k_latency": draw(st.one_of(st.none(), st.integers(1, 10))),
+                     "v_latency": draw(st.one_of(st.none(), st.integers(1, 10))),
+                     "allow_tma": draw(st.sampled_from([None, True, False]))}
     spec["prescale_q"] = draw(st.booleans())
     spec["targets"] = {"default": draw(launch_config())}
     if draw(st.booleans()):
@@ -151,22 +113,12 @@ def decode_specs(draw):
     ratio = draw(st.sampled_from([1, 2, 4, 8]))
     q_len = draw(st.integers(1, 8))
     rows = max(16, 1 << (ratio * q_len - 1).bit_length())
-    spec = {
-        "name": draw(names),
-        "family": "decode",
-        "dtype": draw(st.sampled_from(["float16", "bfloat16"])),
-        "head_dim": draw(st.sampled_from([64, 128])),
-        "gqa_ratio": ratio,
-        "max_q_len": q_len,
-        "splits": draw(st.one_of(st.just("auto"), st.integers(1, 64))),
-        "targets": {
-            "default": {
-                "tile_m": rows,
-                "tile_n": draw(st.sampled_from([32, 64, 128])),
-                "occupancy": draw(st.integers(1, 4)),
-            }
-        },
-    }
+    spec = {"name": draw(names), "family": "decode",
+            "dtype": draw(st.sampled_from(["float16", "bfloat16"])),
+            "head_dim": draw(st.sampled_from([64, 128])), "gqa_ratio": ratio, "max_q_len": q_len,
+            "splits": draw(st.one_of(st.just("auto"), st.integers(1, 64))),
+            "targets": {"default": {"tile_m": rows, "tile_n": draw(st.sampled_from([32, 64, 128])),
+                                    "occupancy": draw(st.integers(1, 4))}}}
     if draw(st.booleans()):
         spec["paged"] = {"page_size": draw(st.sampled_from([16, 32, 64, 128, 256]))}
     if draw(st.booleans()):
@@ -185,15 +137,8 @@ def _validated(data: dict) -> Spec | None:
 ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "os", "torch", "cuda.tile"}
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
-ALLOWED_TOP_CALLS = {
-    "_register_op",
-    "math.log",
-    "math.sqrt",
-    "_AotStore",
-    "os.path.join",
-    "os.path.dirname",
-    "os.path.abspath",
-}
+ALLOWED_TOP_CALLS = {"_register_op", "math.log", "math.sqrt", "_AotStore",
+                     "os.path.join", "os.path.dirname", "os.path.abspath"}
 ALLOWED_CLASSES = {"_AotStore", "AotKernel"}
 
 
@@ -209,26 +154,18 @@ def _check_module_text(text: str, spec_dict: dict) -> None:
         if isinstance(node, ast.Import):
             assert {a.name for a in node.names} <= ALLOWED_IMPORTS, ast.dump(node)
         elif isinstance(node, ast.ImportFrom):
-            assert (
-                node.module in ALLOWED_FROM
-            ), f"from-import in generated code: {ast.dump(node)}"
+            assert node.module in ALLOWED_FROM, f"from-import in generated code: {ast.dump(node)}"
         elif isinstance(node, ast.ClassDef):
             assert node.name in ALLOWED_CLASSES, node.name
         elif isinstance(node, ast.Expr):
-            assert isinstance(node.value, ast.Constant) and isinstance(
-                node.value.value, str
-            )
+            assert isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
                 assert ast.unparse(call.func) in ALLOWED_TOP_CALLS, ast.unparse(node)
         else:
             assert isinstance(node, ast.FunctionDef), ast.dump(node)[:200]
-    spec_nodes = [
-        n
-        for n in tree.body
-        if isinstance(n, ast.Assign)
-        and any(isinstance(t, ast.Name) and t.id == "SPEC" for t in n.targets)
-    ]
+    spec_nodes = [n for n in tree.body if isinstance(n, ast.Assign)
+                  and any(isinstance(t, ast.Name) and t.id == "SPEC" for t in n.targets)]
     assert len(spec_nodes) == 1
     assert ast.literal_eval(spec_nodes[0].value) == spec_dict
 
@@ -257,9 +194,7 @@ def _render_clean_importable(data):
     first = render(plan, "specs/fuzz.yaml").text
     assert black.format_str(first, mode=BLACK_MODE) == first
     _check_module_text(first, plan.spec_dict)
-    module = load_module_from_source(
-        f"fuzz_{plan.module_name}", first, f"<fuzz {plan.module_name}>"
-    )
+    module = load_module_from_source(f"fuzz_{plan.module_name}", first, f"<fuzz {plan.module_name}>")
     assert module.SPEC == plan.spec_dict and callable(module.attention)
 
 
@@ -278,12 +213,8 @@ def test_the_valid_strategies_mostly_produce_valid_specs():
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=COMPILE_EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+@settings(max_examples=COMPILE_EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(st.one_of(prefill_specs(), decode_specs()))
 def test_a_sample_of_random_specs_compiles_for_sm_90(data):
     from specgen.compile.export import compile_target
@@ -295,9 +226,7 @@ def test_a_sample_of_random_specs_compiles_for_sm_90(data):
     with tempfile.TemporaryDirectory() as cache:
         os.environ["SPECGEN_CACHE_DIR"] = cache
         try:
-            result = compile_target(
-                plan, render(plan, "specs/fuzz.yaml").text, "<fuzz>", "sm_90"
-            )
+            result = compile_target(plan, render(plan, "specs/fuzz.yaml").text, "<fuzz>", "sm_90")
         finally:
             if before is None:
                 os.environ.pop("SPECGEN_CACHE_DIR", None)
@@ -308,75 +237,31 @@ def test_a_sample_of_random_specs_compiles_for_sm_90(data):
 
 # --- invalid specs -----------------------------------------------------------
 
-BAD_NAMES = [
-    "class",
-    "def",
-    "None",
-    "True",
-    "import",
-    "lambda",
-    "a;b",
-    "a'b",
-    'a"b',
-    "a\nb",
-    "a b",
-    "1abc",
-    "_private",
-    "",
-    "x" * 101,
-    "a.b",
-    "a-b",
-    "__import__('os')",
-    "os.system('x')",
-    "a\\b",
-    "a\tb",
-    "$x",
-    "a/b",
-]
+BAD_NAMES = ["class", "def", "None", "True", "import", "lambda", "a;b", "a'b", 'a"b', "a\nb",
+             "a b", "1abc", "_private", "", "x" * 101, "a.b", "a-b", "__import__('os')",
+             "os.system('x')", "a\\b", "a\tb", "$x", "a/b"]
 BAD_TILES = [0, 1, 8, 24, 300, 512, -16, 2**40, 10**30]
 HUGE = [10**30, -(10**30), 2**63, 2**64 + 1]
 
 
 def _fields() -> dict:
     return {
-        "head_dim": ("int", []),
-        "gqa_ratio": ("int", []),
-        "max_q_len": ("int", []),
-        "causal": ("bool", []),
-        "dropout": ("bool", []),
-        "varlen": ("bool", []),
-        "sinks": ("bool", []),
-        "return_lse": ("bool", []),
-        "loop_split": ("bool", []),
-        "prescale_q": ("bool", []),
-        "backward": ("bool", []),
-        "dtype": ("enum", []),
-        "family": ("enum", []),
+        "head_dim": ("int", []), "gqa_ratio": ("int", []), "max_q_len": ("int", []),
+        "causal": ("bool", []), "dropout": ("bool", []), "varlen": ("bool", []),
+        "sinks": ("bool", []), "return_lse": ("bool", []), "loop_split": ("bool", []),
+        "prescale_q": ("bool", []), "backward": ("bool", []),
+        "dtype": ("enum", []), "family": ("enum", []),
     }
 
 
 wrong_values = {
-    "int": st.one_of(
-        st.text(max_size=8),
-        st.floats(allow_nan=True),
-        st.booleans(),
-        st.lists(st.integers(), max_size=3),
-        st.just({}),
-    ),
-    "bool": st.one_of(
-        st.sampled_from(["yes", "no", "true", "on", "1"]),
-        st.integers(),
-        st.floats(),
-        st.lists(st.booleans(), max_size=2),
-    ),
-    "enum": st.one_of(
-        st.text(max_size=12).filter(
-            lambda s: s
-            not in ("float16", "bfloat16", "float8_e4m3fn", "prefill", "decode")
-        ),
-        st.integers(),
-        st.booleans(),
-    ),
+    "int": st.one_of(st.text(max_size=8), st.floats(allow_nan=True), st.booleans(),
+                     st.lists(st.integers(), max_size=3), st.just({})),
+    "bool": st.one_of(st.sampled_from(["yes", "no", "true", "on", "1"]), st.integers(),
+                      st.floats(), st.lists(st.booleans(), max_size=2)),
+    "enum": st.one_of(st.text(max_size=12).filter(
+        lambda s: s not in ("float16", "bfloat16", "float8_e4m3fn", "prefill", "decode")),
+        st.integers(), st.booleans()),
 }
 
 
@@ -385,37 +270,18 @@ def mutated_specs(draw):
     """(YAML text, what was broken) for a valid prefill spec with one fault."""
     base = draw(prefill_specs())
     assume(_validated(base) is not None)
-    kind = draw(
-        st.sampled_from(
-            [
-                "type",
-                "tile",
-                "unknown",
-                "missing_name",
-                "bad_name",
-                "huge",
-                "nested_unknown",
-            ]
-        )
-    )
+    kind = draw(st.sampled_from(["type", "tile", "unknown", "missing_name", "bad_name", "huge",
+                                 "nested_unknown"]))
     spec = dict(base)
     if kind == "type":
         field, (typ, _) = draw(st.sampled_from(sorted(_fields().items())))
         spec[field] = draw(wrong_values[typ])
     elif kind == "tile":
         which = draw(st.sampled_from(["tile_m", "tile_n"]))
-        spec["targets"] = {
-            "default": {
-                **base["targets"]["default"],
-                which: draw(st.sampled_from(BAD_TILES)),
-            }
-        }
+        spec["targets"] = {"default": {**base["targets"]["default"], which: draw(st.sampled_from(BAD_TILES))}}
     elif kind == "unknown":
-        key = draw(
-            st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True).filter(
-                lambda k: k not in Spec.model_fields
-            )
-        )
+        key = draw(st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True).filter(
+            lambda k: k not in Spec.model_fields))
         spec[key] = draw(st.one_of(st.integers(), st.text(max_size=5), st.booleans()))
     elif kind == "nested_unknown":
         where = draw(st.sampled_from(["loads", "fast_math", "targets.default"]))
@@ -455,10 +321,10 @@ HOSTILE = [
     "name: x\nsoftcap: .nan\n",
     "name: x\nsoftcap: .inf\n",
     "name: x\nscore_mod: \"__import__('os').system('x')\"\n",
-    'name: x\nmask_mod: "(lambda: 1)()"\n',
-    'name: x\ntensors: {"a b": {dtype: float32, shape: [heads]}}\n',
-    'name: x\ntargets: {"sm_90;rm": {tile_m: 64, tile_n: 64}}\n',
-    'name: x\ncompile_for: ["sm_90\\nimport os"]\n',
+    "name: x\nmask_mod: \"(lambda: 1)()\"\n",
+    "name: x\ntensors: {\"a b\": {dtype: float32, shape: [heads]}}\n",
+    "name: x\ntargets: {\"sm_90;rm\": {tile_m: 64, tile_n: 64}}\n",
+    "name: x\ncompile_for: [\"sm_90\\nimport os\"]\n",
 ]
 
 
@@ -472,11 +338,7 @@ def _build(text: bytes) -> tuple[int, str, bool]:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             code = cli.main(["build", str(path), "--no-compile", "--out", str(out)])
-        return (
-            code,
-            err.getvalue().replace(str(path), "fuzz.yaml"),
-            out.exists() and any(out.iterdir()),
-        )
+        return code, err.getvalue().replace(str(path), "fuzz.yaml"), out.exists() and any(out.iterdir())
 
 
 def _assert_one_clean_line(code: int, stderr: str, wrote: bool) -> None:
@@ -507,6 +369,4 @@ def test_arbitrary_bytes_never_crash(blob):
     if code == 0:  # a valid spec by chance
         return
     assert code == 2 and "Traceback" not in stderr and not wrote, stderr
-    assert all(
-        line.startswith("fuzz.yaml: ") for line in stderr.strip("\n").split("\n")
-    ), stderr
+    assert all(line.startswith("fuzz.yaml: ") for line in stderr.strip("\n").split("\n")), stderr

@@ -14,13 +14,7 @@ from specgen.check.cases import (
 )
 from specgen.check.runner import Case, learnable_tensors, run_case
 
-from .helpers import (
-    DECODE_SPEC_NAMES,
-    DENSE_SPEC_NAMES,
-    TRAINING_SPEC_NAMES,
-    VARLEN_SPEC_NAMES,
-    generated_module,
-)
+from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, TRAINING_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +35,7 @@ def _check(mod, batch, kv_heads, seq_q, seq_k, q_offset=0, layout="contiguous", 
     case = Case(batch, kv_heads, seq_q, seq_k, q_offset, layout)
     generator = torch.Generator(device="cuda").manual_seed(seed)
     row = run_case(torch, mod, case, generator)
-    print(
-        f"{mod.SPEC['name']} {row['shape']}: max_abs={row['max_abs_err']:.2e} rel={row['rel_err']:.2e}"
-    )
+    print(f"{mod.SPEC['name']} {row['shape']}: max_abs={row['max_abs_err']:.2e} rel={row['rel_err']:.2e}")
     assert row["ok"], row
 
 
@@ -78,71 +70,35 @@ def test_empty_query_returns_empty(name):
     spec = mod.SPEC
     q, k, v = random_qkv(spec, 1, 1, 0, 5)
     out, lse = call_kernel(mod, q, k, v, feature_inputs(spec, shape_dims(q, k)))
-    assert out.shape == (*q.shape[:3], v.shape[3]) and (
-        lse is None or lse.shape == q.shape[:3]
-    )
+    assert out.shape == (*q.shape[:3], v.shape[3]) and (lse is None or lse.shape == q.shape[:3])
 
 
 # Variants of fmha_gqa_causal rendered at test time: every structural branch of the
 # template (and bf16 on the causal GQA kernel) is run against the reference.
 VARIANTS = {
     "bf16": {"dtype": "bfloat16"},
-    "no_fast_math": {
-        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False}
-    },
+    "no_fast_math": {"fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False}},
     "no_split_no_remap": {"loop_split": False, "block_remap": False},
-    "k_permuted_no_hints": {
-        "loads": {"k_transposed": False, "k_latency": None, "v_latency": None}
-    },
-    "non_causal_gqa8_d64": {
-        "causal": False,
-        "block_remap": None,
-        "gqa_ratio": 8,
-        "head_dim": 64,
-    },
-    "d256_tiles_32": {
-        "head_dim": 256,
-        "targets": {"default": {"tile_m": 32, "tile_n": 32, "occupancy": 1}},
-    },
+    "k_permuted_no_hints": {"loads": {"k_transposed": False, "k_latency": None, "v_latency": None}},
+    "non_causal_gqa8_d64": {"causal": False, "block_remap": None, "gqa_ratio": 8, "head_dim": 64},
+    "d256_tiles_32": {"head_dim": 256, "targets": {"default": {"tile_m": 32, "tile_n": 32, "occupancy": 1}}},
     # Head dims that are not a power of two: tiles zero-padded in D.
     "d80": {"head_dim": 80},
-    "d56_gqa8_non_causal": {
-        "head_dim": 56,
-        "gqa_ratio": 8,
-        "causal": False,
-        "block_remap": None,
-    },
-    "d96_k_permuted_no_prescale": {
-        "head_dim": 96,
-        "prescale_q": False,
-        "loads": {"k_transposed": False},
-    },
+    "d56_gqa8_non_causal": {"head_dim": 56, "gqa_ratio": 8, "causal": False, "block_remap": None},
+    "d96_k_permuted_no_prescale": {"head_dim": 96, "prescale_q": False,
+                                   "loads": {"k_transposed": False}},
     "d24_bf16_no_split": {"head_dim": 24, "dtype": "bfloat16", "loop_split": False},
     # v_head_dim != head_dim (MLA): one padded, one not; and the other way round.
     "d192_dv128": {"head_dim": 192, "v_head_dim": 128},
-    "d64_dv40_window_lse": {
-        "head_dim": 64,
-        "v_head_dim": 40,
-        "window": {"left": 100},
-        "return_lse": True,
-    },
+    "d64_dv40_window_lse": {"head_dim": 64, "v_head_dim": 40, "window": {"left": 100},
+                            "return_lse": True},
     "subtiles_prescale_nobounds": {
-        "q_subtiles": 2,
-        "prescale_q": True,
+        "q_subtiles": 2, "prescale_q": True,
         "loads": {"check_bounds": "masked", "allow_tma": False},
-        "targets": {
-            "default": {
-                "tile_m": 128,
-                "tile_n": 64,
-                "occupancy": 1,
-                "num_worker_warps": 8,
-            }
-        },
+        "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1, "num_worker_warps": 8}},
     },
     "non_causal_subtiles": {
-        "causal": False,
-        "block_remap": None,
-        "q_subtiles": 2,
+        "causal": False, "block_remap": None, "q_subtiles": 2,
         "loads": {"check_bounds": "masked"},
         "targets": {"default": {"tile_m": 64, "tile_n": 32, "occupancy": 2}},
     },
@@ -150,114 +106,55 @@ VARIANTS = {
     # every length's own config transposes, 77 (a bucket) does not; padded D too.
     "v_transposed_buckets_d80": {
         "head_dim": 80,
-        "targets": {
-            "default": {
-                "tile_m": 64,
-                "tile_n": 64,
-                "v_transposed": True,
-                "by_seq_k": [
-                    {
-                        "max_seq_k": 100,
-                        "tile_m": 32,
-                        "tile_n": 32,
-                        "v_transposed": False,
-                    }
-                ],
-            }
-        },
+        "targets": {"default": {
+            "tile_m": 64, "tile_n": 64, "v_transposed": True,
+            "by_seq_k": [{"max_seq_k": 100, "tile_m": 32, "tile_n": 32, "v_transposed": False}],
+        }},
     },
     "v_transposed_fp8_non_causal": {
-        "dtype": "float8_e4m3fn",
-        "out_dtype": "bfloat16",
-        "causal": False,
-        "block_remap": None,
-        "prescale_q": False,
-        "targets": {"default": {"tile_m": 64, "tile_n": 64}},
+        "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False, "block_remap": None,
+        "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64}},
     },
     # Persistent launches: one wave of CTAs looping over the work items, in both
     # tile orders, and a bucket that launches one CTA per item with the same kernel.
     "persistent_buckets": {
-        "targets": {
-            "default": {
-                "tile_m": 64,
-                "tile_n": 64,
-                "occupancy": 2,
-                "persistent": True,
-                "by_seq_k": [
-                    {"max_seq_k": 100, "tile_m": 32, "tile_n": 32},
-                    {
-                        "max_seq_k": 500,
-                        "tile_m": 64,
-                        "tile_n": 64,
-                        "tile_order": "global",
-                        "persistent": True,
-                    },
-                ],
-            }
-        },
+        "targets": {"default": {
+            "tile_m": 64, "tile_n": 64, "occupancy": 2, "persistent": True,
+            "by_seq_k": [{"max_seq_k": 100, "tile_m": 32, "tile_n": 32},
+                         {"max_seq_k": 500, "tile_m": 64, "tile_n": 64, "tile_order": "global",
+                          "persistent": True}],
+        }},
     },
     "persistent_fp8_non_causal": {
-        "dtype": "float8_e4m3fn",
-        "out_dtype": "bfloat16",
-        "causal": False,
-        "block_remap": None,
-        "prescale_q": False,
-        "targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}},
+        "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False, "block_remap": None,
+        "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}},
     },
     "persistent_window_sinks_lse": {
-        "window": {"left": 100},
-        "sinks": True,
-        "return_lse": True,
+        "window": {"left": 100}, "sinks": True, "return_lse": True,
         "targets": {"default": {"tile_m": 64, "tile_n": 64, "persistent": True}},
     },
     # The next key tile's S formed before this tile's softmax, with Q in shared
     # memory or pre-scaled, with a window's three loops, float8, K permuted in
     # registers and unmasked tiles without bounds checks (the look-ahead checks).
     "qk_ahead_no_prescale_128": {
-        "qk_ahead": True,
-        "prescale_q": False,
-        "targets": {
-            "default": {
-                "tile_m": 128,
-                "tile_n": 128,
-                "occupancy": 1,
-                "num_worker_warps": 8,
-            }
-        },
+        "qk_ahead": True, "prescale_q": False,
+        "targets": {"default": {"tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8}},
     },
-    "qk_ahead_window_sinks_lse": {
-        "qk_ahead": True,
-        "window": {"left": 100},
-        "sinks": True,
-        "return_lse": True,
-    },
+    "qk_ahead_window_sinks_lse": {"qk_ahead": True, "window": {"left": 100}, "sinks": True,
+                                  "return_lse": True},
     "qk_ahead_fp8_non_causal": {
-        "qk_ahead": True,
-        "dtype": "float8_e4m3fn",
-        "out_dtype": "bfloat16",
-        "causal": False,
-        "block_remap": None,
-        "prescale_q": False,
-        "targets": {"default": {"tile_m": 64, "tile_n": 64}},
+        "qk_ahead": True, "dtype": "float8_e4m3fn", "out_dtype": "bfloat16", "causal": False,
+        "block_remap": None, "prescale_q": False, "targets": {"default": {"tile_m": 64, "tile_n": 64}},
     },
-    "qk_ahead_k_permuted_nobounds": {
-        "qk_ahead": True,
-        "loads": {"k_transposed": False, "check_bounds": "masked"},
-    },
+    "qk_ahead_k_permuted_nobounds": {"qk_ahead": True, "loads": {"k_transposed": False,
+                                                                "check_bounds": "masked"}},
     # Key-length buckets: 77 and 128 run the first config, 1000 the target's own.
     "seq_buckets": {
-        "targets": {
-            "default": {
-                "tile_m": 128,
-                "tile_n": 64,
-                "occupancy": 1,
-                "num_ctas": 2,
-                "by_seq_k": [
-                    {"max_seq_k": 100, "tile_m": 32, "tile_n": 32, "occupancy": 2},
-                    {"max_seq_k": 500, "tile_m": 64, "tile_n": 128, "occupancy": 1},
-                ],
-            }
-        },
+        "targets": {"default": {
+            "tile_m": 128, "tile_n": 64, "occupancy": 1, "num_ctas": 2,
+            "by_seq_k": [{"max_seq_k": 100, "tile_m": 32, "tile_n": 32, "occupancy": 2},
+                         {"max_seq_k": 500, "tile_m": 64, "tile_n": 128, "occupancy": 1}],
+        }},
     },
 }
 
@@ -272,17 +169,10 @@ def _variant_module(name, overrides):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 1, 1000, 1000, 0), (2, 1, 128, 1000, 872), (1, 2, 77, 77, 0)],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(1, 1, 1000, 1000, 0), (2, 1, 128, 1000, 872), (1, 2, 77, 77, 0)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_template_variants_match_reference(variant, shape):
-    _check(
-        _variant_module(variant, VARIANTS[variant]),
-        *shape,
-        seed=shape[2] * 7 + shape[3],
-    )
+    _check(_variant_module(variant, VARIANTS[variant]), *shape, seed=shape[2] * 7 + shape[3])
 
 
 # Issue-6 features on a small kernel each: every combination the template prints
@@ -291,133 +181,60 @@ def test_template_variants_match_reference(variant, shape):
 # including rows that see no key.
 FEATURE_VARIANTS = {
     "window_causal_small": {"window": {"left": 100}, "return_lse": True},
-    "window_both_sides_noncausal": {
-        "causal": False,
-        "block_remap": None,
-        "window": {"left": 70, "right": 33},
-        "return_lse": True,
-    },
-    "window_right_only_noncausal": {
-        "causal": False,
-        "block_remap": None,
-        "window": {"right": 5},
-    },
-    "window_no_split": {
-        "window": {"left": 64},
-        "loop_split": False,
-        "return_lse": True,
-    },
+    "window_both_sides_noncausal": {"causal": False, "block_remap": None,
+                                    "window": {"left": 70, "right": 33}, "return_lse": True},
+    "window_right_only_noncausal": {"causal": False, "block_remap": None, "window": {"right": 5}},
+    "window_no_split": {"window": {"left": 64}, "loop_split": False, "return_lse": True},
     "softcap": {"softcap": 5.0, "prescale_q": False},
-    "softcap_prescaled_no_exp2": {
-        "softcap": 5.0,
-        "prescale_q": True,
-        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
-    },
+    "softcap_prescaled_no_exp2": {"softcap": 5.0, "prescale_q": True,
+                                  "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False}},
     "sinks_lse": {"sinks": True, "return_lse": True},
-    "sinks_window_lse_no_exp2": {
-        "sinks": True,
-        "return_lse": True,
-        "window": {"left": 40},
-        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": True},
-    },
-    "everything_tiles_128x64": {
-        "sinks": True,
-        "return_lse": True,
-        "window": {"left": 200},
-        "softcap": 20.0,
-        "targets": {
-            "default": {
-                "tile_m": 128,
-                "tile_n": 64,
-                "occupancy": 1,
-                "num_worker_warps": 8,
-            }
-        },
-    },
+    "sinks_window_lse_no_exp2": {"sinks": True, "return_lse": True, "window": {"left": 40},
+                                 "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": True}},
+    "everything_tiles_128x64": {"sinks": True, "return_lse": True, "window": {"left": 200}, "softcap": 20.0,
+                                "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1,
+                                                        "num_worker_warps": 8}}},
     # Expression hooks: hoisted and per-step gathers, int and float tensors, hooks
     # with soft-cap, window, LSE, no exp2, no pre-scaling, rows left empty.
-    "alibi": {
-        "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
-        "score_mod": "score - slope[h] * (q_idx - kv_idx)",
-    },
-    "doc_mask_non_causal": {
-        "causal": False,
-        "block_remap": None,
-        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-    },
+    "alibi": {"tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+              "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+    "doc_mask_non_causal": {"causal": False, "block_remap": None,
+                            "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                            "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
     "hooks_softcap_window_lse_no_exp2": {
-        "softcap": 20.0,
-        "window": {"left": 150},
-        "return_lse": True,
-        "prescale_q": False,
+        "softcap": 20.0, "window": {"left": 150}, "return_lse": True, "prescale_q": False,
         "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
         "tensors": {"bias": {"dtype": "float32", "shape": ["heads", "seq_k"]}},
         "score_mod": "score + bias[h, kv_idx] if (q_idx - kv_idx) % 3 != 1 else score * 0.5",
-        "mask_mod": "kv_idx % 7 != 3",
-    },
-    "doc_mask_no_tile_skip": {
-        "skip_masked_tiles": False,
-        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-    },
-    "mask_mod_empty_rows_lse": {
-        "mask_mod": "kv_idx >= 64",
-        "return_lse": True,
-        "prescale_q": False,
-    },
+        "mask_mod": "kv_idx % 7 != 3"},
+    "doc_mask_no_tile_skip": {"skip_masked_tiles": False,
+                              "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                              "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
+    "mask_mod_empty_rows_lse": {"mask_mod": "kv_idx >= 64", "return_lse": True, "prescale_q": False},
     # float8 q/k/v with descales, 16-bit output.
-    "fp8_f16_out": {
-        "dtype": "float8_e4m3fn",
-        "out_dtype": "float16",
-        "prescale_q": False,
-    },
+    "fp8_f16_out": {"dtype": "float8_e4m3fn", "out_dtype": "float16", "prescale_q": False},
     "fp8_window_softcap_lse_non_causal": {
-        "dtype": "float8_e4m3fn",
-        "prescale_q": False,
-        "causal": False,
-        "block_remap": None,
-        "window": {"left": 100, "right": 20},
-        "softcap": 15.0,
-        "return_lse": True,
-        "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1}},
-    },
+        "dtype": "float8_e4m3fn", "prescale_q": False, "causal": False, "block_remap": None,
+        "window": {"left": 100, "right": 20}, "softcap": 15.0, "return_lse": True,
+        "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1}}},
     # Dropout: the reference regenerates the kernel's mask from the seed.
     "dropout": {"dropout": True},
-    "dropout_window_lse_no_split": {
-        "dropout": True,
-        "window": {"left": 90},
-        "return_lse": True,
-        "loop_split": False,
-    },
+    "dropout_window_lse_no_split": {"dropout": True, "window": {"left": 90}, "return_lse": True,
+                                    "loop_split": False},
     "dropout_alibi_non_causal_no_exp2": {
-        "dropout": True,
-        "causal": False,
-        "block_remap": None,
+        "dropout": True, "causal": False, "block_remap": None,
         "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
         "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
-        "score_mod": "score - slope[h] * abs(q_idx - kv_idx)",
-    },
+        "score_mod": "score - slope[h] * abs(q_idx - kv_idx)"},
 }
 
 
 @pytest.mark.parametrize("variant", sorted(FEATURE_VARIANTS))
-@pytest.mark.parametrize(
-    "shape",
-    [
-        (1, 1, 1000, 1000, 0),
-        (2, 1, 128, 1000, 872),
-        (1, 2, 77, 77, 0),
-        (1, 2, 100, 300, 450),
-    ],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(1, 1, 1000, 1000, 0), (2, 1, 128, 1000, 872), (1, 2, 77, 77, 0),
+                                   (1, 2, 100, 300, 450)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_feature_variants_match_reference(variant, shape):
-    _check(
-        _variant_module(variant, FEATURE_VARIANTS[variant]),
-        *shape,
-        seed=shape[2] * 11 + shape[3],
-    )
+    _check(_variant_module(variant, FEATURE_VARIANTS[variant]), *shape, seed=shape[2] * 11 + shape[3])
 
 
 def test_empty_rows_are_zero_with_lse_minus_inf():
@@ -425,14 +242,10 @@ def test_empty_rows_are_zero_with_lse_minus_inf():
     mod = _variant_module("empty_rows", {"window": {"left": 16}, "return_lse": True})
     q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(1, 1, 50, 128, device="cuda", dtype=torch.float16)
-    out, lse = mod.attention(
-        q, k, k, q_offset=40
-    )  # rows at 40..103: 40..65 see keys, the rest none
+    out, lse = mod.attention(q, k, k, q_offset=40)  # rows at 40..103: 40..65 see keys, the rest none
     visible = torch.arange(40, 104, device="cuda") - 16 <= 49
     assert torch.isfinite(out).all()
-    assert (out[:, :, ~visible] == 0).all() and torch.isneginf(
-        lse[:, :, ~visible]
-    ).all()
+    assert (out[:, :, ~visible] == 0).all() and torch.isneginf(lse[:, :, ~visible]).all()
     assert torch.isfinite(lse[:, :, visible]).all()
 
 
@@ -440,9 +253,7 @@ def test_sinks_argument_is_checked_before_launch():
     mod = generated_module("fmha_gptoss_sinks")
     q = torch.randn(1, 8, 16, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 1, 16, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(
-        ValueError, match=r"sinks must be a floating-point tensor of shape \[8\]"
-    ):
+    with pytest.raises(ValueError, match=r"sinks must be a floating-point tensor of shape \[8\]"):
         mod.attention(q, k, k, sinks=torch.zeros(4, device="cuda"))
     with pytest.raises(ValueError, match="sinks must be a \\[8\\] tensor"):
         mod.attention(q, k, k, sinks=None)
@@ -452,10 +263,7 @@ def test_v_head_dim_out_buffer_is_checked():
     mod = generated_module("fmha_mla_d192")
     q = torch.randn(1, 2, 8, 192, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(
-        ValueError,
-        match=r"out must be a torch.bfloat16 tensor of shape \(1, 2, 8, 128\)",
-    ):
+    with pytest.raises(ValueError, match=r"out must be a torch.bfloat16 tensor of shape \(1, 2, 8, 128\)"):
         mod.attention(q, q, v, out=torch.empty_like(q))
 
 
@@ -463,11 +271,8 @@ def test_hook_tensors_are_checked_before_launch():
     mod = generated_module("fmha_document_mask")  # doc: int32 [batch, seq_k], GQA 4
     q = torch.randn(2, 4, 16, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 1, 16, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(
-        ValueError,
-        match=r"doc must be a torch.int32 tensor of shape \(2, 16\) on cuda:0, "
-        r"got torch.int64 \(2, 16\)",
-    ):
+    with pytest.raises(ValueError, match=r"doc must be a torch.int32 tensor of shape \(2, 16\) on cuda:0, "
+                                         r"got torch.int64 \(2, 16\)"):
         mod.attention(q, k, k, doc=torch.zeros(2, 16, device="cuda", dtype=torch.int64))
     with pytest.raises(ValueError, match=r"got torch.int32 \(1, 16\)"):
         mod.attention(q, k, k, doc=torch.zeros(1, 16, device="cuda", dtype=torch.int32))
@@ -483,18 +288,12 @@ def test_dropout_is_reproducible_and_matches_reference_mask():
     b = mod.attention(q, k, k, dropout_p=0.3, seed=11)
     c = mod.attention(q, k, k, dropout_p=0.3, seed=12)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(
-        mod.attention(q, k, k, dropout_p=0.0, seed=5), mod.attention(q, k, k, seed=9)
-    )
+    assert torch.equal(mod.attention(q, k, k, dropout_p=0.0, seed=5), mod.attention(q, k, k, seed=9))
     ref = reference_for(mod.SPEC, q, k, k, {"dropout_p": 0.3, "seed": 11})[0]
     assert compare(a, ref, "float16").ok
-    with pytest.raises(
-        ValueError, match=r"dropout_p must be a float in \[0, 1\), got 1.0"
-    ):
+    with pytest.raises(ValueError, match=r"dropout_p must be a float in \[0, 1\), got 1.0"):
         mod.attention(q, k, k, dropout_p=1.0)
-    with pytest.raises(
-        ValueError, match=r"seed must be an int in \[0, 2\*\*31\), got -1"
-    ):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*31\), got -1"):
         mod.attention(q, k, k, seed=-1)
 
 
@@ -524,45 +323,22 @@ def test_varlen_arguments_are_checked_before_launch():
         mod.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k[:2])
     with pytest.raises(ValueError, match=r"q must be 3-D \[total, heads, head_dim\]"):
         mod.attention(q[None], k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k)
-    with pytest.raises(
-        ValueError, match="max_seqlen_q must be a non-negative int or None"
-    ):
+    with pytest.raises(ValueError, match="max_seqlen_q must be a non-negative int or None"):
         mod.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k, max_seqlen_q=-1)
-    out, lse = mod.attention(
-        q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k
-    )  # lengths read from cu
-    assert (
-        out.shape == (10, 8, 128) and lse.shape == (8, 10) and torch.isfinite(out).all()
-    )
+    out, lse = mod.attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu_k)  # lengths read from cu
+    assert out.shape == (10, 8, 128) and lse.shape == (8, 10) and torch.isfinite(out).all()
 
 
 VARLEN_VARIANTS = {
     "varlen_plain": {"varlen": True},
-    "varlen_window_sinks_lse": {
-        "varlen": True,
-        "window": {"left": 50},
-        "sinks": True,
-        "return_lse": True,
-    },
-    "varlen_non_causal_d80_dv64_softcap": {
-        "varlen": True,
-        "causal": False,
-        "block_remap": None,
-        "head_dim": 80,
-        "v_head_dim": 64,
-        "softcap": 10.0,
-        "return_lse": True,
-    },
+    "varlen_window_sinks_lse": {"varlen": True, "window": {"left": 50}, "sinks": True, "return_lse": True},
+    "varlen_non_causal_d80_dv64_softcap": {"varlen": True, "causal": False, "block_remap": None,
+                                           "head_dim": 80, "v_head_dim": 64, "softcap": 10.0,
+                                           "return_lse": True},
     "varlen_k_permuted_global_order": {
-        "varlen": True,
-        "loads": {"k_transposed": False},
-        "targets": {"default": {"tile_m": 64, "tile_n": 64, "tile_order": "global"}},
-    },
-    "varlen_qk_ahead_window": {
-        "varlen": True,
-        "qk_ahead": True,
-        "window": {"left": 50},
-    },
+        "varlen": True, "loads": {"k_transposed": False},
+        "targets": {"default": {"tile_m": 64, "tile_n": 64, "tile_order": "global"}}},
+    "varlen_qk_ahead_window": {"varlen": True, "qk_ahead": True, "window": {"left": 50}},
 }
 
 
@@ -583,10 +359,7 @@ def test_fp8_descales_are_checked_and_applied():
     k = torch.randn(1, 1, 64, 128, device="cuda").to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="k_descale must be a positive float"):
         mod.attention(q, k, k, k_descale=-1.0)
-    with pytest.raises(
-        ValueError,
-        match="v_descale must be a positive float or a one-element float tensor on",
-    ):
+    with pytest.raises(ValueError, match="v_descale must be a positive float or a one-element float tensor on"):
         mod.attention(q, k, k, v_descale=torch.ones(2, device="cuda"))
     base = mod.attention(q, k, k)
     assert base.dtype == torch.bfloat16
@@ -599,114 +372,51 @@ def test_fp8_descales_are_checked_and_applied():
 
 DECODE_VARIANTS = {
     "mha_q1": {"gqa_ratio": 1, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
-    "gqa4_q4_contiguous": {
-        "gqa_ratio": 4,
-        "max_q_len": 4,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
-    "gqa8_paged16_tile16": {
-        "gqa_ratio": 8,
-        "paged": {"page_size": 16},
-        "targets": {"default": {"tile_m": 16, "tile_n": 16}},
-    },
+    "gqa4_q4_contiguous": {"gqa_ratio": 4, "max_q_len": 4,
+                           "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "gqa8_paged16_tile16": {"gqa_ratio": 8, "paged": {"page_size": 16},
+                            "targets": {"default": {"tile_m": 16, "tile_n": 16}}},
     "window_sinks_no_exp2_splits3": {
-        "gqa_ratio": 4,
-        "window": {"left": 300},
-        "sinks": True,
-        "splits": 3,
+        "gqa_ratio": 4, "window": {"left": 300}, "sinks": True, "splits": 3,
         "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
-        "targets": {"default": {"tile_m": 16, "tile_n": 32}},
-    },
-    "gqa8_q2_d64_paged128": {
-        "gqa_ratio": 8,
-        "max_q_len": 2,
-        "head_dim": 64,
-        "paged": {"page_size": 128},
-        "targets": {"default": {"tile_m": 16, "tile_n": 128}},
-    },
+        "targets": {"default": {"tile_m": 16, "tile_n": 32}}},
+    "gqa8_q2_d64_paged128": {"gqa_ratio": 8, "max_q_len": 2, "head_dim": 64, "paged": {"page_size": 128},
+                             "targets": {"default": {"tile_m": 16, "tile_n": 128}}},
     # A float8 cache, paged, with several query tokens, a window and sinks.
     "fp8kv_gqa4_q4_paged64_window_sinks": {
-        "gqa_ratio": 4,
-        "max_q_len": 4,
-        "kv_dtype": "float8_e4m3fn",
-        "paged": {"page_size": 64},
-        "window": {"left": 500},
-        "sinks": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
-    "fp8kv_f16_mha_d64": {
-        "dtype": "float16",
-        "kv_dtype": "float8_e4m3fn",
-        "gqa_ratio": 1,
-        "head_dim": 64,
-        "targets": {"default": {"tile_m": 16, "tile_n": 128}},
-    },
+        "gqa_ratio": 4, "max_q_len": 4, "kv_dtype": "float8_e4m3fn", "paged": {"page_size": 64},
+        "window": {"left": 500}, "sinks": True, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "fp8kv_f16_mha_d64": {"dtype": "float16", "kv_dtype": "float8_e4m3fn", "gqa_ratio": 1, "head_dim": 64,
+                          "targets": {"default": {"tile_m": 16, "tile_n": 128}}},
     # V stored keys last: paged float8 with the features above, contiguous 16-bit.
     "fp8kv_vt_gqa4_q4_paged64_window_sinks": {
-        "gqa_ratio": 4,
-        "max_q_len": 4,
-        "kv_dtype": "float8_e4m3fn",
-        "paged": {"page_size": 64},
-        "v_cache_transposed": True,
-        "window": {"left": 500},
-        "sinks": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
-    "vt_f16_gqa8_q2": {
-        "dtype": "float16",
-        "gqa_ratio": 8,
-        "max_q_len": 2,
-        "v_cache_transposed": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
+        "gqa_ratio": 4, "max_q_len": 4, "kv_dtype": "float8_e4m3fn", "paged": {"page_size": 64},
+        "v_cache_transposed": True, "window": {"left": 500}, "sinks": True,
+        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    "vt_f16_gqa8_q2": {"dtype": "float16", "gqa_ratio": 8, "max_q_len": 2, "v_cache_transposed": True,
+                       "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     # mask_mod hooks: evaluated on every tile, or through a block map (block_sparse).
-    "doc_sparse_gqa8": {
-        "gqa_ratio": 8,
-        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-        "block_sparse": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
+    "doc_sparse_gqa8": {"gqa_ratio": 8, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True,
+                        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     "doc_masked_gqa4_q4_paged64": {
-        "gqa_ratio": 4,
-        "max_q_len": 4,
-        "paged": {"page_size": 64},
+        "gqa_ratio": 4, "max_q_len": 4, "paged": {"page_size": 64},
         "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     # A mask per query head (the map is per KV head), paged, a window and sinks.
     "per_head_sparse_f16_d64_q4_paged64_window_sinks": {
-        "dtype": "float16",
-        "head_dim": 64,
-        "gqa_ratio": 4,
-        "max_q_len": 4,
-        "paged": {"page_size": 64},
-        "window": {"left": 1000},
-        "sinks": True,
-        "tensors": {"lim": {"dtype": "int32", "shape": ["heads"]}},
-        "mask_mod": "kv_idx >= lim[h]",
-        "block_sparse": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
+        "dtype": "float16", "head_dim": 64, "gqa_ratio": 4, "max_q_len": 4, "paged": {"page_size": 64},
+        "window": {"left": 1000}, "sinks": True, "tensors": {"lim": {"dtype": "int32", "shape": ["heads"]}},
+        "mask_mod": "kv_idx >= lim[h]", "block_sparse": True, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     "chunk300_sparse_fp8kv_vt_splits3": {
-        "gqa_ratio": 4,
-        "kv_dtype": "float8_e4m3fn",
-        "v_cache_transposed": True,
-        "splits": 3,
-        "mask_mod": "q_idx // 300 == kv_idx // 300",
-        "block_sparse": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
+        "gqa_ratio": 4, "kv_dtype": "float8_e4m3fn", "v_cache_transposed": True, "splits": 3,
+        "mask_mod": "q_idx // 300 == kv_idx // 300", "block_sparse": True,
+        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
     # Scattered full tiles: the split kernel reads them from the list, not as a run.
     "blocks_sparse_gqa8_q2": {
-        "gqa_ratio": 8,
-        "max_q_len": 2,
-        "tensors": {"f": {"dtype": "int32", "shape": ["batch", 1024]}},
-        "mask_mod": "f[b, kv_idx // 64] != 0",
-        "block_sparse": True,
-        "targets": {"default": {"tile_m": 16, "tile_n": 64}},
-    },
+        "gqa_ratio": 8, "max_q_len": 2, "tensors": {"f": {"dtype": "int32", "shape": ["batch", 1024]}},
+        "mask_mod": "f[b, kv_idx // 64] != 0", "block_sparse": True,
+        "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
 }
 
 
@@ -715,9 +425,7 @@ def _decode_module(name, overrides):
 
     from .helpers import decode_variant_data, render_spec_data
 
-    plan, source = render_spec_data(
-        decode_variant_data(name, overrides), "specs/v.yaml"
-    )
+    plan, source = render_spec_data(decode_variant_data(name, overrides), "specs/v.yaml")
     return load_module_from_source(plan.module_name, source, f"decode_{name}.py")
 
 
@@ -734,9 +442,7 @@ def test_decode_specs_match_reference(name, index):
     cases = _decode_cases(mod)
     if index >= len(cases):
         pytest.skip(f"{name} has {len(cases)} decode cases")
-    row = run_case(
-        torch, mod, cases[index], torch.Generator(device="cuda").manual_seed(index)
-    )
+    row = run_case(torch, mod, cases[index], torch.Generator(device="cuda").manual_seed(index))
     assert row["ok"], row
 
 
@@ -762,26 +468,20 @@ def test_decode_replays_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mod.attention(
-            *batch.args(), out=out, max_seq_len=3000
-        )  # warm-up: JIT, workspace
+        mod.attention(*batch.args(), out=out, max_seq_len=3000)  # warm-up: JIT, workspace
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         mod.attention(*batch.args(), out=out, max_seq_len=3000)
     for step in range(3):
-        batch.q.copy_(
-            torch.randn(batch.q.shape, generator=gen, device="cuda").to(batch.q.dtype)
-        )
+        batch.q.copy_(torch.randn(batch.q.shape, generator=gen, device="cuda").to(batch.q.dtype))
         batch.seq_lens.sub_(step)  # the sequences change; the graph stays
         graph.replay()
         torch.cuda.synchronize()
         assert compare(out, decode_reference(mod.SPEC, batch, {}), "bfloat16").ok
 
 
-@pytest.mark.parametrize(
-    "name", ["fmha_decode_gqa8_bf16", "fmha_decode_paged_mtp", "fmha_decode_gqa8_fp8kv"]
-)
+@pytest.mark.parametrize("name", ["fmha_decode_gqa8_bf16", "fmha_decode_paged_mtp", "fmha_decode_gqa8_fp8kv"])
 def test_decode_pdl_launch_matches_the_plain_launch(name, monkeypatch):
     """Back-to-back calls that share one split workspace, with programmatic dependent
     launch forced on: each split kernel must wait for the combine before it to finish
@@ -812,14 +512,8 @@ def test_decode_pdl_launch_matches_the_plain_launch(name, monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             for i, (want, got, out) in enumerate(zip(plain, eager, outs)):
-                torch.testing.assert_close(
-                    got, want, rtol=2**-7, atol=2**-24, msg=f"{lens} call {i}"
-                )
-                assert int((got != want).sum()) <= got.numel() // 1000, (
-                    lens,
-                    i,
-                    "eager",
-                )
+                torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-24, msg=f"{lens} call {i}")
+                assert int((got != want).sum()) <= got.numel() // 1000, (lens, i, "eager")
                 assert torch.equal(out, got), (lens, i, "graph")
             for out in outs:
                 out.fill_(float("nan"))
@@ -839,9 +533,7 @@ def test_decode_float8_descales_are_read_by_the_kernel_and_checked():
     eager = mod.attention(*batch.args(), k_descale=1.25, v_descale=2.0)
     want = decode_reference(mod.SPEC, batch, {"k_descale": 1.25, "v_descale": 2.0})
     assert compare(eager, want, "bfloat16").ok
-    assert torch.equal(
-        mod.attention(*batch.args(), k_descale=k_descale, v_descale=v_descale), eager
-    )
+    assert torch.equal(mod.attention(*batch.args(), k_descale=k_descale, v_descale=v_descale), eager)
     out, out_floats = torch.empty_like(batch.q), torch.empty_like(batch.q)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -858,45 +550,22 @@ def test_decode_float8_descales_are_read_by_the_kernel_and_checked():
         v_descale.fill_(v_value)
         graph.replay()
         torch.cuda.synchronize()
-        ref = decode_reference(
-            mod.SPEC, batch, {"k_descale": k_value, "v_descale": v_value}
-        )
+        ref = decode_reference(mod.SPEC, batch, {"k_descale": k_value, "v_descale": v_value})
         assert compare(out, ref, "bfloat16").ok, (k_value, v_value)
         ref = decode_reference(mod.SPEC, batch, {"k_descale": 0.625, "v_descale": 3.0})
         assert compare(out_floats, ref, "bfloat16").ok
 
     bf16_cache = batch.k_cache.to(torch.bfloat16)
     bad = [
-        (
-            (batch.q, bf16_cache, batch.v_cache, batch.seq_lens),
-            {},
-            "k_cache must be a 4-D torch.float8_e4m3fn tensor",
-        ),
-        (
-            batch.args(),
-            {"k_descale": 0.0},
-            "k_descale must be a positive finite float or a one-element",
-        ),
-        (
-            batch.args(),
-            {"v_descale": float("inf")},
-            "v_descale must be a positive finite float",
-        ),
-        (
-            batch.args(),
-            {"k_descale": torch.ones(2, device="cuda")},
-            "k_descale must be a positive float or a one-element float32 tensor on cuda",
-        ),
-        (
-            batch.args(),
-            {"v_descale": torch.ones(1, device="cuda", dtype=torch.float64)},
-            "v_descale must be a positive float or a one-element float32 tensor on cuda",
-        ),
-        (
-            batch.args(),
-            {"k_descale": torch.ones(1)},
-            "k_descale must be a positive float or a one-element",
-        ),
+        ((batch.q, bf16_cache, batch.v_cache, batch.seq_lens), {},
+         "k_cache must be a 4-D torch.float8_e4m3fn tensor"),
+        (batch.args(), {"k_descale": 0.0}, "k_descale must be a positive finite float or a one-element"),
+        (batch.args(), {"v_descale": float("inf")}, "v_descale must be a positive finite float"),
+        (batch.args(), {"k_descale": torch.ones(2, device="cuda")},
+         "k_descale must be a positive float or a one-element float32 tensor on cuda"),
+        (batch.args(), {"v_descale": torch.ones(1, device="cuda", dtype=torch.float64)},
+         "v_descale must be a positive float or a one-element float32 tensor on cuda"),
+        (batch.args(), {"k_descale": torch.ones(1)}, "k_descale must be a positive float or a one-element"),
     ]
     for args, kwargs, message in bad:
         with pytest.raises(ValueError) as info:
@@ -920,9 +589,7 @@ def test_decode_float8_queries_beyond_float16_range():
     q[3, :, 5, :64] *= 3e5  # one head with half its dims huge
     scale = 1e-6  # keeps the huge rows' logits finite and varied
     extra = {"k_descale": 0.5, "v_descale": 0.25}
-    batch = type(batch)(
-        q, batch.k_cache, batch.v_cache, batch.seq_lens, None, batch.v_transposed
-    )
+    batch = type(batch)(q, batch.k_cache, batch.v_cache, batch.seq_lens, None, batch.v_transposed)
     for s in (None, scale):
         out = mod.attention(*batch.args(), scale=s, **extra)
         ref = decode_reference(mod.SPEC, batch, extra, scale=s)
@@ -937,9 +604,7 @@ def test_decode_transposed_v_cache_conversion_and_checks():
     mod = generated_module("fmha_decode_gqa8_fp8kv")
     plain = dict(mod.SPEC, v_cache_transposed=False)
     gen = torch.Generator(device="cuda").manual_seed(5)
-    batch = random_decode(
-        plain, [700, 1501, 64, 3001], 2, 1, gen
-    )  # max_len 3001: not a multiple of 16
+    batch = random_decode(plain, [700, 1501, 64, 3001], 2, 1, gen)  # max_len 3001: not a multiple of 16
     v_t = mod.transposed_v_cache(batch.v_cache)
     assert v_t.shape == (4, 2, 128, 3008) and v_t.dtype == torch.float8_e4m3fn
     extra = {"k_descale": 0.75, "v_descale": 1.5}
@@ -959,11 +624,8 @@ def test_decode_transposed_v_cache_conversion_and_checks():
     out = mod.attention(batch.q, k2, v_t2, lens, **extra)
     assert compare(out, decode_reference(plain, grown, extra), "bfloat16").ok
     bad = [
-        (
-            batch.v_cache,
-            "v_cache is stored transposed (keys last): it must be a torch.float8_e4m3fn tensor "
-            "[4, 2, 128, L] with L >= 3001, keys contiguous",
-        ),
+        (batch.v_cache, "v_cache is stored transposed (keys last): it must be a torch.float8_e4m3fn tensor "
+                        "[4, 2, 128, L] with L >= 3001, keys contiguous"),
         (v_t[..., :3000], "[4, 2, 128, L] with L >= 3001"),
         (v_t[..., :3001].contiguous(), "rows 16-byte aligned"),
         (v_t.to(torch.bfloat16), "v_cache is stored transposed"),
@@ -972,9 +634,7 @@ def test_decode_transposed_v_cache_conversion_and_checks():
         with pytest.raises(ValueError) as info:
             mod.attention(batch.q, batch.k_cache, v_bad, batch.seq_lens, **extra)
         assert message in str(info.value), (message, str(info.value))
-    with pytest.raises(
-        ValueError, match=r"v_cache must be a 4-D \[B, max_len, Hkv, 128\] tensor"
-    ):
+    with pytest.raises(ValueError, match=r"v_cache must be a 4-D \[B, max_len, Hkv, 128\] tensor"):
         mod.transposed_v_cache(v_t[0])
 
 
@@ -985,9 +645,7 @@ def test_decode_arguments_are_checked_before_launch():
     lens = torch.tensor([50, 100], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"seq_lens must be an int32 \[2\] tensor"):
         mod.attention(q, cache, cache, lens.long())
-    with pytest.raises(
-        ValueError, match=r"q_len \(q.shape\[1\]\) must be in \[1, 1\], got 2"
-    ):
+    with pytest.raises(ValueError, match=r"q_len \(q.shape\[1\]\) must be in \[1, 1\], got 2"):
         mod.attention(torch.cat([q, q], 1), cache, cache, lens)
     with pytest.raises(ValueError, match="this kernel needs q heads == 8 \\* kv heads"):
         mod.attention(q[:, :, :8], cache, cache, lens)
@@ -999,149 +657,64 @@ def test_decode_arguments_are_checked_before_launch():
 
 BACKWARD_VARIANTS = {
     "causal_gqa4_bf16_d128": {"backward": True, "dtype": "bfloat16"},
-    "non_causal_mha_f16_d64": {
-        "backward": True,
-        "causal": False,
-        "block_remap": None,
-        "gqa_ratio": 1,
-        "head_dim": 64,
-    },
-    "causal_gqa8_f16_d64_no_exp2": {
-        "backward": True,
-        "gqa_ratio": 8,
-        "head_dim": 64,
-        "prescale_q": False,
-        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
-    },
+    "non_causal_mha_f16_d64": {"backward": True, "causal": False, "block_remap": None, "gqa_ratio": 1,
+                               "head_dim": 64},
+    "causal_gqa8_f16_d64_no_exp2": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "prescale_q": False,
+                                    "fast_math": {"exp2": False, "flush_to_zero": False,
+                                                  "approx_div": False}},
     # Gemma-2: soft-cap and a sliding window.
-    "softcap_window_gqa2": {
-        "backward": True,
-        "gqa_ratio": 2,
-        "softcap": 30.0,
-        "window": {"left": 100},
-        "prescale_q": True,
-    },
-    "non_causal_window_left_right_f16_d64": {
-        "backward": True,
-        "causal": False,
-        "block_remap": None,
-        "dtype": "float16",
-        "head_dim": 64,
-        "window": {"left": 50, "right": 20},
-    },
+    "softcap_window_gqa2": {"backward": True, "gqa_ratio": 2, "softcap": 30.0, "window": {"left": 100},
+                            "prescale_q": True},
+    "non_causal_window_left_right_f16_d64": {"backward": True, "causal": False, "block_remap": None,
+                                             "dtype": "float16", "head_dim": 64,
+                                             "window": {"left": 50, "right": 20}},
     # ALiBi: a score_mod whose derivative in the score is 1; slopes read, not learned.
-    "alibi_mha": {
-        "backward": True,
-        "gqa_ratio": 1,
-        "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
-        "score_mod": "score - slope[h] * (q_idx - kv_idx)",
-    },
+    "alibi_mha": {"backward": True, "gqa_ratio": 1, "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+                  "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
     # A score_mod with a non-trivial derivative (tanh, a position-dependent branch).
-    "score_mod_nonlinear": {
-        "backward": True,
-        "score_mod": "tanh(score / 5.0) * 5.0 + where(q_idx > kv_idx + 8, -0.5 * score, 0.0)",
-    },
-    "document_mask_mod": {
-        "backward": True,
-        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-    },
+    "score_mod_nonlinear": {"backward": True,
+                            "score_mod": "tanh(score / 5.0) * 5.0 + where(q_idx > kv_idx + 8, -0.5 * score, 0.0)"},
+    "document_mask_mod": {"backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                          "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
     # Padded head dims: Phi-2's 80 (tiles of 128), DeepSeek MLA's 192 / 128.
-    "phi2_d80_f16_mha": {
-        "backward": True,
-        "dtype": "float16",
-        "head_dim": 80,
-        "gqa_ratio": 1,
-    },
-    "mla_d192_dv128_mha": {
-        "backward": True,
-        "head_dim": 192,
-        "v_head_dim": 128,
-        "gqa_ratio": 1,
-    },
+    "phi2_d80_f16_mha": {"backward": True, "dtype": "float16", "head_dim": 80, "gqa_ratio": 1},
+    "mla_d192_dv128_mha": {"backward": True, "head_dim": 192, "v_head_dim": 128, "gqa_ratio": 1},
     # Head dim 256: 64 x 64 tiles in every backward kernel, dK/dV with two warp groups.
-    "d256_gqa4_bf16_softcap_sinks": {
-        "backward": True,
-        "head_dim": 256,
-        "dtype": "bfloat16",
-        "softcap": 50.0,
-        "sinks": True,
-    },
+    "d256_gqa4_bf16_softcap_sinks": {"backward": True, "head_dim": 256, "dtype": "bfloat16",
+                                     "softcap": 50.0, "sinks": True},
     # Dropout: the backward regenerates the forward's mask from the seed.
     "dropout_gqa4_bf16": {"backward": True, "dropout": True},
-    "dropout_softcap_window_f16_d64": {
-        "backward": True,
-        "dropout": True,
-        "dtype": "float16",
-        "head_dim": 64,
-        "softcap": 20.0,
-        "window": {"left": 90},
-        "gqa_ratio": 2,
-    },
+    "dropout_softcap_window_f16_d64": {"backward": True, "dropout": True, "dtype": "float16", "head_dim": 64,
+                                       "softcap": 20.0, "window": {"left": 90}, "gqa_ratio": 2},
     # Learnable hook tensors: ALiBi slopes, a relative-position bias table, a
     # per-key bias and a per-row temperature through tanh (every reduction shape).
     "learnable_bias_tables": {
-        "backward": True,
-        "gqa_ratio": 2,
-        "head_dim": 64,
-        "tensors": {
-            "slope": {"dtype": "float32", "shape": ["heads"], "learnable": True},
-            "rel": {"dtype": "float32", "shape": ["heads", 1024], "learnable": True},
-            "colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True},
-            "rowb": {
-                "dtype": "float32",
-                "shape": ["batch", "seq_q"],
-                "learnable": True,
-            },
-        },
+        "backward": True, "gqa_ratio": 2, "head_dim": 64,
+        "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True},
+                    "rel": {"dtype": "float32", "shape": ["heads", 1024], "learnable": True},
+                    "colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True},
+                    "rowb": {"dtype": "float32", "shape": ["batch", "seq_q"], "learnable": True}},
         # (a per-row term must scale the score: an added one cancels in the softmax)
         "score_mod": "score * (1.0 + 0.5 * tanh(rowb[b, q_idx])) - slope[h] * (q_idx - kv_idx) "
-        "+ rel[h, q_idx - kv_idx] + colb[kv_idx] * 0.5",
-    },
+                     "+ rel[h, q_idx - kv_idx] + colb[kv_idx] * 0.5"},
     "learnable_scale_non_causal": {
-        "backward": True,
-        "causal": False,
-        "block_remap": None,
-        "gqa_ratio": 1,
-        "dtype": "float16",
-        "tensors": {
-            "temp": {"dtype": "float32", "shape": ["heads"], "learnable": True},
-            "rel": {"dtype": "float32", "shape": [2048], "learnable": True},
-        },
-        "score_mod": "score * temp[h] + rel[q_idx - kv_idx + 1024]",
-    },
+        "backward": True, "causal": False, "block_remap": None, "gqa_ratio": 1, "dtype": "float16",
+        "tensors": {"temp": {"dtype": "float32", "shape": ["heads"], "learnable": True},
+                    "rel": {"dtype": "float32", "shape": [2048], "learnable": True}},
+        "score_mod": "score * temp[h] + rel[q_idx - kv_idx + 1024]"},
     # Block maps: full tiles skip the mask; a score_mod, a window, dropout and a
     # learnable table still apply on them.
     "document_sparse_alibi_window": {
-        "backward": True,
-        "tensors": {
-            "doc": {"dtype": "int32", "shape": ["batch", "seq_k"]},
-            "slope": {"dtype": "float32", "shape": ["heads"], "learnable": True},
-        },
-        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
-        "block_sparse": True,
-        "window": {"left": 150},
-        "score_mod": "score - slope[h] * (q_idx - kv_idx)",
-    },
+        "backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]},
+                                      "slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]", "block_sparse": True, "window": {"left": 150},
+        "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
     "chunk_sparse_dropout_softcap_f16_d64": {
-        "backward": True,
-        "dtype": "float16",
-        "head_dim": 64,
-        "gqa_ratio": 2,
-        "dropout": True,
-        "softcap": 20.0,
-        "mask_mod": "q_idx // 96 == kv_idx // 96",
-        "block_sparse": True,
-    },
+        "backward": True, "dtype": "float16", "head_dim": 64, "gqa_ratio": 2, "dropout": True,
+        "softcap": 20.0, "mask_mod": "q_idx // 96 == kv_idx // 96", "block_sparse": True},
     # gpt-oss: sinks (with their gradient) and a window.
-    "sinks_window_gqa8_d64": {
-        "backward": True,
-        "gqa_ratio": 8,
-        "head_dim": 64,
-        "sinks": True,
-        "window": {"left": 127},
-        "return_lse": True,
-    },
+    "sinks_window_gqa8_d64": {"backward": True, "gqa_ratio": 8, "head_dim": 64, "sinks": True,
+                              "window": {"left": 127}, "return_lse": True},
 }
 
 
@@ -1152,19 +725,14 @@ def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
 
     spec = mod.SPEC
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (
-        t.requires_grad_()
-        for t in random_qkv(spec, batch, kv_heads, seq_q, seq_k, generator=gen)
-    )
+    q, k, v = (t.requires_grad_() for t in random_qkv(spec, batch, kv_heads, seq_q, seq_k, generator=gen))
     extra = feature_inputs(spec, shape_dims(q, k), gen)
     learned = (["sinks"] if "sinks" in extra else []) + learnable_tensors(spec)
     for name in learned:
         extra[name].requires_grad_()
     out = mod.attention(q, k, v, q_offset=q_offset, **extra)
     out = out[0] if isinstance(out, tuple) else out
-    dout = torch.randn(out.shape, generator=gen, device="cuda").to(
-        q.dtype
-    )  # v_head_dim wide
+    dout = torch.randn(out.shape, generator=gen, device="cuda").to(q.dtype)  # v_head_dim wide
     out.backward(dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     extra64 = dict(extra)
@@ -1173,12 +741,7 @@ def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
     ref, _ = reference_for(spec, q64, k64, v64, extra64, q_offset=q_offset)
     ref.backward(dout.double())
     tol = 2e-2 if spec["dtype"] == "bfloat16" else 1e-2
-    checks = [
-        ("out", out, ref),
-        ("dq", q.grad, q64.grad),
-        ("dk", k.grad, k64.grad),
-        ("dv", v.grad, v64.grad),
-    ]
+    checks = [("out", out, ref), ("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)]
     checks += [("d" + name, extra[name].grad, extra64[name].grad) for name in learned]
     for name, got, want in checks:
         # With one key (and no sink), dq and dk are exactly 0, and the kernel's are the rounding of
@@ -1187,67 +750,35 @@ def _grad_check(mod, batch, kv_heads, seq_q, seq_k, q_offset, seed):
         # enlarges. It is judged against that bound; everything else relatively
         # (a floor of 1e-2).
         if name in ("dq", "dk") and seq_k == 1 and "sinks" not in extra:
-            bound = (
-                4
-                * tol
-                * 2**-6
-                * dout.abs().max().item()
-                * out.abs().max().item()
-                * k.abs().max().item()
-            )
-            assert torch.isfinite(got).all() and got.abs().max().item() <= bound, (
-                name,
-                bound,
-            )
+            bound = 4 * tol * 2**-6 * dout.abs().max().item() * out.abs().max().item() * k.abs().max().item()
+            assert torch.isfinite(got).all() and got.abs().max().item() <= bound, (name, bound)
             continue
-        err = (got.double() - want).abs().max().item() / max(
-            want.abs().max().item(), 1e-2
-        )
+        err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
         assert torch.isfinite(got).all() and err <= tol, (name, err)
 
 
 @pytest.mark.parametrize("variant", sorted(BACKWARD_VARIANTS))
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 1, 1, 1, 0), (2, 2, 77, 77, 0), (1, 1, 300, 300, 0), (1, 2, 100, 333, 233)],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 0), (2, 2, 77, 77, 0), (1, 1, 300, 300, 0),
+                                   (1, 2, 100, 333, 233)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_backward_matches_fp64_autograd(variant, shape):
-    _grad_check(
-        _variant_module(variant, BACKWARD_VARIANTS[variant]), *shape, seed=sum(shape)
-    )
+    _grad_check(_variant_module(variant, BACKWARD_VARIANTS[variant]), *shape, seed=sum(shape))
 
 
 @pytest.mark.parametrize("name", TRAINING_SPEC_NAMES)
-@pytest.mark.parametrize(
-    "shape",
-    [(2, 2, 1000, 1000, 0), (1, 1, 333, 500, 167)],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(2, 2, 1000, 1000, 0), (1, 1, 333, 500, 167)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_shipped_training_spec_gradients(name, shape):
     _grad_check(generated_module(name), *shape, seed=1)
 
 
 VARLEN_BACKWARD_VARIANTS = {
     "varlen_causal_gqa4": {"varlen": True, "backward": True},
-    "varlen_sinks_window_softcap_gqa2_d64": {
-        "varlen": True,
-        "backward": True,
-        "sinks": True,
-        "gqa_ratio": 2,
-        "head_dim": 64,
-        "window": {"left": 60},
-        "softcap": 30.0,
-        "dtype": "bfloat16",
-    },
-    "varlen_non_causal_mha_d80": {
-        "varlen": True,
-        "backward": True,
-        "causal": False,
-        "block_remap": None,
-        "gqa_ratio": 1,
-        "head_dim": 80,
-    },
+    "varlen_sinks_window_softcap_gqa2_d64": {"varlen": True, "backward": True, "sinks": True, "gqa_ratio": 2,
+                                             "head_dim": 64, "window": {"left": 60}, "softcap": 30.0,
+                                             "dtype": "bfloat16"},
+    "varlen_non_causal_mha_d80": {"varlen": True, "backward": True, "causal": False, "block_remap": None,
+                                  "gqa_ratio": 1, "head_dim": 80},
 }
 
 
@@ -1259,9 +790,7 @@ def test_varlen_backward_matches_fp64_autograd(variant):
 
     mod = _variant_module(variant, VARLEN_BACKWARD_VARIANTS[variant])
     for index, case in enumerate(case_matrix(False, mod.SPEC)):
-        row = run_case(
-            torch, mod, case, torch.Generator(device="cuda").manual_seed(index)
-        )
+        row = run_case(torch, mod, case, torch.Generator(device="cuda").manual_seed(index))
         if case.lengths == ((1, 1),):
             # One query, one key: the exact dq and dk are 0 (with a sink, tiny), and
             # the kernel's are the rounding of D = rowsum(dO * O) from the stored
@@ -1273,25 +802,17 @@ def test_varlen_backward_matches_fp64_autograd(variant):
 
 
 def test_varlen_backward_checks_before_launch():
-    mod = _variant_module(
-        "varlen_causal_gqa4", VARLEN_BACKWARD_VARIANTS["varlen_causal_gqa4"]
-    )
+    mod = _variant_module("varlen_causal_gqa4", VARLEN_BACKWARD_VARIANTS["varlen_causal_gqa4"])
     q = torch.randn(10, 8, 128, device="cuda", dtype=torch.float16, requires_grad=True)
     k = torch.randn(12, 2, 128, device="cuda", dtype=torch.float16)
     cu_k = torch.tensor([0, 6, 12], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32 tensor"):
         mod.attention(q, k, k, cu_seqlens_q=[0, 4, 10], cu_seqlens_k=cu_k)
-    with pytest.raises(
-        ValueError, match=r"max_seqlen_q must be a non-negative int or None, got -1"
-    ):
-        mod.attention(
-            q, k, k, cu_seqlens_q=cu_k - cu_k, cu_seqlens_k=cu_k, max_seqlen_q=-1
-        )
+    with pytest.raises(ValueError, match=r"max_seqlen_q must be a non-negative int or None, got -1"):
+        mod.attention(q, k, k, cu_seqlens_q=cu_k - cu_k, cu_seqlens_k=cu_k, max_seqlen_q=-1)
 
 
-@pytest.mark.parametrize(
-    "name", ["fmha_train_gqa_causal", "fmha_train_gemma2", "fmha_train_gptoss_sinks"]
-)
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gemma2", "fmha_train_gptoss_sinks"])
 def test_backward_is_bitwise_deterministic(name):
     """The kernels own their output tiles (no atomics): two backward passes give
     the same bits."""
@@ -1314,11 +835,8 @@ def test_backward_refuses_a_wrong_output_gradient():
     mod = generated_module("fmha_train_gqa_causal")
     q, k, v = random_qkv(mod.SPEC, 1, 2, 100, 100)
     out, lse = mod._forward(q, k, v, scale=0.1)
-    with pytest.raises(
-        ValueError,
-        match=r"the output gradient must be a torch.bfloat16 tensor of shape "
-        r"\(1, 8, 100, 128\) on cuda:0, got torch.bfloat16 \(1, 8, 99, 128\)",
-    ):
+    with pytest.raises(ValueError, match=r"the output gradient must be a torch.bfloat16 tensor of shape "
+                                         r"\(1, 8, 100, 128\) on cuda:0, got torch.bfloat16 \(1, 8, 99, 128\)"):
         mod._backward(q, k, v, out, lse, out[:, :, :99], 0.1, 0)
     with pytest.raises(ValueError, match="got torch.float32"):
         mod._backward(q, k, v, out, lse, out.float(), 0.1, 0)
@@ -1329,9 +847,7 @@ def test_training_step_replays_in_a_cuda_graph():
     inputs, match eager autograd."""
     mod = generated_module("fmha_train_gqa_causal")
     gen = torch.Generator(device="cuda").manual_seed(4)
-    q, k, v = (
-        t.requires_grad_() for t in random_qkv(mod.SPEC, 1, 2, 300, 300, generator=gen)
-    )
+    q, k, v = (t.requires_grad_() for t in random_qkv(mod.SPEC, 1, 2, 300, 300, generator=gen))
     dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -1391,14 +907,9 @@ def test_gradient_check_catches_a_wrong_gradient():
 
 def test_backward_refuses_learnable_hook_tensors():
     mod = _variant_module("alibi_mha", BACKWARD_VARIANTS["alibi_mha"])
-    q = torch.randn(
-        1, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True
-    )
+    q = torch.randn(1, 2, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     slope = torch.ones(2, device="cuda", requires_grad=True)
-    with pytest.raises(
-        ValueError,
-        match=r"slope requires grad, but it is not learnable: pass slope.detach\(\), or declare it learnable: true",
-    ):
+    with pytest.raises(ValueError, match=r"slope requires grad, but it is not learnable: pass slope.detach\(\), or declare it learnable: true"):
         mod.attention(q, q, q, slope=slope)
     with pytest.raises(ValueError, match="slope must be a torch.Tensor, got list"):
         mod.attention(q, q, q, slope=[1.0, 1.0])
@@ -1406,22 +917,16 @@ def test_backward_refuses_learnable_hook_tensors():
 
 def test_backward_refuses_out_with_grad():
     mod = generated_module("fmha_train_gqa_causal")
-    q = torch.randn(
-        1, 4, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True
-    )
+    q = torch.randn(1, 4, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(
-        ValueError, match="out= cannot be used when q, k or v requires grad"
-    ):
+    with pytest.raises(ValueError, match="out= cannot be used when q, k or v requires grad"):
         mod.attention(q, k, k, out=torch.empty_like(q))
 
 
 def test_custom_op_compiles_fullgraph_with_gradients():
     mod = generated_module("fmha_train_gqa_causal")
     gen = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v = (
-        t.requires_grad_() for t in random_qkv(mod.SPEC, 2, 2, 256, 256, generator=gen)
-    )
+    q, k, v = (t.requires_grad_() for t in random_qkv(mod.SPEC, 2, 2, 256, 256, generator=gen))
 
     def layer(q, k, v):
         return (mod.attention(q, k, v) * 2.0).sum()
@@ -1457,28 +962,13 @@ def test_custom_op_forward_replays_in_a_cuda_graph():
 
 # FlashAttention's convention for more queries than keys: q_offset = Skv - Sq < 0, the
 # rows before the first key see none (zeros, LSE -inf).
-NEGATIVE_OFFSET_SHAPES = [
-    (1, 2, 333, 200, -133),
-    (2, 1, 1000, 300, -700),
-    (1, 1, 130, 1, -129),
-    (1, 1, 64, 64, -64),
-]
+NEGATIVE_OFFSET_SHAPES = [(1, 2, 333, 200, -133), (2, 1, 1000, 300, -700), (1, 1, 130, 1, -129),
+                          (1, 1, 64, 64, -64)]
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "fmha_gqa_causal",
-        "fmha_gqa8_bf16",
-        "fmha_mistral_window",
-        "fmha_gptoss_sinks",
-        "fmha_document_mask",
-        "fmha_mha_bf16",
-    ],
-)
-@pytest.mark.parametrize(
-    "shape", NEGATIVE_OFFSET_SHAPES, ids=lambda s: "b{}h{}q{}k{}o{}".format(*s)
-)
+@pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_gqa8_bf16", "fmha_mistral_window",
+                                  "fmha_gptoss_sinks", "fmha_document_mask", "fmha_mha_bf16"])
+@pytest.mark.parametrize("shape", NEGATIVE_OFFSET_SHAPES, ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_negative_q_offset_matches_reference(name, shape):
     _check(generated_module(name), *shape, seed=shape[2] + shape[3])
 
@@ -1489,16 +979,11 @@ def test_negative_q_offset_rows_are_zero_with_lse_minus_inf():
     k = torch.randn(1, 1, 100, 128, device="cuda", dtype=torch.float16)
     out, lse = mod.attention(q, k, k, q_offset=-200)  # rows 0..199 see no key
     assert torch.isfinite(out).all() and (out[:, :, :200] == 0).all()
-    assert (
-        torch.isneginf(lse[:, :, :200]).all() and torch.isfinite(lse[:, :, 200:]).all()
-    )
+    assert torch.isneginf(lse[:, :, :200]).all() and torch.isfinite(lse[:, :, 200:]).all()
 
 
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 2, 333, 200, -133), (1, 1, 300, 77, -223)],
-    ids=lambda s: "b{}h{}q{}k{}o{}".format(*s),
-)
+@pytest.mark.parametrize("shape", [(1, 2, 333, 200, -133), (1, 1, 300, 77, -223)],
+                         ids=lambda s: "b{}h{}q{}k{}o{}".format(*s))
 def test_negative_q_offset_gradients(shape):
     _grad_check(generated_module("fmha_train_gqa_causal"), *shape, seed=sum(shape))
 

@@ -14,9 +14,7 @@ from .helpers import ROOT
 
 pytestmark = pytest.mark.gpu
 
-_spec = importlib.util.spec_from_file_location(
-    "first_call", ROOT / "bench" / "first_call.py"
-)
+_spec = importlib.util.spec_from_file_location("first_call", ROOT / "bench" / "first_call.py")
 first_call = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(first_call)
 
@@ -28,47 +26,17 @@ def built(tmp_path_factory):
     major, minor = torch.cuda.get_device_capability()
     work = tmp_path_factory.mktemp("aot_gpu")
     shutil.copytree(ROOT / "specs", work / "specs")
-    names = [
-        "fmha_gqa_causal",
-        "fmha_decode_gqa8_bf16",
-        "fmha_gqa8_bf16",
-        "fmha_decode_chunked_local",
-    ]
+    names = ["fmha_gqa_causal", "fmha_decode_gqa8_bf16", "fmha_gqa8_bf16", "fmha_decode_chunked_local"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specgen",
-            "build",
-            *[f"specs/{n}.yaml" for n in names],
-            "--targets",
-            f"sm_{major}{minor}",
-            "--out",
-            "gen",
-        ],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
-        },
-    )
+        [sys.executable, "-m", "specgen", "build", *[f"specs/{n}.yaml" for n in names],
+         "--targets", f"sm_{major}{minor}", "--out", "gen"],
+        cwd=work, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert done.returncode == 0, done.stderr
     return {n: str(work / "gen" / f"{n}.py") for n in names}
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "fmha_gqa_causal",
-        "fmha_decode_gqa8_bf16",
-        "fmha_gqa8_bf16",
-        "fmha_decode_chunked_local",
-    ],
-)
+@pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_decode_gqa8_bf16", "fmha_gqa8_bf16",
+                                  "fmha_decode_chunked_local"])
 def test_first_call_is_served_from_the_aot_cubins(built, name):
     with tempfile.TemporaryDirectory() as cache:
         aot = first_call.child(built[name], cache, aot=True)

@@ -38,26 +38,14 @@ def _check_rows(stem, suite: str, spec: str, baselines: tuple, tolerance: float)
     assert result.schema_version == SCHEMA_VERSION and result.suite == suite
     assert result.baselines == list(baselines) and len(result.rows) == 1
     row = result.rows[0]
-    assert set(row.timings) == {"specgen", *baselines} and set(row.speedup) == set(
-        baselines
-    )
+    assert set(row.timings) == {"specgen", *baselines} and set(row.speedup) == set(baselines)
     ours = row.timings["specgen"]
     assert ours.error is None and ours.ms and ours.ms > 0, ours
     if suite == "decode":
-        assert (
-            row.bytes
-            and ours.tbps
-            and ours.pct_of_copy
-            and ours.ms_one_call >= ours.ms * 0.5
-        )
+        assert row.bytes and ours.tbps and ours.pct_of_copy and ours.ms_one_call >= ours.ms * 0.5
         assert result.copy_tbps and result.copy_tbps > 0.5
     else:
-        assert (
-            row.flops
-            and ours.tflops
-            and ours.pct_of_matmul
-            and result.matmul_tflops > 50
-        )
+        assert row.flops and ours.tflops and ours.pct_of_matmul and result.matmul_tflops > 50
     for name in baselines:
         t = row.timings[name]
         assert t.error != PENDING
@@ -65,38 +53,24 @@ def _check_rows(stem, suite: str, spec: str, baselines: tuple, tolerance: float)
             assert t.error and "\n" not in t.error and row.speedup[name] is None
             continue
         assert t.ms > 0 and row.speedup[name] == pytest.approx(t.ms / ours.ms)
-        assert (
-            math.isfinite(t.max_abs_diff_vs_specgen)
-            and t.max_abs_diff_vs_specgen <= tolerance
-        ), (name, t)
+        assert math.isfinite(t.max_abs_diff_vs_specgen) and t.max_abs_diff_vs_specgen <= tolerance, (name, t)
     return result
 
 
 @pytest.mark.parametrize("suite", sorted(CASES))
 def test_each_suite_runs_one_shape_against_cudnn(suite, tmp_path):
     spec, shape, tolerance = CASES[suite]
-    stems = run_suite(
-        suite,
-        [str(ROOT / "specs" / f"{spec}.yaml")],
-        results=tmp_path / "results",
-        gen=tmp_path / "gen",
-        baselines=("cudnn",),
-        shapes=[shape],
-    )
+    stems = run_suite(suite, [str(ROOT / "specs" / f"{spec}.yaml")], results=tmp_path / "results",
+                      gen=tmp_path / "gen", baselines=("cudnn",), shapes=[shape])
     assert len(stems) == 1
     result = _check_rows(stems[0], suite, spec, ("cudnn",), tolerance)
-    assert result.rows[0].timings["cudnn"].ms, result.rows[0].timings[
-        "cudnn"
-    ]  # cuDNN runs these
+    assert result.rows[0].timings["cudnn"].ms, result.rows[0].timings["cudnn"]  # cuDNN runs these
     assert result_paths(stems[0])["png"].is_file() == (
-        suite != "decode" and importlib.util.find_spec("matplotlib") is not None
-    )
+        suite != "decode" and importlib.util.find_spec("matplotlib") is not None)
 
 
-@pytest.mark.skipif(
-    not any(importlib.util.find_spec(n) for n in ("fa3_fwd_interface", "tilegym")),
-    reason="neither fa3-fwd nor tilegym is installed",
-)
+@pytest.mark.skipif(not any(importlib.util.find_spec(n) for n in ("fa3_fwd_interface", "tilegym")),
+                    reason="neither fa3-fwd nor tilegym is installed")
 def test_opt_in_baselines_run_after_specgen_in_their_own_process(tmp_path):
     """fa3 and tilegym through the registry. tilegym's import patches
     cuda.tile.launch for the process, so this runs in a subprocess: the late pass
@@ -109,27 +83,14 @@ def test_opt_in_baselines_run_after_specgen_in_their_own_process(tmp_path):
                           baselines=("cudnn", "fa3", "tilegym"), shapes=[{shape!r}])
         print("STEM", stems[0])
     """)
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
-    stem = next(
-        line.split(" ", 1)[1]
-        for line in done.stdout.splitlines()
-        if line.startswith("STEM ")
-    )
+    stem = next(line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("STEM "))
     from pathlib import Path
 
-    result = _check_rows(
-        Path(stem), "prefill", spec, ("cudnn", "fa3", "tilegym"), tolerance
-    )
+    result = _check_rows(Path(stem), "prefill", spec, ("cudnn", "fa3", "tilegym"), tolerance)
     for name, module in (("fa3", "fa3_fwd_interface"), ("tilegym", "tilegym")):
-        if importlib.util.find_spec(
-            module
-        ):  # installed: it ran, or says in one line why not
+        if importlib.util.find_spec(module):  # installed: it ran, or says in one line why not
             timing = result.rows[0].timings[name]
             assert timing.ms or timing.error, (name, timing)

@@ -13,11 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _no_launch(monkeypatch, module):
-    monkeypatch.setattr(
-        module.ct,
-        "launch",
-        lambda *a, **k: pytest.fail("launched despite bad arguments"),
-    )
+    monkeypatch.setattr(module.ct, "launch", lambda *a, **k: pytest.fail("launched despite bad arguments"))
 
 
 def _bf16(*shape):
@@ -33,77 +29,30 @@ PAGED = "fmha_decode_paged_mtp"  # paged (128), gqa 4?, max_q_len 4
 
 
 def decode_args(**over):
-    args = {
-        "q": _bf16(2, 1, 16, 128),
-        "k_cache": _bf16(2, 64, 2, 128),
-        "v_cache": _bf16(2, 64, 2, 128),
-        "seq_lens": _i32(5, 64),
-    }
+    args = {"q": _bf16(2, 1, 16, 128), "k_cache": _bf16(2, 64, 2, 128), "v_cache": _bf16(2, 64, 2, 128),
+            "seq_lens": _i32(5, 64)}
     args.update(over)
     return args
 
 
 DECODE_CASES = [
-    (
-        lambda: {"q": _bf16(2, 1, 16, 64)},
-        {},
-        "q must be a 4-D torch.bfloat16 tensor with head_dim 128",
-    ),
-    (
-        lambda: {
-            "k_cache": torch.zeros(2, 64, 2, 128, dtype=torch.float16, device="cuda")
-        },
-        {},
-        "k_cache must be a 4-D torch.bfloat16 tensor",
-    ),
-    (
-        lambda: {"v_cache": _bf16(2, 63, 2, 128)},
-        {},
-        "k_cache and v_cache must have the same shape",
-    ),
-    (
-        lambda: {"q": _bf16(2, 1, 12, 128)},
-        {},
-        "q has 12 heads and the cache 2; this kernel needs q heads == 8 * kv heads",
-    ),
-    (
-        lambda: {"q": _bf16(2, 2, 16, 128)},
-        {},
-        "q_len (q.shape[1]) must be in [1, 1], got 2",
-    ),
+    (lambda: {"q": _bf16(2, 1, 16, 64)}, {}, "q must be a 4-D torch.bfloat16 tensor with head_dim 128"),
+    (lambda: {"k_cache": torch.zeros(2, 64, 2, 128, dtype=torch.float16, device="cuda")}, {},
+     "k_cache must be a 4-D torch.bfloat16 tensor"),
+    (lambda: {"v_cache": _bf16(2, 63, 2, 128)}, {}, "k_cache and v_cache must have the same shape"),
+    (lambda: {"q": _bf16(2, 1, 12, 128)}, {}, "q has 12 heads and the cache 2; this kernel needs q heads == 8 * kv heads"),
+    (lambda: {"q": _bf16(2, 2, 16, 128)}, {}, "q_len (q.shape[1]) must be in [1, 1], got 2"),
     (lambda: {"seq_lens": _i32(5)}, {}, "seq_lens must be an int32 [2] tensor"),
-    (
-        lambda: {"seq_lens": torch.tensor([5, 6], device="cuda")},
-        {},
-        "seq_lens must be an int32 [2] tensor",
-    ),
-    (
-        lambda: {"seq_lens": [5, 6]},
-        {},
-        "seq_lens must be an int32 [2] tensor on cuda:0, got list",
-    ),
-    (
-        lambda: {"q": torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16)},
-        {},
-        "q must be a CUDA tensor on q's device, got cpu",
-    ),
-    (
-        dict,
-        {"max_seq_len": 65},
-        "max_seq_len must be an int in [1, 64] or None, got 65",
-    ),
+    (lambda: {"seq_lens": torch.tensor([5, 6], device="cuda")}, {}, "seq_lens must be an int32 [2] tensor"),
+    (lambda: {"seq_lens": [5, 6]}, {}, "seq_lens must be an int32 [2] tensor on cuda:0, got list"),
+    (lambda: {"q": torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16)}, {}, "q must be a CUDA tensor on q's device, got cpu"),
+    (dict, {"max_seq_len": 65}, "max_seq_len must be an int in [1, 64] or None, got 65"),
     (dict, {"scale": 0.0}, "scale must be a positive finite float or None, got 0.0"),
-    (
-        lambda: {"out": _bf16(2, 1, 16, 64)},
-        {},
-        "out must be a torch.bfloat16 tensor of shape (2, 1, 16, 128)",
-    ),
+    (lambda: {"out": _bf16(2, 1, 16, 64)}, {}, "out must be a torch.bfloat16 tensor of shape (2, 1, 16, 128)"),
 ]
 
 
-@pytest.mark.parametrize(
-    "tensors,kwargs,message", DECODE_CASES, ids=[c[2][:40] for c in DECODE_CASES]
-)
+@pytest.mark.parametrize("tensors,kwargs,message", DECODE_CASES, ids=[c[2][:40] for c in DECODE_CASES])
 def test_decode_checks(tensors, kwargs, message, monkeypatch):
     mod = generated_module(DECODE)
     _no_launch(monkeypatch, mod)
@@ -122,44 +71,15 @@ def test_paged_decode_checks_the_page_table(monkeypatch):
     pages = _bf16(5, size, 2, mod.HEAD_DIM)
     lens = _i32(q_len, 2 * size)
     cases = [
-        (
-            (q, pages, pages, lens, _i32(0, 1)),
-            "page_table must be an int32 [2, max_pages] tensor",
-        ),
-        (
-            (
-                q,
-                pages,
-                pages,
-                lens,
-                torch.zeros(2, 2, dtype=torch.int64, device="cuda"),
-            ),
-            "page_table must be an int32 [2, max_pages] tensor",
-        ),
-        (
-            (q, pages, pages, lens, None),
-            "page_table must be an int32 [2, max_pages] tensor",
-        ),
-        (
-            (
-                q,
-                _bf16(5, size // 2, 2, mod.HEAD_DIM),
-                _bf16(5, size // 2, 2, mod.HEAD_DIM),
-                lens,
-                torch.zeros(2, 2, dtype=torch.int32, device="cuda"),
-            ),
-            f"the caches must be [num_pages, {size}, Hkv, {mod.HEAD_DIM}] pages",
-        ),
-        (
-            (
-                _bf16(2, q_len + 1, 2 * ratio, mod.HEAD_DIM),
-                pages,
-                pages,
-                lens,
-                torch.zeros(2, 2, dtype=torch.int32, device="cuda"),
-            ),
-            f"q_len (q.shape[1]) must be in [1, {q_len}]",
-        ),
+        ((q, pages, pages, lens, _i32(0, 1)), "page_table must be an int32 [2, max_pages] tensor"),
+        ((q, pages, pages, lens, torch.zeros(2, 2, dtype=torch.int64, device="cuda")),
+         "page_table must be an int32 [2, max_pages] tensor"),
+        ((q, pages, pages, lens, None), "page_table must be an int32 [2, max_pages] tensor"),
+        ((q, _bf16(5, size // 2, 2, mod.HEAD_DIM), _bf16(5, size // 2, 2, mod.HEAD_DIM), lens,
+          torch.zeros(2, 2, dtype=torch.int32, device="cuda")),
+         f"the caches must be [num_pages, {size}, Hkv, {mod.HEAD_DIM}] pages"),
+        ((_bf16(2, q_len + 1, 2 * ratio, mod.HEAD_DIM), pages, pages, lens,
+          torch.zeros(2, 2, dtype=torch.int32, device="cuda")), f"q_len (q.shape[1]) must be in [1, {q_len}]"),
     ]
     for args, message in cases:
         with pytest.raises(ValueError) as info:
@@ -175,41 +95,15 @@ def test_varlen_checks_cu_seqlens(monkeypatch):
     _no_launch(monkeypatch, mod)
     ratio, d = mod.GROUP_SIZE, mod.HEAD_DIM
     q, k = _bf16(10, 2 * ratio, d), _bf16(12, 2, d)
-    good = {
-        "cu_seqlens_q": _i32(0, 4, 10),
-        "cu_seqlens_k": _i32(0, 5, 12),
-        "max_seqlen_q": 6,
-        "max_seqlen_k": 7,
-    }
+    good = {"cu_seqlens_q": _i32(0, 4, 10), "cu_seqlens_k": _i32(0, 5, 12), "max_seqlen_q": 6, "max_seqlen_k": 7}
     cases = [
-        (
-            {"cu_seqlens_q": _i32(0)},
-            "cu_seqlens_q must be a 1-D int32 tensor of B + 1 >= 2 cumulative lengths",
-        ),
-        (
-            {"cu_seqlens_k": torch.tensor([0, 5, 12], device="cuda")},
-            "cu_seqlens_k must be a 1-D int32 tensor",
-        ),
-        (
-            {"cu_seqlens_q": [0, 4, 10]},
-            "cu_seqlens_q must be a 1-D int32 tensor of B + 1 >= 2 cumulative lengths, got list",
-        ),
-        (
-            {"cu_seqlens_k": _i32(0, 12)},
-            "cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got 3 and 2",
-        ),
-        (
-            {"cu_seqlens_q": torch.tensor([0, 4, 10], dtype=torch.int32)},
-            "cu_seqlens_q must be on cuda:0, got cpu",
-        ),
-        (
-            {"max_seqlen_q": -1},
-            "max_seqlen_q must be a non-negative int or None, got -1",
-        ),
-        (
-            {"max_seqlen_k": 2.5},
-            "max_seqlen_k must be a non-negative int or None, got 2.5",
-        ),
+        ({"cu_seqlens_q": _i32(0)}, "cu_seqlens_q must be a 1-D int32 tensor of B + 1 >= 2 cumulative lengths"),
+        ({"cu_seqlens_k": torch.tensor([0, 5, 12], device="cuda")}, "cu_seqlens_k must be a 1-D int32 tensor"),
+        ({"cu_seqlens_q": [0, 4, 10]}, "cu_seqlens_q must be a 1-D int32 tensor of B + 1 >= 2 cumulative lengths, got list"),
+        ({"cu_seqlens_k": _i32(0, 12)}, "cu_seqlens_q and cu_seqlens_k must have the same length (B + 1), got 3 and 2"),
+        ({"cu_seqlens_q": torch.tensor([0, 4, 10], dtype=torch.int32)}, "cu_seqlens_q must be on cuda:0, got cpu"),
+        ({"max_seqlen_q": -1}, "max_seqlen_q must be a non-negative int or None, got -1"),
+        ({"max_seqlen_k": 2.5}, "max_seqlen_k must be a non-negative int or None, got 2.5"),
     ]
     for over, message in cases:
         with pytest.raises(ValueError) as info:
@@ -224,20 +118,9 @@ def test_prefill_feature_argument_checks(monkeypatch):
     _no_launch(monkeypatch, sinks)
     r, d = sinks.GROUP_SIZE, sinks.HEAD_DIM
     q, k = _bf16(1, 2 * r, 8, d), _bf16(1, 2, 8, d)
-    for value, message in (
-        (
-            [0.0] * (2 * r),
-            "sinks must be a [16] tensor of per-head sink logits, got list",
-        ),
-        (
-            torch.zeros(2 * r + 1, device="cuda"),
-            "sinks must be a floating-point tensor of shape [16]",
-        ),
-        (
-            torch.zeros(2 * r, dtype=torch.int32, device="cuda"),
-            "sinks must be a floating-point tensor",
-        ),
-    ):
+    for value, message in (([0.0] * (2 * r), "sinks must be a [16] tensor of per-head sink logits, got list"),
+                           (torch.zeros(2 * r + 1, device="cuda"), "sinks must be a floating-point tensor of shape [16]"),
+                           (torch.zeros(2 * r, dtype=torch.int32, device="cuda"), "sinks must be a floating-point tensor")):
         with pytest.raises(ValueError) as info:
             sinks.attention(q, k, k, sinks=value)
         assert message.replace("16", str(2 * r)) in str(info.value)
@@ -247,20 +130,9 @@ def test_prefill_feature_argument_checks(monkeypatch):
     r, d = fp8.GROUP_SIZE, fp8.HEAD_DIM
     q8 = torch.zeros(1, r, 8, d, device="cuda").to(torch.float8_e4m3fn)
     k8 = torch.zeros(1, 1, 8, d, device="cuda").to(torch.float8_e4m3fn)
-    for kwargs, message in (
-        (
-            {"q_descale": -1.0},
-            "q_descale must be a positive float or a one-element float tensor, got -1.0",
-        ),
-        (
-            {"k_descale": torch.ones(2, device="cuda")},
-            "k_descale must be a positive float or a one-element float tensor on",
-        ),
-        (
-            {"v_descale": "1"},
-            "v_descale must be a positive float or a one-element float tensor, got '1'",
-        ),
-    ):
+    for kwargs, message in (({"q_descale": -1.0}, "q_descale must be a positive float or a one-element float tensor, got -1.0"),
+                            ({"k_descale": torch.ones(2, device="cuda")}, "k_descale must be a positive float or a one-element float tensor on"),
+                            ({"v_descale": "1"}, "v_descale must be a positive float or a one-element float tensor, got '1'")):
         with pytest.raises(ValueError) as info:
             fp8.attention(q8, k8, k8, **kwargs)
         assert message in str(info.value)
@@ -269,11 +141,9 @@ def test_prefill_feature_argument_checks(monkeypatch):
     _no_launch(monkeypatch, drop)
     d = drop.HEAD_DIM
     q = _bf16(1, 2, 8, d)
-    for kwargs, message in (
-        ({"dropout_p": 1.0}, "dropout_p must be a float in [0, 1), got 1.0"),
-        ({"dropout_p": 0.1, "seed": -3}, "seed must be an int in [0, 2**31), got -3"),
-        ({"dropout_p": 0.1, "seed": 2**31}, "seed must be an int in [0, 2**31)"),
-    ):
+    for kwargs, message in (({"dropout_p": 1.0}, "dropout_p must be a float in [0, 1), got 1.0"),
+                            ({"dropout_p": 0.1, "seed": -3}, "seed must be an int in [0, 2**31), got -3"),
+                            ({"dropout_p": 0.1, "seed": 2**31}, "seed must be an int in [0, 2**31)")):
         with pytest.raises(ValueError) as info:
             drop.attention(q, q, q, **kwargs)
         assert message in str(info.value)
@@ -283,12 +153,6 @@ def test_prefill_feature_argument_checks(monkeypatch):
     r, d = alibi.GROUP_SIZE, alibi.HEAD_DIM
     q, k = _bf16(1, 2 * r, 8, d), _bf16(1, 2, 8, d)
     name = next(iter(alibi.SPEC["tensors"]))
-    for value in (
-        torch.zeros(2 * r + 1, device="cuda"),
-        torch.zeros(2 * r, dtype=torch.float64, device="cuda"),
-        None,
-    ):
-        with pytest.raises(
-            ValueError, match=f"{name} must be a torch.float32 tensor of shape"
-        ):
+    for value in (torch.zeros(2 * r + 1, device="cuda"), torch.zeros(2 * r, dtype=torch.float64, device="cuda"), None):
+        with pytest.raises(ValueError, match=f"{name} must be a torch.float32 tensor of shape"):
             alibi.attention(q, k, k, **{name: value})

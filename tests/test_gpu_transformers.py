@@ -30,13 +30,7 @@ def test_transformers_logits_and_greedy_generation_match_sdpa():
     function = register("generated.fmha_gqa_causal", name="specgen-e2e")
     ours = qwen2("specgen-e2e", torch.float16).eval()
     sdpa = qwen2("sdpa", torch.float16).eval()
-    ids = torch.randint(
-        0,
-        2048,
-        (2, 200),
-        device="cuda",
-        generator=torch.Generator("cuda").manual_seed(1),
-    )
+    ids = torch.randint(0, 2048, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.no_grad():
         a, b = ours(ids).logits, sdpa(ids).logits
     ok, err, scale = logits_close(a, b, torch.float16)
@@ -46,12 +40,8 @@ def test_transformers_logits_and_greedy_generation_match_sdpa():
 
     prompt = ids[:1, :64]
     with torch.no_grad():
-        gen_a = ours.generate(
-            prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False
-        )
-        gen_b = sdpa.generate(
-            prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False
-        )
+        gen_a = ours.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        gen_b = sdpa.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     new_a, new_b = gen_a[0, 64:].tolist(), gen_b[0, 64:].tolist()
     print(f"greedy tokens, specgen: {new_a}\ngreedy tokens, sdpa:    {new_b}")
     assert len(new_a) == 32 and new_a == new_b
@@ -66,10 +56,7 @@ def test_transformers_padded_batch_falls_back_and_matches():
     ids = torch.randint(0, 2048, (2, 96), device="cuda")
     mask = torch.ones_like(ids)
     mask[0, :17] = 0
-    with (
-        pytest.warns(UserWarning, match="runs transformers' sdpa instead"),
-        torch.no_grad(),
-    ):
+    with pytest.warns(UserWarning, match="runs transformers' sdpa instead"), torch.no_grad():
         a = ours(ids, attention_mask=mask).logits
     with torch.no_grad():
         b = sdpa(ids, attention_mask=mask).logits
@@ -88,36 +75,21 @@ def test_transformers_training_step_gradients_match_sdpa():
     ours = qwen2("specgen-e2e-train", torch.bfloat16).train()
     sdpa = qwen2("sdpa", torch.bfloat16).train()
     for model in (ours, sdpa):
-        model.load_state_dict(
-            reference.state_dict()
-        )  # the same weights, rounded to bf16
-    ids = torch.randint(
-        0,
-        2048,
-        (2, 256),
-        device="cuda",
-        generator=torch.Generator("cuda").manual_seed(2),
-    )
+        model.load_state_dict(reference.state_dict())  # the same weights, rounded to bf16
+    ids = torch.randint(0, 2048, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     losses = [model(ids, labels=ids).loss for model in (reference, ours, sdpa)]
     for loss in losses:
         loss.backward()
     assert function.stats["kernel"] == 2
-    print(
-        f"loss: float32 {losses[0].item():.5f}, specgen bf16 {losses[1].item():.5f}, "
-        f"sdpa bf16 {losses[2].item():.5f}"
-    )
-    assert abs(losses[1].item() - losses[0].item()) <= max(
-        2 * abs(losses[2].item() - losses[0].item()), 1e-2
-    )
+    print(f"loss: float32 {losses[0].item():.5f}, specgen bf16 {losses[1].item():.5f}, "
+          f"sdpa bf16 {losses[2].item():.5f}")
+    assert abs(losses[1].item() - losses[0].item()) <= max(2 * abs(losses[2].item() - losses[0].item()), 1e-2)
     worst = (0.0, 0.0, "")
-    for (name, r), (_, p), (_, s) in zip(
-        reference.named_parameters(), ours.named_parameters(), sdpa.named_parameters()
-    ):
+    for (name, r), (_, p), (_, s) in zip(reference.named_parameters(), ours.named_parameters(),
+                                         sdpa.named_parameters()):
         norm = r.grad.norm().clamp_min(1e-12)
         ours_err = ((p.grad.float() - r.grad).norm() / norm).item()
         sdpa_err = ((s.grad.float() - r.grad).norm() / norm).item()
         assert ours_err <= max(1.5 * sdpa_err, 1e-2), (name, ours_err, sdpa_err)
         worst = max(worst, (ours_err, sdpa_err, name))
-    print(
-        f"worst relative gradient error against float32: specgen {worst[0]:.2e}, sdpa {worst[1]:.2e} ({worst[2]})"
-    )
+    print(f"worst relative gradient error against float32: specgen {worst[0]:.2e}, sdpa {worst[1]:.2e} ({worst[2]})")

@@ -1,6 +1,7 @@
 """The pure parts of `specgen test` and `specgen bench`: FLOP counting, the shape
 matrix, the result schema, table rendering, and the no-GPU exit code."""
 
+
 import pytest
 
 from specgen.check.gpu import device_slug
@@ -13,10 +14,7 @@ from .test_cli import specgen
 def test_case_matrix_covers_the_issue_shapes():
     cases = case_matrix()
     assert {(c.batch, c.kv_heads) for c in cases if c.layout == "contiguous"} == {
-        (1, 1),
-        (1, 2),
-        (3, 1),
-        (3, 2),
+        (1, 1), (1, 2), (3, 1), (3, 2)
     }
     assert {c.seq_q for c in cases if c.seq_q == c.seq_k} >= {1, 17, 64, 1000, 4096}
     chunked = [c for c in cases if c.seq_q < c.seq_k]
@@ -28,20 +26,9 @@ def test_case_matrix_covers_the_issue_shapes():
 
 def test_test_table_shows_each_case_and_failures():
     rows = [
-        {
-            "shape": "B1 Hq4 Hkv1 Sq17 Skv17",
-            "max_abs_err": 1e-3,
-            "rel_err": 3e-4,
-            "nonfinite": 0,
-            "ok": True,
-        },
-        {
-            "shape": "B3 Hq8 Hkv2 Sq1000 Skv1000",
-            "max_abs_err": float("inf"),
-            "rel_err": float("inf"),
-            "nonfinite": 12,
-            "ok": False,
-        },
+        {"shape": "B1 Hq4 Hkv1 Sq17 Skv17", "max_abs_err": 1e-3, "rel_err": 3e-4, "nonfinite": 0, "ok": True},
+        {"shape": "B3 Hq8 Hkv2 Sq1000 Skv1000", "max_abs_err": float("inf"), "rel_err": float("inf"),
+         "nonfinite": 12, "ok": False},
     ]
     text = format_table("demo", "float16", rows).splitlines()
     assert text[0] == "demo (float16, tolerance rel <= 1e-02)"
@@ -51,22 +38,10 @@ def test_test_table_shows_each_case_and_failures():
 
 def test_test_table_shows_the_p_rounding_model_beside_a_float8_kernel():
     rows = [
-        {
-            "shape": "B1 Hq8 Hkv1 Sq3 Skv2945",
-            "max_abs_err": 5.6e-3,
-            "rel_err": 3.2e-2,
-            "p_model_err": 3.1e-2,
-            "nonfinite": 0,
-            "ok": True,
-        },
-        {
-            "shape": "B2 Hq8 Hkv1 Sq5 Skv9",
-            "max_abs_err": 0.4,
-            "rel_err": 0.3,
-            "p_model_err": 2.0e-2,
-            "nonfinite": 0,
-            "ok": False,
-        },
+        {"shape": "B1 Hq8 Hkv1 Sq3 Skv2945", "max_abs_err": 5.6e-3, "rel_err": 3.2e-2,
+         "p_model_err": 3.1e-2, "nonfinite": 0, "ok": True},
+        {"shape": "B2 Hq8 Hkv1 Sq5 Skv9", "max_abs_err": 0.4, "rel_err": 0.3,
+         "p_model_err": 2.0e-2, "nonfinite": 0, "ok": False},
     ]
     text = format_table("fp8", "float8_e4m3fn", rows).splitlines()
     assert text[0] == "fp8 (float8_e4m3fn, tolerance rel <= 5e-02)"
@@ -80,10 +55,7 @@ def test_test_table_shows_the_p_rounding_model_beside_a_float8_kernel():
 def test_each_case_verdict_is_one_line_with_its_numbers():
     assert case_verdict({"ok": True, "rel_err": 3.14e-3}) == "ok, rel err 3.1e-03"
     failed = {"ok": False, "rel_err": 2e-2, "nonfinite": 3, "grad_ratio": 1.094}
-    assert (
-        case_verdict(failed)
-        == "FAIL, rel err 2.0e-02, 3 non-finite, grads 1.09 of FA's allowance"
-    )
+    assert case_verdict(failed) == "FAIL, rel err 2.0e-02, 3 non-finite, grads 1.09 of FA's allowance"
 
 
 def test_device_slug():
@@ -99,11 +71,7 @@ def test_gpu_commands_exit_2_without_cuda(command):
         pytest.skip("a CUDA GPU is present")
     result = specgen(command, "specs", cwd=ROOT)
     assert result.returncode == 2
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .startswith(f"specgen {command}: needs a CUDA GPU")
-    )
+    assert result.stderr.strip().splitlines()[-1].startswith(f"specgen {command}: needs a CUDA GPU")
 
 
 def test_fuzz_cases_are_valid_replayable_and_varied():
@@ -111,73 +79,40 @@ def test_fuzz_cases_are_valid_replayable_and_varied():
 
     from .helpers import generated_module
 
-    for name in (
-        "fmha_gqa_causal",
-        "fmha_mistral_window",
-        "fmha_varlen_llama",
-        "fmha_decode_paged_mtp",
-    ):
+    for name in ("fmha_gqa_causal", "fmha_mistral_window", "fmha_varlen_llama", "fmha_decode_paged_mtp"):
         spec = generated_module(name).SPEC
         cases = [fuzz_case(spec, f"7:{i}") for i in range(200)]
-        assert cases == [
-            fuzz_case(spec, f"7:{i}") for i in range(200)
-        ]  # a seed replays its case
+        assert cases == [fuzz_case(spec, f"7:{i}") for i in range(200)]  # a seed replays its case
         assert len(set(cases)) > 150
         for c in cases:
             assert c.kv_heads * spec["gqa_ratio"] <= 32
             if spec.get("family") == "decode":
-                assert all(
-                    q_len <= n for q_len, n in ((c.seq_q, n) for n in c.decode_lens)
-                )
-                assert (
-                    1 <= c.seq_q <= spec["max_q_len"] and 1 <= len(c.decode_lens) <= 8
-                )
+                assert all(q_len <= n for q_len, n in ((c.seq_q, n) for n in c.decode_lens))
+                assert 1 <= c.seq_q <= spec["max_q_len"] and 1 <= len(c.decode_lens) <= 8
             elif spec.get("varlen"):
                 assert all(1 <= q and 1 <= k for q, k in c.lengths)
             else:
-                assert (
-                    c.batch * c.kv_heads * spec["gqa_ratio"] * c.seq_q * c.seq_k
-                    <= FUZZ_MAX_SCORES
-                )
-                assert c.q_offset >= 0 and c.layout in (
-                    "contiguous",
-                    "transposed",
-                    "sliced",
-                )
+                assert c.batch * c.kv_heads * spec["gqa_ratio"] * c.seq_q * c.seq_k <= FUZZ_MAX_SCORES
+                assert c.q_offset >= 0 and c.layout in ("contiguous", "transposed", "sliced")
         if not spec.get("family") == "decode" and not spec.get("varlen"):
             assert {c.layout for c in cases} == {"contiguous", "transposed", "sliced"}
-            assert any(c.seq_q != c.seq_k for c in cases) and any(
-                c.seq_q == 1 for c in cases
-            )
+            assert any(c.seq_q != c.seq_k for c in cases) and any(c.seq_q == 1 for c in cases)
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["--fuzz", "-1"], "--fuzz: expected a count in [0, 100000], got -1"),
-        (
-            ["--fuzz-case", "7"],
-            "--fuzz-case: expected SEED:I as a fuzz failure prints it, got '7'",
-        ),
-        (["--fuzz-case", "a:b"], "--fuzz-case: expected SEED:I"),
-        (
-            ["--fuzz", "8", "-j", "0"],
-            "--jobs: expected a worker count in [1, 64], got 0",
-        ),
-    ],
-)
+@pytest.mark.parametrize("args,message", [
+    (["--fuzz", "-1"], "--fuzz: expected a count in [0, 100000], got -1"),
+    (["--fuzz-case", "7"], "--fuzz-case: expected SEED:I as a fuzz failure prints it, got '7'"),
+    (["--fuzz-case", "a:b"], "--fuzz-case: expected SEED:I"),
+    (["--fuzz", "8", "-j", "0"], "--jobs: expected a worker count in [1, 64], got 0"),
+])
 def test_fuzz_arguments_are_checked(args, message):
     import subprocess
     import sys
 
     from .helpers import ROOT
 
-    result = subprocess.run(
-        [sys.executable, "-m", "specgen", "test", "specs/fmha_gqa_causal.yaml", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    result = subprocess.run([sys.executable, "-m", "specgen", "test", "specs/fmha_gqa_causal.yaml", *args],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
@@ -196,21 +131,12 @@ def test_cases_on_workers_keep_their_order_and_inputs(jobs):
 
     cases = [0, 1, 2, 3]
     seeds = [case_generator_seed(5, i, None) for i in cases]
-    assert len(set(seeds)) == 4 and seeds == [
-        case_generator_seed(5, i, None) for i in cases
-    ]
+    assert len(set(seeds)) == 4 and seeds == [case_generator_seed(5, i, None) for i in cases]
     # A fuzz case's generator depends on its SEED:I only, as --fuzz-case replays it.
     assert case_generator_seed(5, 0, "9:3") == case_generator_seed(0, 7, "9:3")
     reported = []
-    rows = run_cases(
-        cases,
-        seeds,
-        "m.py",
-        jobs,
-        lambda i, row: reported.append(i),
-        executor=concurrent.futures.ThreadPoolExecutor(3),
-        worker=_fake_worker,
-    )
+    rows = run_cases(cases, seeds, "m.py", jobs, lambda i, row: reported.append(i),
+                     executor=concurrent.futures.ThreadPoolExecutor(3), worker=_fake_worker)
     assert [r["case"] for r in rows] == cases and [r["seed"] for r in rows] == seeds
     assert sorted(reported) == cases
     if jobs > 1:

@@ -21,67 +21,27 @@ def good(**overrides):
 
 CASES = [
     (good(q=[1, 2]), {}, "q must be a torch.Tensor, got list"),
-    (
-        good(k=_t(2, 16, 128)),
-        {},
-        "k must be 4-D [batch, heads, seq, head_dim], got shape (2, 16, 128)",
-    ),
-    (
-        good(v=_t(1, 2, 16, 128, dtype=torch.bfloat16)),
-        {},
-        "v must have dtype torch.float16, got torch.bfloat16",
-    ),
+    (good(k=_t(2, 16, 128)), {}, "k must be 4-D [batch, heads, seq, head_dim], got shape (2, 16, 128)"),
+    (good(v=_t(1, 2, 16, 128, dtype=torch.bfloat16)), {}, "v must have dtype torch.float16, got torch.bfloat16"),
     (good(q=_t(1, 8, 16, 64)), {}, "q must have head_dim 128, got 64"),
-    (
-        good(q=_t(1, 8, 128, 16).transpose(2, 3)),
-        {},
-        "q must be contiguous in head_dim (stride 1)",
-    ),
-    (
-        good(v=_t(1, 2, 17, 128)),
-        {},
-        "k and v must have the same shape, got (1, 2, 16, 128) and (1, 2, 17, 128)",
-    ),
-    (
-        good(k=_t(2, 2, 16, 128), v=_t(2, 2, 16, 128)),
-        {},
-        "q, k and v must have the same batch size, got 1 and 2",
-    ),
-    (
-        good(q=_t(1, 6, 16, 128)),
-        {},
-        "q has 6 heads and k/v have 2; this kernel needs q heads == 4 * kv heads (gqa_ratio 4)",
-    ),
-    (
-        good(k=_t(1, 2, 0, 128), v=_t(1, 2, 0, 128)),
-        {},
-        "k and v must hold at least one key",
-    ),
+    (good(q=_t(1, 8, 128, 16).transpose(2, 3)), {}, "q must be contiguous in head_dim (stride 1)"),
+    (good(v=_t(1, 2, 17, 128)), {}, "k and v must have the same shape, got (1, 2, 16, 128) and (1, 2, 17, 128)"),
+    (good(k=_t(2, 2, 16, 128), v=_t(2, 2, 16, 128)), {}, "q, k and v must have the same batch size, got 1 and 2"),
+    (good(q=_t(1, 6, 16, 128)), {}, "q has 6 heads and k/v have 2; this kernel needs q heads == 4 * kv heads (gqa_ratio 4)"),
+    (good(k=_t(1, 2, 0, 128), v=_t(1, 2, 0, 128)), {}, "k and v must hold at least one key"),
     (good(), {"scale": -1.0}, "scale must be a positive finite float, got -1.0"),
     (good(), {"scale": float("nan")}, "scale must be a positive finite float, got nan"),
     (good(), {"scale": "0.1"}, "scale must be a positive float or None, got '0.1'"),
-    (
-        good(),
-        {"q_offset": -(2**30) - 1},
-        "q_offset must be in [-2**30, 2**31 - seq_q), got -1073741825",
-    ),
-    (
-        good(),
-        {"q_offset": 2**31 - 16},
-        "q_offset must be in [-2**30, 2**31 - seq_q), got 2147483632",
-    ),
+    (good(), {"q_offset": -(2**30) - 1}, "q_offset must be in [-2**30, 2**31 - seq_q), got -1073741825"),
+    (good(), {"q_offset": 2**31 - 16}, "q_offset must be in [-2**30, 2**31 - seq_q), got 2147483632"),
     (good(), {"q_offset": 1.5}, "q_offset must be an int, got 1.5"),
     (good(), {"q_offset": True}, "q_offset must be an int, got True"),
     (good(), {}, "q, k and v must be CUDA tensors, got q on cpu"),
 ]
 
 
-@pytest.mark.parametrize(
-    "tensors,kwargs,message", CASES, ids=[c[2][:40] for c in CASES]
-)
-def test_bad_arguments_raise_value_error_before_launch(
-    tensors, kwargs, message, monkeypatch
-):
+@pytest.mark.parametrize("tensors,kwargs,message", CASES, ids=[c[2][:40] for c in CASES])
+def test_bad_arguments_raise_value_error_before_launch(tensors, kwargs, message, monkeypatch):
     def no_launch(*args, **kw):
         raise AssertionError("launched despite bad arguments")
 
@@ -99,27 +59,14 @@ def _b(*shape):
 
 
 MLA_CASES = [
-    (
-        (_b(1, 2, 8, 192), _b(1, 2, 8, 192), _b(1, 2, 8, 192)),
-        {},
-        "v must have head_dim 128, got 192",
-    ),
-    (
-        (_b(1, 2, 8, 128), _b(1, 2, 8, 192), _b(1, 2, 8, 128)),
-        {},
-        "q must have head_dim 192, got 128",
-    ),
-    (
-        (_b(1, 2, 8, 192), _b(1, 2, 8, 192), _b(1, 2, 9, 128)),
-        {},
-        "k and v must agree in batch, heads and seq, got (1, 2, 8, 192) and (1, 2, 9, 128)",
-    ),
+    ((_b(1, 2, 8, 192), _b(1, 2, 8, 192), _b(1, 2, 8, 192)), {}, "v must have head_dim 128, got 192"),
+    ((_b(1, 2, 8, 128), _b(1, 2, 8, 192), _b(1, 2, 8, 128)), {}, "q must have head_dim 192, got 128"),
+    ((_b(1, 2, 8, 192), _b(1, 2, 8, 192), _b(1, 2, 9, 128)), {},
+     "k and v must agree in batch, heads and seq, got (1, 2, 8, 192) and (1, 2, 9, 128)"),
 ]
 
 
-@pytest.mark.parametrize(
-    "tensors,kwargs,message", MLA_CASES, ids=[c[2][:40] for c in MLA_CASES]
-)
+@pytest.mark.parametrize("tensors,kwargs,message", MLA_CASES, ids=[c[2][:40] for c in MLA_CASES])
 def test_v_head_dim_checks(tensors, kwargs, message, monkeypatch):
     monkeypatch.setattr(mla.ct, "launch", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError) as info:
@@ -138,11 +85,7 @@ def test_training_module_registers_a_custom_op_with_a_fake_impl():
         q = torch.empty(2, 8, 33, 128, dtype=torch.bfloat16)
         k = torch.empty(2, 2, 40, 128, dtype=torch.bfloat16)
         out, lse = op(q, k, k, 0.1, 7)
-    assert (
-        out.shape == (2, 8, 33, 128)
-        and lse.shape == (2, 8, 33)
-        and lse.dtype == torch.float32
-    )
+    assert out.shape == (2, 8, 33, 128) and lse.shape == (2, 8, 33) and lse.dtype == torch.float32
 
 
 def test_training_op_backward_traces_under_fake_tensors():
@@ -164,18 +107,12 @@ def test_training_op_backward_traces_under_fake_tensors():
 def test_decode_launch_plan_uses_pdl_where_the_spec_and_the_device_allow(monkeypatch):
     """Programmatic dependent launch: auto on sm_90 (where it was measured) at every
     size, true on every sm_90+ device, false never, and nothing before sm_90."""
-    dec = generated_module(
-        "fmha_decode_gqa8_bf16"
-    )  # Hkv8 in these shapes, tile_n 128 on sm_90
+    dec = generated_module("fmha_decode_gqa8_bf16")  # Hkv8 in these shapes, tile_n 128 on sm_90
     config = dec.CONFIGS["sm_90"][-1]
     device = torch.device("cuda", 0)
     monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (config, 132, 9))  # an H100/H200
     assert dec.PDL == "auto"
-    assert dec.launch_plan(1, 8, 8192, device) == (
-        config,
-        16,
-        True,
-    )  # 4 key tiles per split
+    assert dec.launch_plan(1, 8, 8192, device) == (config, 16, True)  # 4 key tiles per split
     assert dec.launch_plan(8, 8, 8192, device)[1:] == (2, True)  # 32 per split
     assert dec.launch_plan(64, 8, 64, device)[1:] == (1, True)  # one split, no combine
     monkeypatch.setattr(dec, "PDL", False)
@@ -186,44 +123,35 @@ def test_decode_launch_plan_uses_pdl_where_the_spec_and_the_device_allow(monkeyp
     assert dec.launch_plan(1, 8, 8192, device)[2] is False  # not measured there
     monkeypatch.setattr(dec, "PDL", True)
     assert dec.launch_plan(1, 8, 8192, device)[2] is True
-    monkeypatch.setitem(
-        dec._DEVICE_CONFIGS, 0, (dec.CONFIGS["default"][-1], 108, 8)
-    )  # an A100
+    monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (dec.CONFIGS["default"][-1], 108, 8))  # an A100
     assert dec.launch_plan(1, 8, 8192, device)[2] is False
+
 
 
 def test_decode_float8_cache_module_checks_q_against_the_query_dtype(monkeypatch):
     """A kv_dtype float8_e4m3fn module keeps bf16 queries; a float8 q is refused
     before any launch (the cache checks need CUDA tensors: tests/test_gpu.py)."""
     dec = generated_module("fmha_decode_gqa8_fp8kv")
-    monkeypatch.setattr(
-        dec.ct, "launch", lambda *a, **k: pytest.fail("launched despite bad arguments")
-    )
+    monkeypatch.setattr(dec.ct, "launch", lambda *a, **k: pytest.fail("launched despite bad arguments"))
     assert dec.DTYPE == torch.bfloat16 and dec.KV_DTYPE == torch.float8_e4m3fn
     cache = torch.zeros(1, 64, 1, 128, dtype=torch.float8_e4m3fn)
     q = torch.zeros(1, 1, 8, 128, dtype=torch.float8_e4m3fn)
-    with pytest.raises(
-        ValueError, match=r"^q must be a 4-D torch.bfloat16 tensor with head_dim 128"
-    ):
+    with pytest.raises(ValueError, match=r"^q must be a 4-D torch.bfloat16 tensor with head_dim 128"):
         dec.attention(q, cache, cache, torch.ones(1, dtype=torch.int32))
 
 
 def test_decode_float8_cache_aims_for_two_split_ctas_per_sm(monkeypatch):
     """auto splits: the float8-cache kernel aims for two CTAs per SM (the 16-bit one
     for one), still at least two key tiles per split and at most MAX_SPLITS."""
-    for name, per_sm, want in (
-        ("fmha_decode_gqa8_fp8kv", 2, (32, 4, 1, 2)),
-        ("fmha_decode_gqa8_bf16", 1, (16, 2, 1, 2)),
-    ):
+    for name, per_sm, want in (("fmha_decode_gqa8_fp8kv", 2, (32, 4, 1, 2)),
+                               ("fmha_decode_gqa8_bf16", 1, (16, 2, 1, 2))):
         dec = generated_module(name)
         assert dec.SPLIT_CTAS_PER_SM == per_sm
         config = dec.CONFIGS["sm_90"][-1]
         monkeypatch.setitem(dec._DEVICE_CONFIGS, 0, (config, 132, 9))
         device = torch.device("cuda", 0)
-        got = tuple(
-            dec.launch_plan(b, 8, length, device)[1]
-            for b, length in ((1, 8192), (8, 8192), (64, 4096), (1, 512))
-        )
+        got = tuple(dec.launch_plan(b, 8, length, device)[1]
+                    for b, length in ((1, 8192), (8, 8192), (64, 4096), (1, 512)))
         assert got == want, name
 
 
@@ -241,9 +169,7 @@ def test_a_negative_q_offset_reaches_the_launch(q_offset, monkeypatch):
     monkeypatch.setattr(mod.ct, "launch", record)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(mod.torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(
-        mod.torch.cuda, "get_device_capability", lambda index=None: (9, 0)
-    )
+    monkeypatch.setattr(mod.torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(mod.torch.cuda, "current_device", lambda: 0)
     mod.attention(q, k, k, q_offset=q_offset)
     assert launched, "not launched"

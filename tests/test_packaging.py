@@ -13,18 +13,12 @@ import pytest
 
 from .helpers import ROOT
 
-DECODE_WITHOUT_TARGETS = (
-    "name: llama3_70b_decode\nfamily: decode\ndtype: bfloat16\ngqa_ratio: 8\n"
-)
+DECODE_WITHOUT_TARGETS = "name: llama3_70b_decode\nfamily: decode\ndtype: bfloat16\ngqa_ratio: 8\n"
 
 
 def run(*args, cwd=None):
-    result = subprocess.run(
-        [str(a) for a in args], cwd=cwd, capture_output=True, text=True
-    )
-    assert (
-        result.returncode == 0
-    ), f"{' '.join(map(str, args))}\n{result.stdout}\n{result.stderr}"
+    result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
 
@@ -44,18 +38,8 @@ def wheel_env(tmp_path_factory):
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
     dist = base / "dist"
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "--quiet",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        dist,
-        src,
-    )
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+        "-w", dist, src)
     [wheel] = dist.glob("specgen-*.whl")
     venv = base / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
@@ -63,22 +47,10 @@ def wheel_env(tmp_path_factory):
     # The dependencies come from this interpreter's site-packages, appended after the
     # venv's own (a plain path in a .pth file: the .pth files there, such as an
     # editable install's, are not read, so only the wheel can provide specgen).
-    purelib = run(
-        python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    ).strip()
+    purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
     deps = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
     (Path(purelib) / "_outer_deps.pth").write_text("\n".join(deps) + "\n")
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "--python",
-        python,
-        "install",
-        "--quiet",
-        "--no-deps",
-        wheel,
-    )
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", wheel)
     return wheel, python
 
 
@@ -90,76 +62,31 @@ def test_the_wheel_carries_the_templates_and_the_config_table(wheel_env):
     assert "specgen/spec/default_configs.json" in names
 
 
-def test_an_installed_wheel_builds_the_committed_module_outside_the_checkout(
-    wheel_env, tmp_path
-):
+def test_an_installed_wheel_builds_the_committed_module_outside_the_checkout(wheel_env, tmp_path):
     _, python = wheel_env
-    where = run(
-        python,
-        "-c",
-        "import specgen.emit.render as r; print(r.templates_dir())",
-        cwd=tmp_path,
-    )
+    where = run(python, "-c", "import specgen.emit.render as r; print(r.templates_dir())", cwd=tmp_path)
     assert str(python.parent.parent) in where, f"templates not from the wheel: {where}"
     (tmp_path / "specs").mkdir()
     shutil.copy(ROOT / "specs" / "fmha_gqa_causal.yaml", tmp_path / "specs")
-    run(
-        python,
-        "-m",
-        "specgen",
-        "build",
-        "specs/fmha_gqa_causal.yaml",
-        "--no-compile",
-        "--out",
-        "generated",
-        cwd=tmp_path,
-    )
+    run(python, "-m", "specgen", "build", "specs/fmha_gqa_causal.yaml", "--no-compile",
+        "--out", "generated", cwd=tmp_path)
     built = (tmp_path / "generated" / "fmha_gqa_causal.py").read_bytes()
     assert built == (ROOT / "generated" / "fmha_gqa_causal.py").read_bytes()
 
 
 def test_a_decode_spec_without_targets_builds_the_same_from_the_wheel_and_the_checkout(
-    wheel_env, tmp_path
-):
+        wheel_env, tmp_path):
     _, python = wheel_env
     spec = tmp_path / "specs" / "llama3_70b_decode.yaml"
     spec.parent.mkdir()
     spec.write_text(DECODE_WITHOUT_TARGETS)
-    run(
-        python,
-        "-m",
-        "specgen",
-        "build",
-        "specs",
-        "--no-compile",
-        "--out",
-        "from_wheel",
-        cwd=tmp_path,
-    )
+    run(python, "-m", "specgen", "build", "specs", "--no-compile", "--out", "from_wheel",
+        cwd=tmp_path)
     checkout = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specgen",
-            "build",
-            "specs",
-            "--no-compile",
-            "--out",
-            "from_checkout",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT), os.environ.get("PYTHONPATH", "")]
-            ),
-        },
-    )
+        [sys.executable, "-m", "specgen", "build", "specs", "--no-compile", "--out", "from_checkout"],
+        cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert checkout.returncode == 0, checkout.stderr
     from_wheel = (tmp_path / "from_wheel" / "llama3_70b_decode.py").read_text()
-    assert (
-        from_wheel == (tmp_path / "from_checkout" / "llama3_70b_decode.py").read_text()
-    )
+    assert from_wheel == (tmp_path / "from_checkout" / "llama3_70b_decode.py").read_text()
     assert '"tile_m": 16' in from_wheel

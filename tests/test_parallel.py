@@ -8,13 +8,7 @@ import pytest
 import torch
 
 from specgen.check.reference import attention_reference
-from specgen.parallel import (
-    ContextParallelAttention,
-    ReferenceKernel,
-    SpecKernel,
-    shard,
-    unshard,
-)
+from specgen.parallel import ContextParallelAttention, ReferenceKernel, SpecKernel, shard, unshard
 from specgen.parallel import layout as layouts
 from specgen.parallel.blocks import Mask, plan_step
 from specgen.parallel.merge import merge
@@ -23,18 +17,14 @@ from tests import parallel_worker
 from tests.helpers import generated_module
 
 
-@pytest.mark.parametrize(
-    "world,shard_len", [(1, 5), (2, 8), (2, 7), (3, 9), (4, 1), (8, 6)]
-)
+@pytest.mark.parametrize("world,shard_len", [(1, 5), (2, 8), (2, 7), (3, 9), (4, 1), (8, 6)])
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
 def test_layout_round_trip(layout, world, shard_len):
     x = torch.randn(2, 3, world * shard_len, 4)
     shards = [shard(x, layout, world, r) for r in range(world)]
     assert all(s.shape[2] == shard_len for s in shards)
     assert torch.equal(unshard(shards, layout), x)
-    assert sorted(layouts.order(layout, world, shard_len).tolist()) == list(
-        range(world * shard_len)
-    )
+    assert sorted(layouts.order(layout, world, shard_len).tolist()) == list(range(world * shard_len))
 
 
 def test_zigzag_layout_pairs_early_and_late_chunks():
@@ -48,11 +38,9 @@ def test_zigzag_balances_causal_work(world):
     """Every rank sees the same number of visible causal pairs under zigzag; the
     contiguous layout's last rank does 2W-1 times the first's."""
     shard_len = 16
-
     def work(layout, rank):
         q = layouts.positions(layout, world, rank, shard_len)
         return int((q + 1).sum())  # causal: position p sees p + 1 keys
-
     zig = [work("zigzag", r) for r in range(world)]
     assert len(set(zig)) == 1
     flat = [work("contiguous", r) for r in range(world)]
@@ -60,13 +48,9 @@ def test_zigzag_balances_causal_work(world):
 
 
 def test_bad_layout_and_shard_arguments():
-    with pytest.raises(
-        ValueError, match="layout must be one of contiguous, zigzag, got 'ring'"
-    ):
+    with pytest.raises(ValueError, match="layout must be one of contiguous, zigzag, got 'ring'"):
         shard(torch.zeros(1, 1, 4, 1), "ring", 2, 0)
-    with pytest.raises(
-        ValueError, match=r"sequence length \(5\) must divide by the world size \(2\)"
-    ):
+    with pytest.raises(ValueError, match=r"sequence length \(5\) must divide by the world size \(2\)"):
         shard(torch.zeros(1, 1, 5, 1), "zigzag", 2, 0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
         shard(torch.zeros(1, 1, 4, 1), "zigzag", 2, 2)
@@ -76,43 +60,25 @@ def test_lse_merge_matches_attention_over_all_keys():
     """Attention over keys cut into blocks, merged through the LSE, equals attention
     over all keys; rows that see no key in a block, or in any, come out right."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64)
-        for n in (20, 30, 30)
-    )
-    full, full_lse = attention_reference(
-        q, k, v, causal=True, q_offset=-5, return_lse=True
-    )
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64) for n in (20, 30, 30))
+    full, full_lse = attention_reference(q, k, v, causal=True, q_offset=-5, return_lse=True)
     parts = []
     for a, b in ((0, 7), (7, 8), (8, 30)):
-        out, lse = attention_reference(
-            q, k[:, :, a:b], v[:, :, a:b], causal=True, q_offset=-5 - a, return_lse=True
-        )
+        out, lse = attention_reference(q, k[:, :, a:b], v[:, :, a:b], causal=True, q_offset=-5 - a,
+                                       return_lse=True)
         parts.append((out, lse))
     out, lse = merge(parts)
-    assert (
-        torch.isneginf(lse[:, :, :5]).all() and (out[:, :, :5] == 0).all()
-    )  # rows before key 0
+    assert torch.isneginf(lse[:, :, :5]).all() and (out[:, :, :5] == 0).all()  # rows before key 0
     torch.testing.assert_close(out.double(), full, rtol=0, atol=1e-6)
-    torch.testing.assert_close(
-        lse[:, :, 5:].double(), full_lse[:, :, 5:], rtol=0, atol=1e-5
-    )
+    torch.testing.assert_close(lse[:, :, 5:].double(), full_lse[:, :, 5:], rtol=0, atol=1e-5)
 
 
-MASKS = [
-    Mask(True),
-    Mask(False),
-    Mask(True, 5, None),
-    Mask(False, 4, 3),
-    Mask(True, 0, None),
-]
+MASKS = [Mask(True), Mask(False), Mask(True, 5, None), Mask(False, 4, 3), Mask(True, 0, None)]
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=str)
-@pytest.mark.parametrize(
-    "layout,world,shard_len",
-    [("zigzag", 2, 8), ("zigzag", 3, 7), ("contiguous", 4, 6), ("zigzag", 4, 5)],
-)
+@pytest.mark.parametrize("layout,world,shard_len", [("zigzag", 2, 8), ("zigzag", 3, 7), ("contiguous", 4, 6),
+                                                    ("zigzag", 4, 5)])
 def test_ring_plans_cover_the_mask_exactly(mask, layout, world, shard_len):
     """Over all ring steps, a rank's kernel calls (each with its q_offset, in the
     kernel's relative terms) show every visible pair once and no other."""
@@ -160,25 +126,16 @@ def test_spec_kernel_refuses_what_a_shard_cannot_compute():
         SpecKernel(generated_module("fmha_document_mask"))
     with pytest.raises(ValueError, match="needs return_lse: true .* or backward: true"):
         SpecKernel(generated_module("fmha_gqa8_bf16"))
-    with pytest.raises(
-        ValueError, match="runs prefill specs; fmha_decode_gqa8_bf16 is a decode spec"
-    ):
+    with pytest.raises(ValueError, match="runs prefill specs; fmha_decode_gqa8_bf16 is a decode spec"):
         SpecKernel(generated_module("fmha_decode_gqa8_bf16"))
-    with pytest.raises(
-        ValueError,
-        match="float16 and bfloat16 specs; fmha_fp8_llama has dtype float8_e4m3fn",
-    ):
+    with pytest.raises(ValueError, match="float16 and bfloat16 specs; fmha_fp8_llama has dtype float8_e4m3fn"):
         SpecKernel(generated_module("fmha_fp8_llama"))
     with pytest.raises(ValueError, match="attention sinks"):
         SpecKernel(generated_module("fmha_train_gptoss_sinks"))
-    assert SpecKernel(
-        generated_module("fmha_varlen_llama")
-    ).varlen  # ring over packed batches
+    assert SpecKernel(generated_module("fmha_varlen_llama")).varlen  # ring over packed batches
     with pytest.raises(ValueError, match="layout='contiguous'"):
         ContextParallelAttention(generated_module("fmha_varlen_llama"), mode="ulysses")
-    with pytest.raises(
-        ValueError, match="mode must be one of ring, ulysses, got 'a2a'"
-    ):
+    with pytest.raises(ValueError, match="mode must be one of ring, ulysses, got 'a2a'"):
         ContextParallelAttention(generated_module("fmha_train_gqa_causal"), mode="a2a")
     with pytest.raises(ValueError, match="must be a specgen-generated module"):
         SpecKernel(torch)
@@ -192,19 +149,10 @@ def test_single_process_checks_inputs_before_any_launch():
     k = torch.zeros(1, 2, 16, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="must be CUDA tensors"):
         attn(q, k, k)
-    with pytest.raises(
-        ValueError, match="q must have dtype torch.bfloat16, got torch.float16"
-    ):
+    with pytest.raises(ValueError, match="q must have dtype torch.bfloat16, got torch.float16"):
         attn(q.half(), k, k)
-    with pytest.raises(
-        ValueError,
-        match=r"q has 8 heads and k/v have 4; the kernel needs q heads == 4 \* kv heads",
-    ):
-        attn(
-            q,
-            torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16),
-            torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16),
-        )
+    with pytest.raises(ValueError, match=r"q has 8 heads and k/v have 4; the kernel needs q heads == 4 \* kv heads"):
+        attn(q, torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16), torch.zeros(1, 4, 16, 128, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="same positions"):
         attn(q, k[:, :, :8], k[:, :, :8])
 
@@ -218,31 +166,19 @@ def test_ring_and_all_to_all_match_the_whole_sequence(world, tmp_path):
         for row in result["rows"]:
             assert max(row["errors"]) < 1e-5, (rank, row)
     rows = results[0]["rows"]
-    assert {(r["mode"], r["layout"]) for r in rows} >= {
-        ("ring", "zigzag"),
-        ("ring", "contiguous"),
-        ("ulysses", "zigzag"),
-        ("ring", "packed-zigzag"),
-        ("ring", "packed-contiguous"),
-        ("ulysses", "packed-contiguous"),
-    }
+    assert {(r["mode"], r["layout"]) for r in rows} >= {("ring", "zigzag"), ("ring", "contiguous"),
+                                                        ("ulysses", "zigzag"), ("ring", "packed-zigzag"),
+                                                        ("ring", "packed-contiguous"), ("ulysses", "packed-contiguous")}
 
 
 def test_bad_input_raises_on_every_rank(tmp_path):
     results = parallel_worker.spawn(2, "gloo", "errors", tmp_path)
     for rank, seen in enumerate(results):
         assert "every rank must hold an equal shard" in seen["unequal"], (rank, seen)
-        assert (
-            ("must have dtype torch.float64" in seen["dtype"])
-            if rank == 0
-            else ("rank 0's inputs are invalid" in seen["dtype"])
-        ), (rank, seen)
-        assert (
-            "seq_len 18 needs shards of 9 rows on 2 ranks, got 8" in seen["seq_len"]
-        ), seen
-        assert (
-            "the query heads (1) must divide by the world size (2)" in seen["heads"]
-        ), seen
+        assert ("must have dtype torch.float64" in seen["dtype"]) if rank == 0 else \
+            ("rank 0's inputs are invalid" in seen["dtype"]), (rank, seen)
+        assert "seq_len 18 needs shards of 9 rows on 2 ranks, got 8" in seen["seq_len"], seen
+        assert "the query heads (1) must divide by the world size (2)" in seen["heads"], seen
         assert seen["after"] < 1e-6
 
 
@@ -252,24 +188,13 @@ def test_packed_ring_plans_one_varlen_call_per_step():
     from specgen.parallel.packed import FULL, PackedCall, packed_plans
 
     assert packed_plans(Mask(True), "zigzag", 2, 0, (4, 7, 1)) == (
-        (PackedCall(None, None, 0),),
-        (PackedCall(1, None, FULL),),
-    )
+        (PackedCall(None, None, 0),), (PackedCall(1, None, FULL),))
     assert packed_plans(Mask(True), "zigzag", 2, 1, (4, 7, 1)) == (
-        (PackedCall(None, None, 0),),
-        (PackedCall(None, 0, FULL),),
-    )
+        (PackedCall(None, None, 0),), (PackedCall(None, 0, FULL),))
     assert packed_plans(Mask(True), "contiguous", 3, 1, (4, 7)) == (
-        (PackedCall(None, None, 0),),
-        (PackedCall(None, None, FULL),),
-        (),
-    )
-    with pytest.raises(
-        ValueError, match="ring mode splits packed batches without windows"
-    ):
-        ContextParallelAttention(
-            ReferenceKernel(causal=True, window=(8, None), varlen=True)
-        )
+        (PackedCall(None, None, 0),), (PackedCall(None, None, FULL),), ())
+    with pytest.raises(ValueError, match="ring mode splits packed batches without windows"):
+        ContextParallelAttention(ReferenceKernel(causal=True, window=(8, None), varlen=True))
 
 
 def test_spec_field_picks_the_mode_and_refuses_what_a_shard_cannot_compute(tmp_path):
@@ -281,50 +206,20 @@ def test_spec_field_picks_the_mode_and_refuses_what_a_shard_cannot_compute(tmp_p
 
     spec = tmp_path / "cp_pick.yaml"
     spec.write_text("name: cp_pick\ngqa_ratio: 2\ncontext_parallel: ulysses\n")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specgen",
-            "build",
-            str(spec),
-            "--no-compile",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        cwd=ROOT,
-        capture_output=True,
-    )
+    subprocess.run([sys.executable, "-m", "specgen", "build", str(spec), "--no-compile", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True)
     found = importlib.util.spec_from_file_location("cp_pick", tmp_path / "cp_pick.py")
     module = importlib.util.module_from_spec(found)
     found.loader.exec_module(module)
     assert module.SPEC["context_parallel"] == "ulysses"
     assert ContextParallelAttention(module).mode == "ulysses"
-    with pytest.raises(
-        ValueError, match="needs return_lse: true"
-    ):  # the call overrides the spec
+    with pytest.raises(ValueError, match="needs return_lse: true"):  # the call overrides the spec
         ContextParallelAttention(module, mode="ring")
     bad = tmp_path / "cp_bad.yaml"
     bad.write_text("name: cp_bad\ncontext_parallel: ring\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "specgen",
-            "build",
-            str(bad),
-            "--no-compile",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    done = subprocess.run([sys.executable, "-m", "specgen", "build", str(bad), "--no-compile", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2
-    assert (
-        "cp_bad.yaml: context_parallel: 'ring' merges partial results through their LSE: it needs "
-        "return_lse: true or backward: true" in done.stderr
-    )
+    assert "cp_bad.yaml: context_parallel: 'ring' merges partial results through their LSE: it needs " \
+           "return_lse: true or backward: true" in done.stderr
     assert not (tmp_path / "cp_bad.py").exists()

@@ -46,106 +46,37 @@ def rendered(tmp_path_factory):
     for name, text in (("cp_noncausal_f16", NONCAUSAL), ("cp_varlen_train", VARLEN)):
         spec = out / f"{name}.yaml"
         spec.write_text(text)
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "specgen",
-                "build",
-                str(spec),
-                "--no-compile",
-                "--out",
-                str(out),
-            ],
-            check=True,
-            cwd=ROOT,
-            env={
-                **os.environ,
-                "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-            },
-        )
+        subprocess.run([sys.executable, "-m", "specgen", "build", str(spec), "--no-compile", "--out", str(out)],
+                       check=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"})
     return str(out)
 
 
 def _cases(rendered):
     return [
-        dict(
-            module="generated.fmha_train_gqa_causal",
-            mode="ring",
-            layout="zigzag",
-            shape=(2, 8, 2, 1000),
-        ),
-        dict(
-            module="generated.fmha_train_gqa_causal",
-            mode="ring",
-            layout="contiguous",
-            shape=(1, 8, 2, 777),
-        ),
-        dict(
-            module="generated.fmha_train_gqa_causal",
-            mode="ulysses",
-            layout="zigzag",
-            shape=(1, 8, 2, 640),
-        ),
-        dict(
-            module="generated.fmha_train_gemma2",
-            mode="ring",
-            layout="zigzag",
-            shape=(1, 4, 2, 2600),
-        ),
-        dict(
-            module="cp_noncausal_f16",
-            path=rendered,
-            mode="ring",
-            layout="zigzag",
-            shape=(2, 4, 4, 333),
-        ),
+        dict(module="generated.fmha_train_gqa_causal", mode="ring", layout="zigzag", shape=(2, 8, 2, 1000)),
+        dict(module="generated.fmha_train_gqa_causal", mode="ring", layout="contiguous", shape=(1, 8, 2, 777)),
+        dict(module="generated.fmha_train_gqa_causal", mode="ulysses", layout="zigzag", shape=(1, 8, 2, 640)),
+        dict(module="generated.fmha_train_gemma2", mode="ring", layout="zigzag", shape=(1, 4, 2, 2600)),
+        dict(module="cp_noncausal_f16", path=rendered, mode="ring", layout="zigzag", shape=(2, 4, 4, 333)),
         # Packed batches: shard lengths per sequence (times the world size).
-        dict(
-            module="cp_varlen_train",
-            path=rendered,
-            mode="ring",
-            layout="zigzag",
-            heads=(8, 2),
-            lengths=[700, 129, 1, 2048],
-        ),
-        dict(
-            module="cp_varlen_train",
-            path=rendered,
-            mode="ring",
-            layout="contiguous",
-            heads=(8, 2),
-            lengths=[300, 1000],
-        ),
-        dict(
-            module="cp_varlen_train",
-            path=rendered,
-            mode="ulysses",
-            layout="contiguous",
-            heads=(8, 2),
-            lengths=[513, 64],
-        ),
-        dict(
-            module="generated.fmha_varlen_llama",
-            mode="ring",
-            layout="zigzag",
-            heads=(8, 2),
-            lengths=[900, 77],
-            forward_only=True,
-        ),
+        dict(module="cp_varlen_train", path=rendered, mode="ring", layout="zigzag", heads=(8, 2),
+             lengths=[700, 129, 1, 2048]),
+        dict(module="cp_varlen_train", path=rendered, mode="ring", layout="contiguous", heads=(8, 2),
+             lengths=[300, 1000]),
+        dict(module="cp_varlen_train", path=rendered, mode="ulysses", layout="contiguous", heads=(8, 2),
+             lengths=[513, 64]),
+        dict(module="generated.fmha_varlen_llama", mode="ring", layout="zigzag", heads=(8, 2),
+             lengths=[900, 77], forward_only=True),
     ]
 
 
 def test_context_parallel_spec_kernels(rendered, tmp_path):
     world = torch.cuda.device_count()
-    results = parallel_worker.spawn(
-        world, "nccl", "spec", tmp_path, {"cases": _cases(rendered)}
-    )
+    results = parallel_worker.spawn(world, "nccl", "spec", tmp_path, {"cases": _cases(rendered)})
     for rank, result in enumerate(results):
         for row in result["rows"]:
             for name in row["vs_fp64"]:
                 assert row["vs_fp64"][name] <= row["allowed"][name], (rank, name, row)
                 # The same kernels, with the merge in float32: within bf16/fp16 rounding.
-                assert row["vs_single"][name] <= max(
-                    2 * row["single_vs_fp64"][name], 1e-2
-                ), (rank, name, row)
+                assert row["vs_single"][name] <= max(2 * row["single_vs_fp64"][name], 1e-2), (rank, name, row)

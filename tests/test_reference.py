@@ -85,38 +85,24 @@ def _naive(q, k, v, scale, visible, softcap=None, sinks=None):
                 if sinks is not None:
                     norm += math.exp(float(sinks[h]))
                 if norm:
-                    out[b, h, i] = (
-                        sum(math.exp(s) * v[b, h, j] for s, j in terms) / norm
-                    )
+                    out[b, h, i] = sum(math.exp(s) * v[b, h, j] for s, j in terms) / norm
                     lse[b, h, i] = math.log(norm)
     return out, lse
 
 
-@pytest.mark.parametrize(
-    "causal,window,softcap,with_sinks",
-    [
-        (True, (3, None), None, False),
-        (True, (1, None), None, False),  # row 10 sees no key: zeros and -inf
-        (False, (2, 1), 4.0, False),
-        (True, None, 2.0, True),
-        (True, (1, None), None, True),
-    ],
-)
+@pytest.mark.parametrize("causal,window,softcap,with_sinks", [
+    (True, (3, None), None, False),
+    (True, (1, None), None, False),  # row 10 sees no key: zeros and -inf
+    (False, (2, 1), 4.0, False),
+    (True, None, 2.0, True),
+    (True, (1, None), None, True),
+])
 def test_window_softcap_sinks_match_a_naive_loop(causal, window, softcap, with_sinks):
     q, k, v = _qkv(1, 2, 2, 6, 9, 4, seed=3)
     sinks = torch.tensor([0.5, -1.0], dtype=torch.float64) if with_sinks else None
     q_offset = 5  # rows at 5..10; with window left 3 / 1 some see few keys, some none
-    out, lse = attention_reference(
-        q,
-        k,
-        v,
-        causal=causal,
-        q_offset=q_offset,
-        window=window,
-        softcap=softcap,
-        sinks=sinks,
-        return_lse=True,
-    )
+    out, lse = attention_reference(q, k, v, causal=causal, q_offset=q_offset, window=window,
+                                   softcap=softcap, sinks=sinks, return_lse=True)
     rows = torch.arange(6)[:, None] + q_offset
     cols = torch.arange(9)[None, :]
     visible = torch.ones(6, 9, dtype=torch.bool)
@@ -130,9 +116,7 @@ def test_window_softcap_sinks_match_a_naive_loop(causal, window, softcap, with_s
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(lse, want_lse)
     if window == (1, None) and causal:
-        assert (
-            not with_sinks or torch.isfinite(lse).all()
-        )  # a sink keeps every row's lse finite
+        assert not with_sinks or torch.isfinite(lse).all()  # a sink keeps every row's lse finite
     empty = ~visible.any(dim=1)
     if window == (1, None) and sinks is None:
         assert empty.any()
@@ -145,37 +129,21 @@ def test_dropout_reference_mask_rate_seed_and_scaling():
 
     keep = dropout_keep(2, 4, 128, 256, q_offset=3, seed=1, dropout_p=0.25)
     assert abs(keep.float().mean().item() - 0.75) < 0.01
-    assert torch.equal(
-        keep, dropout_keep(2, 4, 128, 256, q_offset=3, seed=1, dropout_p=0.25)
-    )
-    assert not torch.equal(
-        keep, dropout_keep(2, 4, 128, 256, q_offset=3, seed=2, dropout_p=0.25)
-    )
+    assert torch.equal(keep, dropout_keep(2, 4, 128, 256, q_offset=3, seed=1, dropout_p=0.25))
+    assert not torch.equal(keep, dropout_keep(2, 4, 128, 256, q_offset=3, seed=2, dropout_p=0.25))
     # q_offset shifts rows: row i at offset 3 is row i + 3 at offset 0.
-    assert torch.equal(
-        keep[:, :, :100],
-        dropout_keep(2, 4, 103, 256, q_offset=0, seed=1, dropout_p=0.25)[:, :, 3:],
-    )
+    assert torch.equal(keep[:, :, :100], dropout_keep(2, 4, 103, 256, q_offset=0, seed=1,
+                                                      dropout_p=0.25)[:, :, 3:])
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 128, 32, generator=gen) for _ in range(3))
     plain = attention_reference(q, k, v, causal=True)
-    assert torch.equal(
-        attention_reference(q, k, v, causal=True, dropout_p=0.0, seed=5), plain
-    )
-    dropped, lse = attention_reference(
-        q, k, v, causal=True, dropout_p=0.25, seed=1, return_lse=True
-    )
-    weights = torch.softmax(
-        (q.double() @ k.double().transpose(-1, -2) / math.sqrt(32)).masked_fill(
-            torch.ones(128, 128, dtype=torch.bool).triu(1), -math.inf
-        ),
-        -1,
-    )
+    assert torch.equal(attention_reference(q, k, v, causal=True, dropout_p=0.0, seed=5), plain)
+    dropped, lse = attention_reference(q, k, v, causal=True, dropout_p=0.25, seed=1, return_lse=True)
+    weights = torch.softmax((q.double() @ k.double().transpose(-1, -2) / math.sqrt(32)).masked_fill(
+        torch.ones(128, 128, dtype=torch.bool).triu(1), -math.inf), -1)
     keep = dropout_keep(2, 4, 128, 128, q_offset=0, seed=1, dropout_p=0.25)
     assert torch.allclose(dropped, (weights * keep / 0.75) @ v.double())
-    assert torch.allclose(
-        lse, attention_reference(q, k, v, causal=True, return_lse=True)[1]
-    )
+    assert torch.allclose(lse, attention_reference(q, k, v, causal=True, return_lse=True)[1])
 
 
 def test_p_dtype_model_rounds_only_the_weights_of_the_pv_product():
@@ -186,14 +154,11 @@ def test_p_dtype_model_rounds_only_the_weights_of_the_pv_product():
     k = torch.tensor([[[[0.0, 0.0], [math.log(0.3), 0.0]]]], dtype=torch.float64)
     v = torch.tensor([[[[2.0, -1.0], [4.0, 8.0]]]], dtype=torch.float64)
     exact = attention_reference(q, k, v, causal=False, scale=1.0)
-    model, lse = attention_reference(
-        q, k, v, causal=False, scale=1.0, p_dtype=torch.float8_e4m3fn, return_lse=True
-    )
+    model, lse = attention_reference(q, k, v, causal=False, scale=1.0,
+                                     p_dtype=torch.float8_e4m3fn, return_lse=True)
     torch.testing.assert_close(exact[0, 0, 0], (v[0, 0, 0] + 0.3 * v[0, 0, 1]) / 1.3)
     torch.testing.assert_close(model[0, 0, 0], (v[0, 0, 0] + 0.3125 * v[0, 0, 1]) / 1.3)
-    torch.testing.assert_close(
-        lse[0, 0, 0], torch.tensor(math.log(1.3), dtype=torch.float64)
-    )
+    torch.testing.assert_close(lse[0, 0, 0], torch.tensor(math.log(1.3), dtype=torch.float64))
 
 
 def test_p_dtype_model_error_is_within_the_e4m3_rounding_bound():
@@ -201,17 +166,13 @@ def test_p_dtype_model_error_is_within_the_e4m3_rounding_bound():
     # so |model - exact| <= (2**-4 + 2**-10 * Skv) * max|v| per output element.
     q, k, v = _qkv(2, 4, 2, 37, 300, 16, seed=5)
     exact = attention_reference(q, k, v, causal=True, q_offset=263)
-    model = attention_reference(
-        q, k, v, causal=True, q_offset=263, p_dtype=torch.float8_e4m3fn
-    )
+    model = attention_reference(q, k, v, causal=True, q_offset=263, p_dtype=torch.float8_e4m3fn)
     err = (model - exact).abs().max().item()
     assert 0 < err <= (2**-4 + 2**-10 * 300) * v.abs().max().item()
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(
-    "left,right", [(None, None), (3, None), (None, 2), (0, 0), (4, 1), (2, 7)]
-)
+@pytest.mark.parametrize("left,right", [(None, None), (3, None), (None, 2), (0, 0), (4, 1), (2, 7)])
 @pytest.mark.parametrize("q_offset", [0, 5, 11])
 def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset):
     """key_range (the bench's pair count) and visible_mask (the reference, Flex)
@@ -226,19 +187,12 @@ def test_window_rule_closed_form_matches_the_mask(causal, left, right, q_offset)
     assert mask.shape == (seq_q, seq_k)
     for i in range(seq_q):
         p = q_offset + i
-        expected = [
-            j
-            for j in range(seq_k)
-            if (not causal or j <= p)
-            and (left is None or j >= p - left)
-            and (right is None or j <= p + right)
-        ]
+        expected = [j for j in range(seq_k)
+                    if (not causal or j <= p) and (left is None or j >= p - left)
+                    and (right is None or j <= p + right)]
         assert [j for j in range(seq_k) if mask[i, j]] == expected
-        assert [
-            j
-            for j in range(seq_k)
-            if visible(p, j, causal=causal, left=left, right=right)
-        ] == expected
+        assert [j for j in range(seq_k)
+                if visible(p, j, causal=causal, left=left, right=right)] == expected
         lo, hi = key_range(p, seq_k, causal=causal, left=left, right=right)
         assert list(range(lo, hi + 1)) == expected
     pairs = visible_pairs(seq_q, seq_k, causal, window, q_offset=q_offset)
@@ -250,20 +204,13 @@ def test_negative_q_offset_rows_before_the_first_key_are_zero_with_lse_minus_inf
     no key, give zeros and an LSE of -inf, and nothing is NaN; the rest match SDPA's
     bottom-right causal mask."""
     torch.manual_seed(0)
-    q, k, v = (
-        torch.randn(1, 2, 12, 16),
-        torch.randn(1, 2, 5, 16),
-        torch.randn(1, 2, 5, 16),
-    )
-    out, lse = attention_reference(
-        q, k, v, causal=True, q_offset=5 - 12, return_lse=True
-    )
+    q, k, v = torch.randn(1, 2, 12, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    out, lse = attention_reference(q, k, v, causal=True, q_offset=5 - 12, return_lse=True)
     assert not out.isnan().any() and not lse.isnan().any()
     assert (out[:, :, :7] == 0).all() and torch.isneginf(lse[:, :, :7]).all()
     mask = torch.ones(12, 5, dtype=torch.bool).tril(diagonal=5 - 12)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.double()[:, :, 7:], k.double(), v.double(), attn_mask=mask[7:]
-    )
+        q.double()[:, :, 7:], k.double(), v.double(), attn_mask=mask[7:])
     assert torch.allclose(out[:, :, 7:], want, atol=1e-12)
     # Gradients through the empty rows are zero, not NaN.
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))

@@ -14,13 +14,7 @@ import yaml
 
 from specgen.check.cases import output_dtype
 from specgen.plan.make import make_plan
-from specgen.emit.render import (
-    BLACK_MODE,
-    HEADER_RE,
-    hand_edited,
-    render,
-    template_hash,
-)
+from specgen.emit.render import BLACK_MODE, HEADER_RE, hand_edited, render, template_hash
 from specgen.spec import spec_to_dict, validate_spec
 
 from .helpers import ROOT, SPECS, SPEC_NAMES, generated_module, kernel_source
@@ -39,10 +33,8 @@ def test_generated_matches_fresh_render(path):
     if fresh != committed:
         diff = "".join(
             difflib.unified_diff(
-                committed.splitlines(True),
-                fresh.splitlines(True),
-                f"generated/{path.stem}.py (committed)",
-                "fresh render",
+                committed.splitlines(True), fresh.splitlines(True),
+                f"generated/{path.stem}.py (committed)", "fresh render",
             )
         )
         pytest.fail(
@@ -89,9 +81,7 @@ def test_module_imports_only_the_standard_library_torch_and_cuda_tile(name):
             imported.add(node.module)
     outside = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names}
     assert {"torch", "cuda.tile"} <= outside
-    assert all(
-        m == "torch" or m == "cuda.tile" or m.startswith("cuda.tile.") for m in outside
-    ), outside
+    assert all(m == "torch" or m == "cuda.tile" or m.startswith("cuda.tile.") for m in outside), outside
 
 
 def test_every_generated_module_imports_without_gpu_or_specgen():
@@ -105,10 +95,7 @@ def test_every_generated_module_imports_without_gpu_or_specgen():
         "print('ok')\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
         env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin", "HOME": str(ROOT)},
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
@@ -121,18 +108,11 @@ def test_module_exposes_spec_and_configs(path):
     plan = make_plan(spec)
     assert mod.SPEC == spec_to_dict(spec)
     assert validate_spec(mod.SPEC) == spec  # the module's SPEC is the whole spec
-    assert mod.CONFIGS == {
-        t.name: tuple(c.as_dict() for c in t.configs) for t in plan.targets
-    }
+    assert mod.CONFIGS == {t.name: tuple(c.as_dict() for c in t.configs) for t in plan.targets}
     for name, cfg in spec.targets.items():  # the target's own config comes last
         assert mod.CONFIGS[name][-1]["max_seq_k"] is None
-        assert (mod.CONFIGS[name][-1]["tile_m"], mod.CONFIGS[name][-1]["tile_n"]) == (
-            cfg.tile_m,
-            cfg.tile_n,
-        )
-        assert [c["max_seq_k"] for c in mod.CONFIGS[name][:-1]] == [
-            b.max_seq_k for b in cfg.by_seq_k
-        ]
+        assert (mod.CONFIGS[name][-1]["tile_m"], mod.CONFIGS[name][-1]["tile_n"]) == (cfg.tile_m, cfg.tile_n)
+        assert [c["max_seq_k"] for c in mod.CONFIGS[name][:-1]] == [b.max_seq_k for b in cfg.by_seq_k]
     kernel_name = plan.kernel_name
     assert hasattr(mod, kernel_name)
 
@@ -167,63 +147,35 @@ VISIBLE = [
     # The shipped spec's short-sequence bucket uses the global tile order: without
     # it the kernel loses its TILES_OUTER argument and the launcher its branch.
     ("targets.sm_90.by_seq_k", [], "if TILES_OUTER:", False),
-    (
-        "targets.sm_90.by_seq_k",
-        [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 128}],
-        "TILES_OUTER: ConstBool",
-        False,
-    ),
+    ("targets.sm_90.by_seq_k", [{"max_seq_k": 2048, "tile_m": 64, "tile_n": 128}],
+     "TILES_OUTER: ConstBool", False),
     ("loads.k_transposed", False, "k_t = ct.permute(k, (1, 0))", True),
     ("loads.k_latency", None, "latency=2", False),
     ("loads.v_latency", 7, "latency=7", True),
-    (
-        "targets.sm_90",
-        {"tile_m": 128, "tile_n": 32, "occupancy": 1},
-        '{"max_seq_k": None, "tile_m": 128, "tile_n": 32, "occupancy": 1}',
-        True,
-    ),
-    (
-        "targets.sm_90.num_worker_warps",
-        4,
-        "num_worker_warps=ct.ByTarget(sm_90=4)",
-        True,
-    ),
+    ("targets.sm_90", {"tile_m": 128, "tile_n": 32, "occupancy": 1},
+     '{"max_seq_k": None, "tile_m": 128, "tile_n": 32, "occupancy": 1}', True),
+    ("targets.sm_90.num_worker_warps", 4, "num_worker_warps=ct.ByTarget(sm_90=4)", True),
     ("targets.sm_90.num_ctas", 2, "num_ctas=ct.ByTarget(sm_90=2)", True),
     ("targets.sm_90.opt_level", 2, "opt_level=ct.ByTarget(sm_90=2)", True),
-    (
-        "targets.sm_90.by_seq_k",
-        [{"max_seq_k": 4096, "tile_m": 64, "tile_n": 32, "occupancy": 3}],
-        '"hints": {"occupancy": 3, "num_worker_warps": None}',
-        True,
-    ),
+    ("targets.sm_90.by_seq_k", [{"max_seq_k": 4096, "tile_m": 64, "tile_n": 32, "occupancy": 3}],
+     '"hints": {"occupancy": 3, "num_worker_warps": None}', True),
     ("prescale_q", False, "q = (q.astype(ct.float32) * scale).astype(Q.dtype)", False),
     ("q_subtiles", 2, "SUB_M = TILE_M // 2", True),
     ("loads.check_bounds", "masked", "check_bounds=False", True),
     ("loads.allow_tma", False, "allow_tma=False", True),
     ("autotune", {}, "autotune", False),
-    (
-        "targets.sm_100",
-        {"tile_m": 128, "tile_n": 128, "occupancy": 3},
-        "sm_100=3",
-        True,
-    ),
+    ("targets.sm_100", {"tile_m": 128, "tile_n": 128, "occupancy": 3},
+     "sm_100=3", True),
     ("compile_for", ["sm_90"], '"compile_for": ["sm_90"]', True),
     ("window", {"left": 511}, "WINDOW_LEFT = 511", True),
     ("softcap", 30.0, "s = ct.tanh(s) * cap_out", True),
     ("sinks", True, "sink = ct.load(Sinks, index=(head,), shape=(1,))", True),
     ("return_lse", True, "return out, lse", True),
-    (
-        "qk_ahead",
-        True,
-        "s_next = ct.mma(q, k_t, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))",
-        True,
-    ),
+    ("qk_ahead", True, "s_next = ct.mma(q, k_t, ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32))", True),
 ]
 
 
-@pytest.mark.parametrize(
-    "path,value,line,present", VISIBLE, ids=[v[0] for v in VISIBLE]
-)
+@pytest.mark.parametrize("path,value,line,present", VISIBLE, ids=[v[0] for v in VISIBLE])
 def test_every_field_visibly_changes_the_module(path, value, line, present):
     base = render(make_plan(validate_spec(BASE)), "specs/variant.yaml").text
     variant = _variant(path, value)
@@ -238,9 +190,7 @@ def test_fast_math_off_keeps_natural_exp_and_plain_division():
     data["fast_math"] = {"exp2": False, "flush_to_zero": False, "approx_div": False}
     text = render(make_plan(validate_spec(data)), "specs/v.yaml").text
     assert "INV_LN2" not in text and "ct.exp2" not in text
-    assert (
-        "out = ct.truediv(acc, l_div)" in text
-    )  # (causal rows may be empty: guarded l)
+    assert "out = ct.truediv(acc, l_div)" in text  # (causal rows may be empty: guarded l)
 
 
 def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch):
@@ -250,25 +200,13 @@ def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch)
 
     data = copy.deepcopy(BASE)
     data["targets"]["sm_90"] = {
-        "tile_m": 128,
-        "tile_n": 128,
-        "occupancy": 1,
-        "num_worker_warps": 8,
-        "by_seq_k": [
-            {"max_seq_k": 1024, "tile_m": 64, "tile_n": 64, "occupancy": 2},
-            {
-                "max_seq_k": 4096,
-                "tile_m": 64,
-                "tile_n": 128,
-                "occupancy": 1,
-                "num_worker_warps": 8,
-            },
-        ],
+        "tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8,
+        "by_seq_k": [{"max_seq_k": 1024, "tile_m": 64, "tile_n": 64, "occupancy": 2},
+                     {"max_seq_k": 4096, "tile_m": 64, "tile_n": 128, "occupancy": 1,
+                      "num_worker_warps": 8}],
     }
     plan = make_plan(validate_spec(data))
-    mod = load_module_from_source(
-        "buckets", render(plan, "specs/b.yaml").text, "buckets.py"
-    )
+    mod = load_module_from_source("buckets", render(plan, "specs/b.yaml").text, "buckets.py")
     monkeypatch.setattr(mod.torch.cuda, "get_device_capability", lambda index: (9, 0))
 
     class Device:
@@ -285,10 +223,7 @@ def test_seq_buckets_pick_configs_and_kernel_variants_by_key_length(monkeypatch)
     # Own hints: the decorated kernel; other hints: one replace_hints variant each.
     assert picked[100000][2] is base_kernel and picked[4096][2] is base_kernel
     assert picked[1][2] is picked[1024][2] is not base_kernel
-    assert mod.CONFIGS["sm_90"][0]["hints"] == {
-        "occupancy": 2,
-        "num_worker_warps": None,
-    }
+    assert mod.CONFIGS["sm_90"][0]["hints"] == {"occupancy": 2, "num_worker_warps": None}
     assert "hints" not in mod.CONFIGS["sm_90"][1]  # same options as the target's own
 
 
@@ -306,10 +241,7 @@ def test_docstring_names_the_output_buffer_shape_and_dtype(name):
     assert f"[{dims}]" in returns and dtype in returns
 
 
-@pytest.mark.parametrize(
-    "name",
-    ["fmha_decode_gqa8_fp8kv", "fmha_decode_chunked_local", "fmha_decode_paged_mtp"],
-)
+@pytest.mark.parametrize("name", ["fmha_decode_gqa8_fp8kv", "fmha_decode_chunked_local", "fmha_decode_paged_mtp"])
 def test_decode_reduces_the_row_sums_once_after_the_loop(name):
     """The decode kernels keep each row's sum of P per key column and reduce it once,
     after the loops: a step makes one row reduction (the max), not two."""
@@ -317,9 +249,7 @@ def test_decode_reduces_the_row_sums_once_after_the_loop(name):
     kernel = kernel_source(text, "fmha_decode_", text.index("@AotKernel"))
     loops, _, tail = kernel.partition("l_i = ct.sum(l_cols, axis=-1, keepdims=True)")
     assert tail and "ct.sum(p" not in kernel
-    assert (
-        loops.count("l_cols = l_cols * alpha + p") >= 2
-    )  # the unmasked and the masked step
+    assert loops.count("l_cols = l_cols * alpha + p") >= 2  # the unmasked and the masked step
     assert "l_cols = ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32)" in loops
 
 
@@ -339,21 +269,13 @@ def test_qk_ahead_forms_each_tile_once_ahead_and_runs_the_last_after_the_loops()
     assert "for j in range(full_start, min(mask_start, num_n - 1)):" in kernel
     assert "for j in range(mask_start, num_n - 1):" in kernel
     assert "    if first_n < num_n:\n        j_next = first_n\n" in kernel
-    last = kernel[
-        kernel.index("    if first_n < num_n:\n        # qk_ahead: the last key tile") :
-    ]
-    assert (
-        "j = num_n - 1" in last
-        and "visible = " in last
-        and "s_next" not in last.split("s = s_next")[1]
-    )
+    last = kernel[kernel.index("    if first_n < num_n:\n        # qk_ahead: the last key tile"):]
+    assert "j = num_n - 1" in last and "visible = " in last and "s_next" not in last.split("s = s_next")[1]
     assert "s = ct.mma(q, k_t, s)" not in kernel  # no step forms its own S
     # The look-ahead load is bounds-checked even in unmasked steps (the next tile
     # may be the ragged last one).
     data.update(loads={"check_bounds": "masked"})
-    masked = kernel_source(
-        render(make_plan(validate_spec(data)), "specs/variant.yaml").text,
-        "fmha_prefill",
-    )
+    masked = kernel_source(render(make_plan(validate_spec(data)), "specs/variant.yaml").text,
+                           "fmha_prefill")
     for block in masked.split("j_next = ")[1:]:
-        assert "check_bounds=False" not in block[: block.index("s_next")]
+        assert "check_bounds=False" not in block[:block.index("s_next")]

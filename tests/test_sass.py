@@ -15,12 +15,12 @@ LISTING = [
     (0x070, "MUFU.EX2 R12, R12"),
     (0x080, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
     (0x090, "HGMMA.64x128x16.F32.BF16 R88, R40, gdesc[UR12].tnspB, R88, gsb0"),
-    (0x0A0, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
-    (0x0B0, "@P0 BRA 0x30"),
-    (0x0C0, "EXIT"),
+    (0x0a0, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+    (0x0b0, "@P0 BRA 0x30"),
+    (0x0c0, "EXIT"),
     # a barrier's slow path, returning into the loop unconditionally: not a loop
-    (0x0D0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3"),
-    (0x0E0, "BRA 0x40"),
+    (0x0d0, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3"),
+    (0x0e0, "BRA 0x40"),
 ]
 
 
@@ -29,38 +29,18 @@ def test_innermost_loop_schedule_in_program_order():
 
 
 def test_only_innermost_loops_with_mmas_count():
-    outer = LISTING[:-3] + [
-        (0x0C0, "@P1 BRA 0x0"),
-        (0x0D0, "@P2 BRA 0xd0"),
-        (0x0E0, "EXIT"),
-    ]
-    assert sass.loop_schedules(outer) == [
-        "Q1 E2 Q1 E1 W P1 W"
-    ]  # not the outer, not the spin
+    outer = LISTING[:-3] + [(0x0c0, "@P1 BRA 0x0"), (0x0d0, "@P2 BRA 0xd0"), (0x0e0, "EXIT")]
+    assert sass.loop_schedules(outer) == ["Q1 E2 Q1 E1 W P1 W"]  # not the outer, not the spin
     assert sass.loop_schedules([(0x0, "MUFU.EX2 R1, R1"), (0x10, "BRA 0x0")]) == []
     # A wait-and-retry loop inside the key loop leaves the key loop the innermost one
     # with MMAs.
-    spin = (
-        LISTING[:4]
-        + [
-            (0x034, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3"),
-            (0x038, "@!P0 BRA 0x34"),
-        ]
-        + LISTING[4:]
-    )
+    spin = LISTING[:4] + [(0x034, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3"),
+                          (0x038, "@!P0 BRA 0x34")] + LISTING[4:]
     assert sass.loop_schedules(spin) == ["Q1 E2 Q1 E1 W P1 W"]
 
 
 def test_a_predicated_float8_mma_is_read():
     started: set = set()
-    assert (
-        sass._event(
-            "@P1 QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT", started
-        )
-        == "Q"
-    )
-    assert (
-        sass._event("QGMMA.64x128x32.F32.E4M3.E4M3 R90, R12, gdesc[UR4], R90", started)
-        == "P"
-    )
+    assert sass._event("@P1 QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT", started) == "Q"
+    assert sass._event("QGMMA.64x128x32.F32.E4M3.E4M3 R90, R12, gdesc[UR4], R90", started) == "P"
     assert sass._event("FADD R1, R2, R3", started) is None

@@ -19,22 +19,10 @@ from .helpers import qwen2_model  # noqa: E402
 
 def stand_in(**spec_fields):
     """A module shaped like a generated prefill module, computing with the reference."""
-    spec = {
-        "name": "stand_in",
-        "family": "prefill",
-        "dtype": "float32",
-        "head_dim": 32,
-        "gqa_ratio": 2,
-        "causal": True,
-        "window": None,
-        "softcap": None,
-        "sinks": False,
-        "dropout": False,
-        "varlen": False,
-        "tensors": {},
-        "return_lse": False,
-        "backward": False,
-    }
+    spec = {"name": "stand_in", "family": "prefill", "dtype": "float32", "head_dim": 32,
+            "gqa_ratio": 2, "causal": True, "window": None, "softcap": None, "sinks": False,
+            "dropout": False, "varlen": False, "tensors": {}, "return_lse": False,
+            "backward": False}
     spec.update(spec_fields)
     module = types.ModuleType("stand_in")
     module.SPEC = spec
@@ -44,15 +32,8 @@ def stand_in(**spec_fields):
         module.calls.append((tuple(q.shape), tuple(k.shape), q_offset, extra))
         assert q.shape[1] == spec["gqa_ratio"] * k.shape[1]
         window = (spec["window"]["left"], None) if spec["window"] else None
-        return attention_reference(
-            q,
-            k,
-            v,
-            causal=spec["causal"],
-            scale=scale,
-            q_offset=q_offset,
-            window=window,
-        ).to(q.dtype)
+        return attention_reference(q, k, v, causal=spec["causal"], scale=scale,
+                                   q_offset=q_offset, window=window).to(q.dtype)
 
     module.attention = attention
     return module
@@ -96,21 +77,12 @@ def test_padded_batch_falls_back_to_sdpa_with_one_warning():
     assert sum("runs transformers' sdpa instead" in str(w.message) for w in caught) == 1
 
 
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        ({"gqa_ratio": 4}, "4 query heads and 2 KV heads; the spec has gqa_ratio 4"),
-        ({"causal": False}, "the layer is causal and the spec has causal: false"),
-        (
-            {"window": {"left": 63, "right": None}},
-            "needs a layer with sliding_window == left + 1",
-        ),
-        (
-            {"softcap": 30.0},
-            "the layer's soft-cap is None and the spec's softcap is 30.0",
-        ),
-    ],
-)
+@pytest.mark.parametrize("fields, message", [
+    ({"gqa_ratio": 4}, "4 query heads and 2 KV heads; the spec has gqa_ratio 4"),
+    ({"causal": False}, "the layer is causal and the spec has causal: false"),
+    ({"window": {"left": 63, "right": None}}, "needs a layer with sliding_window == left + 1"),
+    ({"softcap": 30.0}, "the layer's soft-cap is None and the spec's softcap is 30.0"),
+])
 def test_mismatched_spec_is_refused_before_any_launch(fields, message):
     module = stand_in(**fields)
     tf_integration.register(module, name="specgen-cpu-bad")
@@ -129,38 +101,29 @@ def test_gradients_need_a_backward_spec():
     assert module.calls == []
 
 
-@pytest.mark.parametrize(
-    "target, message",
-    [
-        ("specs/fmha_decode_gqa8_bf16.yaml", "family 'decode'"),
-        ("specs/fmha_varlen_llama.yaml", "varlen"),
-        ("specs/fmha_fp8_llama.yaml", "float8_e4m3fn"),
-        ("specs/fmha_alibi.yaml", "tensors:"),
-        ("no.such.module", "cannot import 'no.such.module'"),
-        ("generated/nope.py", "no generated module at generated/nope.py"),
-        (42, "expected a generated module, a module name or a spec path, got int"),
-    ],
-)
+@pytest.mark.parametrize("target, message", [
+    ("specs/fmha_decode_gqa8_bf16.yaml", "family 'decode'"),
+    ("specs/fmha_varlen_llama.yaml", "varlen"),
+    ("specs/fmha_fp8_llama.yaml", "float8_e4m3fn"),
+    ("specs/fmha_alibi.yaml", "tensors:"),
+    ("no.such.module", "cannot import 'no.such.module'"),
+    ("generated/nope.py", "no generated module at generated/nope.py"),
+    (42, "expected a generated module, a module name or a spec path, got int"),
+])
 def test_register_refuses_what_cannot_serve(target, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         tf_integration.register(target, name="specgen-cpu-refused")
 
 
-@pytest.mark.parametrize(
-    "name", ["sdpa", "eager", "flash_attention_2", "", "a b", None]
-)
+@pytest.mark.parametrize("name", ["sdpa", "eager", "flash_attention_2", "", "a b", None])
 def test_register_refuses_builtin_or_bad_names(name):
     with pytest.raises(ValueError, match="register: "):
         tf_integration.register("generated.fmha_gqa_causal", name=name)
 
 
 def test_register_from_spec_and_module_name_gives_the_generated_kernel():
-    by_spec = tf_integration.register(
-        "specs/fmha_train_gqa_causal.yaml", name="specgen-cpu-spec"
-    )
-    by_name = tf_integration.register(
-        "generated.fmha_train_gqa_causal", name="specgen-cpu-name"
-    )
+    by_spec = tf_integration.register("specs/fmha_train_gqa_causal.yaml", name="specgen-cpu-spec")
+    by_name = tf_integration.register("generated.fmha_train_gqa_causal", name="specgen-cpu-name")
     assert by_spec.module.SPEC == by_name.module.SPEC
     assert by_name.module.SPEC["backward"] is True
     from transformers import AttentionInterface

@@ -6,39 +6,21 @@ import yaml
 
 from specgen.errors import UsageError
 from specgen.spec import AutotuneSpace, load_spec, validate_spec
-from specgen.commands.tune import (
-    Timed,
-    choose,
-    finalists,
-    parse_seqs,
-    search_space,
-    write_back,
-)
+from specgen.commands.tune import Timed, choose, finalists, parse_seqs, search_space, write_back
 
 from .helpers import ROOT
 from .test_cli import specgen
 
-A = {
-    "tile_m": 64,
-    "tile_n": 128,
-    "occupancy": 2,
-    "num_ctas": None,
-    "num_worker_warps": None,
-    "opt_level": None,
-    "tile_order": "per_head",
-}
+A = {"tile_m": 64, "tile_n": 128, "occupancy": 2, "num_ctas": None, "num_worker_warps": None,
+     "opt_level": None, "tile_order": "per_head"}
 B = {**A, "tile_m": 128, "occupancy": 1, "num_worker_warps": 8}
 C = {**A, "tile_n": 64}
 
 
 def test_search_space_is_the_product_minus_what_the_kernel_cannot_take():
-    space = AutotuneSpace(
-        tile_m=[16, 64], tile_n=[64], occupancy=[1, 2], num_worker_warps=[None, 8]
-    )
+    space = AutotuneSpace(tile_m=[16, 64], tile_n=[64], occupancy=[1, 2], num_worker_warps=[None, 8])
     assert space.size() == 8 and len(search_space(space)) == 8
-    halves = search_space(
-        space, q_subtiles=2
-    )  # 16 rows cannot be split in two tiles of >= 16
+    halves = search_space(space, q_subtiles=2)  # 16 rows cannot be split in two tiles of >= 16
     assert len(halves) == 4 and all(c["tile_m"] == 64 for c in halves)
 
 
@@ -89,27 +71,14 @@ autotune:
 
 def test_write_back_updates_the_target_and_keeps_comments_and_order():
     text = write_back(SPEC_TEXT, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A}])
-    assert text.startswith(
-        "# A tuned spec keeps this comment.\nname: tuned   # and this one\n"
-    )
+    assert text.startswith("# A tuned spec keeps this comment.\nname: tuned   # and this one\n")
     assert "autotune:\n  sm_90: {tile_m: [64, 128]}\n" in text
-    keys = [
-        line.split(":")[0].strip()
-        for line in text.splitlines()
-        if line.startswith("  ") and ":" in line
-    ]
+    keys = [line.split(":")[0].strip() for line in text.splitlines() if line.startswith("  ") and ":" in line]
     assert keys.index("default") < keys.index("sm_90") < keys.index("sm_100")
     spec = validate_spec(yaml.safe_load(text))
     sm90 = spec.targets["sm_90"]
-    assert (sm90.tile_m, sm90.occupancy, sm90.num_worker_warps, sm90.num_ctas) == (
-        128,
-        1,
-        8,
-        None,
-    )
-    assert [(b.max_seq_k, b.tile_m, b.tile_n) for b in sm90.by_seq_k] == [
-        (2048, 64, 128)
-    ]
+    assert (sm90.tile_m, sm90.occupancy, sm90.num_worker_warps, sm90.num_ctas) == (128, 1, 8, None)
+    assert [(b.max_seq_k, b.tile_m, b.tile_n) for b in sm90.by_seq_k] == [(2048, 64, 128)]
     # Tuning again without buckets removes them and keeps one line.
     again = write_back(text, "t.yaml", "sm_90", A, [])
     assert validate_spec(yaml.safe_load(again)).targets["sm_90"].by_seq_k == []
@@ -117,37 +86,24 @@ def test_write_back_updates_the_target_and_keeps_comments_and_order():
 
 
 def test_write_back_writes_the_global_tile_order_only_where_chosen():
-    text = write_back(
-        SPEC_TEXT,
-        "t.yaml",
-        "sm_90",
-        B,
-        [{"max_seq_k": 2048, **A, "tile_order": "global"}],
-    )
+    text = write_back(SPEC_TEXT, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A, "tile_order": "global"}])
     assert "tile_order: per_head" not in text and text.count("tile_order: global") == 1
     sm90 = validate_spec(yaml.safe_load(text)).targets["sm_90"]
     assert sm90.tile_order == "per_head" and sm90.by_seq_k[0].tile_order == "global"
 
 
 def test_search_space_includes_both_tile_orders_when_declared():
-    space = AutotuneSpace(
-        tile_m=[64], tile_n=[64], occupancy=[1], tile_order=["per_head", "global"]
-    )
+    space = AutotuneSpace(tile_m=[64], tile_n=[64], occupancy=[1], tile_order=["per_head", "global"])
     orders = [c["tile_order"] for c in search_space(space)]
     assert orders == ["per_head", "global"]
     from specgen.commands.tune import describe
-
     assert describe(search_space(space)[1]) == "64x64 occ1 global"
 
 
 def test_finalists_are_the_fastest_plus_the_long_sequence_winner():
     timed = [Timed(A, 90.0), Timed(B, 120.0), Timed(C, 80.0)]
     assert finalists(timed, 2, None) == [C, A]
-    assert finalists(timed, 2, B) == [
-        C,
-        A,
-        B,
-    ]  # own config re-timed so choose() can weigh it
+    assert finalists(timed, 2, B) == [C, A, B]  # own config re-timed so choose() can weigh it
     assert finalists(timed, 2, A) == [C, A]
     assert finalists(timed, 5, B) == [C, A, B]
     assert finalists([Timed(A, 1.0)], 1, C) == [A]  # own did not run at this length
@@ -167,39 +123,20 @@ def test_parse_seqs():
 
 
 def test_shipped_optimised_specs_declare_an_sm_90_space():
-    for name in (
-        "fmha_gqa_causal",
-        "fmha_gqa8_bf16",
-        "fmha_mha_bf16",
-        "fmha_mha_f16_d128",
-        "fmha_gqa4_f16_d64",
-    ):
+    for name in ("fmha_gqa_causal", "fmha_gqa8_bf16", "fmha_mha_bf16", "fmha_mha_f16_d128",
+                 "fmha_gqa4_f16_d64"):
         spec = load_spec(ROOT / "specs" / f"{name}.yaml")
         assert spec.autotune["sm_90"].size() >= 8
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (
-            ["specs/fmha_seed_baseline.yaml", "--target", "sm_90"],
-            "specs/fmha_seed_baseline.yaml: autotune.sm_90: no search space for sm_90",
-        ),
-        (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--targets: expected"),
-        (
-            ["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--seqs", "x"],
-            "--seqs: expected",
-        ),
-        (
-            ["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--confirm", "-1"],
-            "--confirm: expected a count",
-        ),
-        (
-            ["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--suite", "nope"],
-            "--suite: unknown",
-        ),
-    ],
-)
+@pytest.mark.parametrize("args,message", [
+    (["specs/fmha_seed_baseline.yaml", "--target", "sm_90"],
+     "specs/fmha_seed_baseline.yaml: autotune.sm_90: no search space for sm_90"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--targets: expected"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--seqs", "x"], "--seqs: expected"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--confirm", "-1"], "--confirm: expected a count"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--suite", "nope"], "--suite: unknown"),
+])
 def test_tune_errors_exit_2_with_one_line(args, message):
     result = specgen("tune", *args, cwd=ROOT)
     assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -209,14 +146,7 @@ def test_tune_errors_exit_2_with_one_line(args, message):
 def test_tune_without_cuda_exits_2_and_leaves_the_spec(tmp_path):
     spec = tmp_path / "t.yaml"
     spec.write_text(SPEC_TEXT)
-    result = specgen(
-        "tune",
-        str(spec),
-        "--target",
-        "sm_90",
-        "--gen",
-        str(tmp_path / "gen"),
-        cwd=tmp_path,
-    )
+    result = specgen("tune", str(spec), "--target", "sm_90", "--gen", str(tmp_path / "gen"),
+                     cwd=tmp_path)
     assert result.returncode == 2 and "CUDA" in result.stderr, result.stderr
     assert spec.read_text() == SPEC_TEXT

@@ -30,28 +30,15 @@ def suite_named(name: str):
     return importlib.import_module(f"specgen.bench.{parse_suite(name)}").SUITE
 
 
-def run_suite(
-    suite: str,
-    paths: list[str],
-    *,
-    results: Path,
-    gen: Path,
-    baselines: Sequence[str],
-    shapes: Optional[Sequence] = None,
-    log: Optional[Callable[[str], None]] = None,
-) -> list[Path]:
+def run_suite(suite: str, paths: list[str], *, results: Path, gen: Path, baselines: Sequence[str],
+              shapes: Optional[Sequence] = None,
+              log: Optional[Callable[[str], None]] = None) -> list[Path]:
     """`specgen bench --suite SUITE`: time each spec's kernel against ``baselines``
     (names from specgen.bench.baselines); results go to ``results/<gpu>/``.
     ``shapes`` replaces the suite's own (prefill and backward: (batch, heads, seq)
     tuples; decode: (batch, kv_heads, length)). Returns the written results' stems."""
     from specgen.bench.core import run
 
-    return run(
-        suite_named(suite),
-        paths,
-        results=Path(results),
-        gen=Path(gen),
-        baselines=tuple(baselines),
-        shapes=shapes,
-        log=log or (lambda line: print(line, file=sys.stderr)),
-    )
+    return run(suite_named(suite), paths, results=Path(results), gen=Path(gen),
+               baselines=tuple(baselines), shapes=shapes,
+               log=log or (lambda line: print(line, file=sys.stderr)))

@@ -19,15 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specgen.bench.baselines import Inputs
-from specgen.bench.core import (
-    Case,
-    Context,
-    Suite,
-    Timing,
-    matmul_rate,
-    median_ms,
-    timed,
-)
+from specgen.bench.core import Case, Context, Suite, Timing, matmul_rate, median_ms, timed
 from specgen.bench.flops import forward_flops, mask_mod_flops
 from specgen.bench.prefill import BATCH, HEADS, REPORT, SEQS, checked_shapes
 from specgen.errors import UsageError
@@ -46,12 +38,8 @@ def _grad_timer(torch, do_bench, forward, leaves, dout):
     out = out[0] if isinstance(out, tuple) else out
     grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     torch.cuda.synchronize()
-    ms = do_bench(
-        lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
-        warmup=10,
-        rep=200,
-        return_mode="median",
-    )
+    ms = do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+                  warmup=10, rep=200, return_mode="median")
     return ms, grads
 
 
@@ -88,46 +76,22 @@ class Backward(Suite):
         ratio = plan.group_size
         kv_heads = heads // ratio
         gen = torch.Generator(device="cuda").manual_seed(seq)
-        q, k, v = (
-            t.requires_grad_()
-            for t in random_qkv(
-                plan.spec_dict, batch, kv_heads, seq, seq, generator=gen
-            )
-        )
+        q, k, v = (t.requires_grad_() for t in random_qkv(plan.spec_dict, batch, kv_heads, seq, seq,
+                                                           generator=gen))
         dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
         # The spec's sinks and hook tensors (document ids, slopes), as the prefill suite draws them.
         extra = feature_inputs(plan.spec_dict, shape_dims(q, k), gen)
         # Expanded K/V leaves for the baselines that expand, made outside the timing.
-        k_full, v_full = (
-            (
-                t.detach().repeat_interleave(ratio, 1).requires_grad_()
-                if ratio > 1
-                else t.detach().clone().requires_grad_()
-            )
-            for t in (k, v)
-        )
-        row = dict(
-            batch=batch,
-            heads_q=heads,
-            heads_kv=kv_heads,
-            seq_q=seq,
-            seq_k=seq,
-            head_dim=plan.head_dim,
-            dtype=plan.dtype,
-            causal=plan.causal,
-            flops=backward_flops(plan, batch, heads, seq, seq),
-        )
+        k_full, v_full = (t.detach().repeat_interleave(ratio, 1).requires_grad_() if ratio > 1
+                          else t.detach().clone().requires_grad_() for t in (k, v))
+        row = dict(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
+                   head_dim=plan.head_dim, dtype=plan.dtype, causal=plan.causal,
+                   flops=backward_flops(plan, batch, heads, seq, seq))
         if plan.mask_mod:  # only the pairs the mask leaves, as the prefill suite counts
-            row["flops"] = int(
-                BACKWARD_FLOP_FACTOR
-                * mask_mod_flops(torch, plan, extra, batch, heads, seq, seq)
-            )
-        return Case(
-            f"backward S={seq}",
-            row,
-            inputs=(k_full, v_full, ratio, extra),
-            kernel=(q, k, v, dout, extra),
-        )
+            row["flops"] = int(BACKWARD_FLOP_FACTOR * mask_mod_flops(torch, plan, extra, batch, heads,
+                                                                      seq, seq))
+        return Case(f"backward S={seq}", row, inputs=(k_full, v_full, ratio, extra),
+                    kernel=(q, k, v, dout, extra))
 
     def time_kernel(self, ctx: Context, module, case: Case) -> Timing:
         torch = ctx.torch
@@ -139,32 +103,16 @@ class Backward(Suite):
             tensors = {n: extra[n] for n in module.SPEC["tensors"]}
 
             def build():
-                return module.make_block_map(
-                    q.shape[0],
-                    q.shape[1],
-                    q.shape[2],
-                    k.shape[2],
-                    device=q.device,
-                    backward=True,
-                    **tensors,
-                )
+                return module.make_block_map(q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                                             device=q.device, backward=True, **tensors)
 
             kwargs["block_map"] = build()
             partial, full, capacity = kwargs["block_map"].tile_counts()
-            map_fields = dict(
-                block_map_ms=median_ms(ctx.do_bench, build),
-                tiles_visited=(partial + full) / max(capacity, 1),
-            )
-        ms, case.ours = _grad_timer(
-            torch,
-            ctx.do_bench,
-            lambda: module.attention(q, k, v, **kwargs),
-            (q, k, v),
-            dout,
-        )
-        timing = timed(
-            ms, case.row["flops"], ctx.yardstick["matmul_tflops"], **map_fields
-        )
+            map_fields = dict(block_map_ms=median_ms(ctx.do_bench, build),
+                              tiles_visited=(partial + full) / max(capacity, 1))
+        ms, case.ours = _grad_timer(torch, ctx.do_bench, lambda: module.attention(q, k, v, **kwargs),
+                                    (q, k, v), dout)
+        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], **map_fields)
         if not all(torch.isfinite(g).all() for g in case.ours):
             timing.error = "non-finite gradient"
         return timing
@@ -174,37 +122,20 @@ class Backward(Suite):
         k_full, v_full, ratio, extra = case.inputs
         # Fresh leaves per baseline: each builds its own graph on the same values.
         qb = q.detach().clone().requires_grad_()
-        kb, vb = (
-            k.detach().clone().requires_grad_(),
-            v.detach().clone().requires_grad_(),
-        )
+        kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
         inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full, extra=extra)
         leaves = (qb, k_full, v_full) if baseline.expands_kv else (qb, kb, vb)
-        ms, (dq, dk, dv) = _grad_timer(
-            ctx.torch, ctx.do_bench, lambda: fn(inputs), leaves, dout
-        )
-        if (
-            baseline.expands_kv and ratio > 1
-        ):  # the group's sum, for the comparison only
+        ms, (dq, dk, dv) = _grad_timer(ctx.torch, ctx.do_bench, lambda: fn(inputs), leaves, dout)
+        if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only
             dk, dv = (g.unflatten(1, (k.shape[1], ratio)).sum(2) for g in (dk, dv))
-        diff = max(
-            (x.float() - y.float()).abs().max().item()
-            for x, y in zip((dq, dk, dv), case.ours)
-        )
-        return timed(
-            ms,
-            case.row["flops"],
-            ctx.yardstick["matmul_tflops"],
-            max_abs_diff_vs_specgen=diff,
-            note=baseline.note,
-        )
+        diff = max((x.float() - y.float()).abs().max().item() for x, y in zip((dq, dk, dv), case.ours))
+        return timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], max_abs_diff_vs_specgen=diff,
+                     note=baseline.note)
 
     def layout(self, plan) -> str:
-        return (
-            "Sq=Skv; backward only (torch.autograd.grad of a saved forward graph), "
-            f"TFLOPS = {BACKWARD_FLOP_FACTOR} x forward FLOPs / time; SDPA gets K/V "
-            "expanded to the query heads outside the timing"
-        )
+        return ("Sq=Skv; backward only (torch.autograd.grad of a saved forward graph), "
+                f"TFLOPS = {BACKWARD_FLOP_FACTOR} x forward FLOPs / time; SDPA gets K/V "
+                "expanded to the query heads outside the timing")
 
 
 SUITE = Backward()

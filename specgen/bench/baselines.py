@@ -77,27 +77,19 @@ class Baseline:
     label: str  # as tables show it
     # suite -> the FEATURES it honours there; a suite absent here has no path.
     supports: Mapping[str, frozenset]
-    build: Callable[
-        [Any, str, Any], Runner
-    ]  # (torch, suite, plan) -> fn(inputs); GPU only
+    build: Callable[[Any, str, Any], Runner]  # (torch, suite, plan) -> fn(inputs); GPU only
     dtypes: frozenset = SIXTEEN_BIT  # the 16-bit dtypes it takes
-    float8: bool = (
-        False  # takes float8 q/k/v itself (else the suite hands it 16-bit copies)
-    )
+    float8: bool = False  # takes float8 q/k/v itself (else the suite hands it 16-bit copies)
     # prefill and backward: reads K/V repeated to the query heads (k_full/v_full).
     expands_kv: bool = False
     # Timed after every specgen kernel of the run: importing it changes process
     # state that specgen's launchers rely on (see tilegym).
     late: bool = False
     default: bool = False  # in --baselines' default set
-    absent: Mapping[str, str] = field(
-        default_factory=dict
-    )  # suite -> why there is no path
+    absent: Mapping[str, str] = field(default_factory=dict)  # suite -> why there is no path
     probe: Callable[[], Optional[Reason]] = lambda: None  # why it is not installed here
     shape_limits: Optional[Callable[[str, Any], Optional[Reason]]] = None
-    note: Optional[str] = (
-        None  # how it ran, in every row it times (unless the row has its own)
-    )
+    note: Optional[str] = None  # how it ran, in every row it times (unless the row has its own)
 
     def input_dtype(self, plan) -> str:
         """The dtype of the q/k/v it is handed."""
@@ -176,42 +168,19 @@ def _sdpa_varlen(torch, backend_name: str, plan) -> Runner:
         packed = x.packed
         sizes = packed.kwargs()  # host-side lengths: no device read while timed
         return torch.ops.aten._flash_attention_forward(
-            packed.q,
-            packed.k,
-            packed.v,
-            packed.cu_seqlens_q,
-            packed.cu_seqlens_k,
-            sizes["max_seqlen_q"],
-            sizes["max_seqlen_k"],
-            0.0,
-            causal,
-            False,
-        )[0]
+            packed.q, packed.k, packed.v, packed.cu_seqlens_q, packed.cu_seqlens_k,
+            sizes["max_seqlen_q"], sizes["max_seqlen_k"], 0.0, causal, False)[0]
 
     def cudnn(x: Inputs):
         packed = x.packed
         sizes = packed.kwargs()
-        if (
-            "cudnn" not in x.cache
-        ):  # cuDNN's op wants Hq K/V heads: expanded once, untimed
-            x.cache["cudnn"] = tuple(
-                t.repeat_interleave(ratio, 1) if ratio > 1 else t
-                for t in (packed.k, packed.v)
-            )
+        if "cudnn" not in x.cache:  # cuDNN's op wants Hq K/V heads: expanded once, untimed
+            x.cache["cudnn"] = tuple(t.repeat_interleave(ratio, 1) if ratio > 1 else t
+                                     for t in (packed.k, packed.v))
         k, v = x.cache["cudnn"]
         return torch.ops.aten._cudnn_attention_forward(
-            packed.q,
-            k,
-            v,
-            None,
-            packed.cu_seqlens_q,
-            packed.cu_seqlens_k,
-            sizes["max_seqlen_q"],
-            sizes["max_seqlen_k"],
-            False,
-            0.0,
-            causal,
-        )[0]
+            packed.q, k, v, None, packed.cu_seqlens_q, packed.cu_seqlens_k,
+            sizes["max_seqlen_q"], sizes["max_seqlen_k"], False, 0.0, causal)[0]
 
     return cudnn if backend_name == "CUDNN_ATTENTION" else fa2
 
@@ -253,9 +222,7 @@ def _flex(torch, suite: str, plan) -> Runner:
     import torch._dynamo.config as dynamo_config
 
     dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
-    dynamo_config.accumulated_recompile_limit = max(
-        dynamo_config.accumulated_recompile_limit, 4096
-    )
+    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 4096)
     compiled = torch.compile(flex_attention, dynamic=False)
     left, right = window_of(plan) or (None, None)
     mask_fn = torch_fn(plan.spec.mask_mod) if plan.mask_mod else None
@@ -286,16 +253,9 @@ def _flex(torch, suite: str, plan) -> Runner:
             key = (x.q.shape[0], q_len, length)
             if key not in decode_masks:
                 decode_masks[key] = create_block_mask(
-                    visible,
-                    x.q.shape[0],
-                    x.q.shape[1] if mask_heads else None,
-                    q_len,
-                    length,
-                    device="cuda",
-                )
-            return compiled(
-                x.q, x.k, x.v, block_mask=decode_masks[key], enable_gqa=ratio > 1
-            )
+                    visible, x.q.shape[0], x.q.shape[1] if mask_heads else None, q_len, length,
+                    device="cuda")
+            return compiled(x.q, x.k, x.v, block_mask=decode_masks[key], enable_gqa=ratio > 1)
 
         return run_decode
 
@@ -319,29 +279,17 @@ def _flex(torch, suite: str, plan) -> Runner:
             total = packed.q.shape[0]
             if "flex" not in x.cache:
                 cu = packed.cu_seqlens_q.long()
-                doc = torch.repeat_interleave(
-                    torch.arange(cu.numel() - 1, device="cuda"), cu[1:] - cu[:-1]
-                )
+                doc = torch.repeat_interleave(torch.arange(cu.numel() - 1, device="cuda"), cu[1:] - cu[:-1])
 
-                def same_sequence(
-                    b, h, qi, ki
-                ):  # equal q/k lengths: packed offsets are positions
-                    return (doc[qi] == doc[ki]) & visible_rule(
-                        qi, ki, causal=causal, left=left, right=right
-                    )
+                def same_sequence(b, h, qi, ki):  # equal q/k lengths: packed offsets are positions
+                    return (doc[qi] == doc[ki]) & visible_rule(qi, ki, causal=causal, left=left,
+                                                               right=right)
 
-                x.cache["flex"] = create_block_mask(
-                    same_sequence, None, None, total, total, device="cuda"
-                )
+                x.cache["flex"] = create_block_mask(same_sequence, None, None, total, total,
+                                                    device="cuda")
             q, k, v = (t.transpose(0, 1)[None] for t in (packed.q, packed.k, packed.v))
-            out = compiled(
-                q,
-                k,
-                v,
-                block_mask=x.cache["flex"],
-                enable_gqa=ratio > 1,
-                score_mod=score_mod,
-            )
+            out = compiled(q, k, v, block_mask=x.cache["flex"], enable_gqa=ratio > 1,
+                           score_mod=score_mod)
             return out[0].transpose(0, 1)
 
         return run_packed
@@ -349,9 +297,7 @@ def _flex(torch, suite: str, plan) -> Runner:
     def visible(b, h, qi, ki):
         allowed = visible_rule(qi, ki, causal=causal, left=left, right=right)
         if mask_fn:
-            allowed = allowed & mask_fn(
-                {"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, hook_tensors
-            )
+            allowed = allowed & mask_fn({"b": b, "h": h, "q_idx": qi, "kv_idx": ki}, hook_tensors)
         return allowed
 
     masked = causal or left is not None or right is not None or mask_fn is not None
@@ -362,22 +308,11 @@ def _flex(torch, suite: str, plan) -> Runner:
         hook_tensors.clear()
         hook_tensors.update({n: x.extra[n] for n in tensor_names})
         if masked and key not in masks:
-            masks[key] = create_block_mask(
-                visible,
-                x.q.shape[0] if mask_fn else None,
-                x.q.shape[1] if mask_heads else None,
-                key[0],
-                key[1],
-                device="cuda",
-            )
-        return compiled(
-            x.q,
-            x.k,
-            x.v,
-            block_mask=masks.get(key),
-            enable_gqa=ratio > 1,
-            score_mod=score_mod,
-        )
+            masks[key] = create_block_mask(visible, x.q.shape[0] if mask_fn else None,
+                                           x.q.shape[1] if mask_heads else None,
+                                           key[0], key[1], device="cuda")
+        return compiled(x.q, x.k, x.v, block_mask=masks.get(key), enable_gqa=ratio > 1,
+                        score_mod=score_mod)
 
     return run
 
@@ -387,8 +322,7 @@ def _flex(torch, suite: str, plan) -> Runner:
 
 def _fa3_module():
     """fa3_fwd_interface, whose code imports its build config under upstream's
-    name, flash_attn_config: the wheel's own fa3_fwd_config is registered there first.
-    """
+    name, flash_attn_config: the wheel's own fa3_fwd_config is registered there first."""
     import fa3_fwd_config
 
     sys.modules["flash_attn_config"] = fa3_fwd_config
@@ -400,9 +334,7 @@ def _fa3_module():
 def _fa3_probe() -> Optional[Reason]:
     try:
         _fa3_module()
-    except (
-        Exception
-    ) as exc:  # noqa: BLE001 - any failure to load means not available here
+    except Exception as exc:  # noqa: BLE001 - any failure to load means not available here
         from specgen.bench.core import error_line
 
         return f"fa3 not available ({error_line(exc)}); pip install fa3-fwd"
@@ -414,9 +346,7 @@ def _fa3_shapes(suite: str, plan) -> Optional[Reason]:
     if d > 256:
         return f"FA3 takes head_dim up to 256, got {d}"
     if dv != d and (d, dv) != (192, 128):
-        return (
-            f"FA3 takes v_head_dim = head_dim, or 128 with head_dim 192; got {d}/{dv}"
-        )
+        return f"FA3 takes v_head_dim = head_dim, or 128 with head_dim 192; got {d}/{dv}"
     return None
 
 
@@ -446,9 +376,7 @@ def _fa3(torch, suite: str, plan) -> Runner:
             q, k, v = x.kernel_qkv or (x.q, x.k, x.v)
             descales = {}
             if q.dtype == torch.float8_e4m3fn:
-                ones = torch.ones(
-                    k.shape[0], k.shape[1], dtype=torch.float32, device=q.device
-                )
+                ones = torch.ones(k.shape[0], k.shape[1], dtype=torch.float32, device=q.device)
                 descales = dict(q_descale=ones, k_descale=ones, v_descale=ones)
             x.cache["fa3"] = ((bshd(q), bshd(k), bshd(v)), descales)
         (q, k, v), descales = x.cache["fa3"]
@@ -477,13 +405,8 @@ def _document_tensor(plan) -> Optional[str]:
     """The document-id tensor of a spec whose only mask is ``doc[b, q_idx] ==
     doc[b, kv_idx]`` (with or without causal), else None."""
     hook = plan.mask_mod
-    if (
-        hook is None
-        or plan.score_mod is not None
-        or plan.window_left is not None
-        or plan.window_right is not None
-        or plan.softcap
-    ):
+    if hook is None or plan.score_mod is not None or plan.window_left is not None \
+            or plan.window_right is not None or plan.softcap:
         return None
     found = _DOCUMENT_MASK.match(hook.source)
     return found.group(1) if found else None
@@ -495,10 +418,8 @@ def _tilegym_shapes(suite: str, plan) -> Optional[Reason]:
         if suite != "prefill":
             return "TileGym has no masked or block-sparse backward"
         if _document_tensor(plan) is None:
-            return (
-                "TileGym's block-sparse prefill (prefill_attention_kv_ragged) runs packed-document "
-                "masks only, one sequence per document"
-            )
+            return ("TileGym's block-sparse prefill (prefill_attention_kv_ragged) runs packed-document "
+                    "masks only, one sequence per document")
     if dv != d:
         return f"TileGym takes v_head_dim = head_dim, got {d}/{dv}"
     if suite != "decode" and d & (d - 1):
@@ -550,37 +471,13 @@ def _tilegym_documents(torch, plan) -> Runner:
             starts[::seq] = True
             offsets = starts.nonzero().flatten()
             lengths = torch.diff(offsets, append=offsets.new_tensor([batch * seq]))
-            packed = [
-                t.transpose(1, 2)
-                .reshape(batch * seq, t.shape[1], t.shape[3])
-                .contiguous()
-                for t in (x.q, x.k, x.v)
-            ]
-            x.cache["tilegym"] = (
-                packed,
-                lengths.to(torch.int32),
-                offsets.to(torch.int32),
-                int(lengths.numel()),
-                int(lengths.max()),
-                (batch, seq, heads),
-            )
-        (q, k, v), lengths, offsets, count, longest, (batch, seq, heads) = x.cache[
-            "tilegym"
-        ]
-        out, _ = prefill_attention_kv_ragged(
-            q,
-            k,
-            v,
-            lengths,
-            lengths,
-            offsets,
-            None,
-            scale,
-            1.0,
-            count,
-            longest,
-            is_causal=causal,
-        )
+            packed = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[3]).contiguous()
+                      for t in (x.q, x.k, x.v)]
+            x.cache["tilegym"] = (packed, lengths.to(torch.int32), offsets.to(torch.int32),
+                                  int(lengths.numel()), int(lengths.max()), (batch, seq, heads))
+        (q, k, v), lengths, offsets, count, longest, (batch, seq, heads) = x.cache["tilegym"]
+        out, _ = prefill_attention_kv_ragged(q, k, v, lengths, lengths, offsets, None, scale, 1.0,
+                                             count, longest, is_causal=causal)
         return out.view(batch, seq, heads, -1).transpose(1, 2)
 
     return run
@@ -589,65 +486,28 @@ def _tilegym_documents(torch, plan) -> Runner:
 # --- the registry ----------------------------------------------------------------
 
 _NONE = frozenset()
-_SDPA = {
-    "prefill": frozenset({"dropout", "varlen"}),
-    "decode": _NONE,
-    "backward": _NONE,
-}
+_SDPA = {"prefill": frozenset({"dropout", "varlen"}), "decode": _NONE, "backward": _NONE}
 
 REGISTRY: dict[str, Baseline] = {
     b.name: b
     for b in (
-        Baseline(
-            "cudnn",
-            "SDPA cuDNN",
-            _SDPA,
-            _sdpa("CUDNN_ATTENTION"),
-            expands_kv=True,
-            default=True,
-        ),
-        Baseline(
-            "flash",
-            "SDPA FA2",
-            _SDPA,
-            _sdpa("FLASH_ATTENTION"),
-            expands_kv=True,
-            default=True,
-        ),
-        Baseline(
-            "flex",
-            "FlexAttention",
-            {
-                "prefill": frozenset(
-                    {"window", "softcap", "score_mod", "mask_mod", "varlen"}
-                ),
-                "decode": frozenset({"window", "mask_mod"}),
-                "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"}),
-            },
-            _flex,
-            default=True,
-            note=FLEX_STATIC,
-        ),
-        Baseline(
-            "fa3",
-            "FA3",
-            {"prefill": frozenset({"softcap"}), "decode": frozenset({"softcap"})},
-            _fa3,
-            dtypes=frozenset({"bfloat16"}),
-            float8=True,
-            absent={"backward": "FA3 (fa3-fwd) is a forward-only build"},
-            probe=_fa3_probe,
-            shape_limits=_fa3_shapes,
-        ),
-        Baseline(
-            "tilegym",
-            "TileGym",
-            {"prefill": frozenset({"mask_mod"}), "decode": _NONE, "backward": _NONE},
-            _tilegym,
-            late=True,
-            probe=_tilegym_probe,
-            shape_limits=_tilegym_shapes,
-        ),
+        Baseline("cudnn", "SDPA cuDNN", _SDPA, _sdpa("CUDNN_ATTENTION"), expands_kv=True,
+                 default=True),
+        Baseline("flash", "SDPA FA2", _SDPA, _sdpa("FLASH_ATTENTION"), expands_kv=True,
+                 default=True),
+        Baseline("flex", "FlexAttention",
+                 {"prefill": frozenset({"window", "softcap", "score_mod", "mask_mod", "varlen"}),
+                  "decode": frozenset({"window", "mask_mod"}),
+                  "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"})},
+                 _flex, default=True, note=FLEX_STATIC),
+        Baseline("fa3", "FA3",
+                 {"prefill": frozenset({"softcap"}), "decode": frozenset({"softcap"})},
+                 _fa3, dtypes=frozenset({"bfloat16"}), float8=True,
+                 absent={"backward": "FA3 (fa3-fwd) is a forward-only build"},
+                 probe=_fa3_probe, shape_limits=_fa3_shapes),
+        Baseline("tilegym", "TileGym",
+                 {"prefill": frozenset({"mask_mod"}), "decode": _NONE, "backward": _NONE},
+                 _tilegym, late=True, probe=_tilegym_probe, shape_limits=_tilegym_shapes),
     )
 }
 NAMES = tuple(REGISTRY)
@@ -656,11 +516,7 @@ DEFAULT = tuple(name for name, b in REGISTRY.items() if b.default)
 
 def label(name: str) -> str:
     """A kernel's name as tables show it ("specgen" is the generated kernel)."""
-    return (
-        "specgen (cuTile)"
-        if name == "specgen"
-        else REGISTRY[name].label if name in REGISTRY else name
-    )
+    return "specgen (cuTile)" if name == "specgen" else REGISTRY[name].label if name in REGISTRY else name
 
 
 def parse_baselines(text: str) -> tuple[str, ...]:

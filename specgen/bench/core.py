@@ -75,9 +75,7 @@ class Timing(_Model):
     pct_of_matmul: Optional[float] = None  # tflops over the run's fp16 matmul rate
     pct_of_copy: Optional[float] = None  # tbps over the run's copy bandwidth
     max_abs_diff_vs_specgen: Optional[float] = None  # sanity: same function?
-    note: Optional[str] = (
-        None  # e.g. "reads the cache dequantised to bfloat16 (... bytes)"
-    )
+    note: Optional[str] = None  # e.g. "reads the cache dequantised to bfloat16 (... bytes)"
     error: Optional[str] = None  # why a kernel has no number
     # block_sparse specs: the block map's build (timed apart, not in ms) and the share
     # of all (query tile, key tile) pairs the forward visits.
@@ -98,17 +96,11 @@ class Row(_Model):
     flops: Optional[int] = None  # prefill, backward: what the kernel computes
     bytes: Optional[int] = None  # decode: the K and V bytes the kernel reads
     splits: Optional[int] = None  # decode: KV splits of the launch
-    pdl: Optional[bool] = (
-        None  # decode: programmatic dependent launch (None: not recorded)
-    )
-    input_copies: Optional[int] = (
-        None  # decode: the steady-state graph cycles through these
-    )
+    pdl: Optional[bool] = None  # decode: programmatic dependent launch (None: not recorded)
+    input_copies: Optional[int] = None  # decode: the steady-state graph cycles through these
     calls_per_graph: Optional[int] = None
     timings: dict[str, Timing]  # "specgen" and each baseline
-    speedup: dict[
-        str, Optional[float]
-    ]  # per baseline: its ms / specgen's ms (None: no number)
+    speedup: dict[str, Optional[float]]  # per baseline: its ms / specgen's ms (None: no number)
 
 
 class BenchResult(_Model):
@@ -123,12 +115,8 @@ class BenchResult(_Model):
     baselines: list[str]
     # How the inputs were laid out when not a dense [B, H, S, D] batch with Sq = Skv.
     layout: str = "Sq=Skv"
-    matmul_tflops: Optional[float] = (
-        None  # prefill, backward: fp16 8192^3 matmul, same run
-    )
-    copy_tbps: Optional[float] = (
-        None  # decode: 1 GiB copy kernel, (read + write) / time
-    )
+    matmul_tflops: Optional[float] = None  # prefill, backward: fp16 8192^3 matmul, same run
+    copy_tbps: Optional[float] = None  # decode: 1 GiB copy kernel, (read + write) / time
     rows: list[Row]
 
 
@@ -145,28 +133,14 @@ def _upgrade_decode_row(row: dict, version: int) -> dict:
         timings[name] = {
             "ms": us / 1000 if us is not None else None,
             "ms_one_call": one / 1000 if one is not None else None,
-            "tbps": t.get("kv_tbps"),
-            "pct_of_copy": t.get("pct_of_copy"),
+            "tbps": t.get("kv_tbps"), "pct_of_copy": t.get("pct_of_copy"),
             "max_abs_diff_vs_specgen": t.get("max_abs_diff_vs_specgen"),
-            "note": t.get("note"),
-            "error": t.get("error"),
+            "note": t.get("note"), "error": t.get("error"),
         }
-    out = {
-        "batch": row["batch"],
-        "heads_q": row["heads_q"],
-        "heads_kv": row["heads_kv"],
-        "seq_q": row.get("q_len", 1),
-        "seq_k": row["seq_len"],
-        "bytes": row.get("kv_bytes"),
-        "timings": timings,
-    }
-    out.update(
-        {
-            k: row[k]
-            for k in ("splits", "pdl", "input_copies", "calls_per_graph")
-            if k in row
-        }
-    )
+    out = {"batch": row["batch"], "heads_q": row["heads_q"], "heads_kv": row["heads_kv"],
+           "seq_q": row.get("q_len", 1), "seq_k": row["seq_len"], "bytes": row.get("kv_bytes"),
+           "timings": timings}
+    out.update({k: row[k] for k in ("splits", "pdl", "input_copies", "calls_per_graph") if k in row})
     out["speedup"] = speedups({n: Timing(**t) for n, t in timings.items()})
     return out
 
@@ -178,9 +152,7 @@ def upgrade(data: dict) -> dict:
     if version is None:
         version = data.pop("schema_version", 1)
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ValueError(
-            f"schema: expected a version up to {SCHEMA_VERSION}, got {version!r}"
-        )
+        raise ValueError(f"schema: expected a version up to {SCHEMA_VERSION}, got {version!r}")
     if version < 3 and data.get("suite") == "decode":
         data["rows"] = [_upgrade_decode_row(r, version) for r in data["rows"]]
     data["schema"] = SCHEMA_VERSION
@@ -195,11 +167,8 @@ def load_result(path: Path) -> BenchResult:
 def speedups(timings: dict[str, Timing]) -> dict[str, Optional[float]]:
     """Each baseline's time over specgen's (above 1: specgen is faster)."""
     ours = timings["specgen"].ms
-    return {
-        name: t.ms / ours if ours and t.ms else None
-        for name, t in timings.items()
-        if name != "specgen"
-    }
+    return {name: t.ms / ours if ours and t.ms else None
+            for name, t in timings.items() if name != "specgen"}
 
 
 def timed(ms: float, flops: int, matmul_tflops: float, **extra) -> Timing:
@@ -216,9 +185,7 @@ def failed_timing(exc: BaseException) -> Timing:
 # --- timing (GPU) --------------------------------------------------------------
 
 
-def median_ms(
-    do_bench, fn: Callable[[], Any], warmup: int = 25, rep: int = 200
-) -> float:
+def median_ms(do_bench, fn: Callable[[], Any], warmup: int = 25, rep: int = 200) -> float:
     """The median ms of triton's do_bench (warmup and rep in ms)."""
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
@@ -270,9 +237,7 @@ def matmul_rate(torch, do_bench, log) -> float:
     the compute-bound suites' percentages are read against."""
     a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
     b = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=torch.float16)
-    rate = tflops(
-        2 * MATMUL_N**3, median_ms(do_bench, lambda: torch.matmul(a, b), 100, 500)
-    )
+    rate = tflops(2 * MATMUL_N**3, median_ms(do_bench, lambda: torch.matmul(a, b), 100, 500))
     log(f"fp16 {MATMUL_N}^3 matmul: {rate:.0f} TFLOPS")
     return rate
 
@@ -294,9 +259,7 @@ def describe_device(log) -> dict:
     from specgen.check.gpu import device_info
 
     device = device_info()
-    log(
-        f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}"
-    )
+    log(f"device: {device['name']} ({device['sm']}), driver {device['driver']}, torch {device['torch']}")
     return device
 
 
@@ -321,10 +284,8 @@ class Report:
 
 def provenance(result: BenchResult) -> str:
     dev = result.device
-    return (
-        f"{result.created}, driver {dev.get('driver', '?')}, torch {dev.get('torch', '?')}, "
-        f"cuda-tile {dev.get('cuda_tile', '?')}."
-    )
+    return (f"{result.created}, driver {dev.get('driver', '?')}, torch {dev.get('torch', '?')}, "
+            f"cuda-tile {dev.get('cuda_tile', '?')}.")
 
 
 def report_for(suite: str) -> Report:
@@ -343,12 +304,9 @@ def format_markdown(result: BenchResult, report: Optional[Report] = None) -> str
         "",
         report.intro(result),
         "",
-        "| "
-        + " | ".join(key for key, _ in report.keys)
-        + " | "
+        "| " + " | ".join(key for key, _ in report.keys) + " | "
         + " | ".join(f"{label(n)} {report.unit}" for n in names)
-        + " | "
-        + " | ".join(f"vs {label(n)}" for n in result.baselines)
+        + " | " + " | ".join(f"vs {label(n)}" for n in result.baselines)
         + f" | specgen % of {report.share} |",
         "|" + "---:|" * (len(report.keys) + len(names) + len(result.baselines) + 1),
     ]
@@ -361,10 +319,7 @@ def format_markdown(result: BenchResult, report: Optional[Report] = None) -> str
                 reason = (t.error if t and t.error else "missing").replace("|", "/")
                 figure = f"n/a ({reason[:60]})"
             cells.append(figure)
-        ratios = [
-            f"{row.speedup[n]:.2f}×" if row.speedup.get(n) else "n/a"
-            for n in result.baselines
-        ]
+        ratios = [f"{row.speedup[n]:.2f}×" if row.speedup.get(n) else "n/a" for n in result.baselines]
         share = report.share_of(row.timings["specgen"])
         pct = f"{share:.0f}%" if share is not None else "n/a"
         keys = [value(row) for _, value in report.keys]
@@ -378,9 +333,7 @@ def _block_map_table(result: BenchResult, report: Report) -> list[str]:
     """For a block-sparse spec: each row's block map build (timed apart: built once
     and reused, it is not in the times above), its share of one specgen call, and
     the share of the tiles the kernel visits."""
-    mapped = [
-        row for row in result.rows if row.timings["specgen"].block_map_ms is not None
-    ]
+    mapped = [row for row in result.rows if row.timings["specgen"].block_map_ms is not None]
     if not mapped:
         return []
     lines = [
@@ -388,23 +341,15 @@ def _block_map_table(result: BenchResult, report: Report) -> list[str]:
         "Block map: built once per batch (decode: per step) and reused by every call, so "
         "timed apart; its share of one specgen call, and the share of all tiles the kernel visits:",
         "",
-        "| "
-        + " | ".join(key for key, _ in report.keys)
-        + " | map build µs | of one call | tiles visited |",
+        "| " + " | ".join(key for key, _ in report.keys) + " | map build µs | of one call | tiles visited |",
         "|" + "---:|" * (len(report.keys) + 3),
     ]
     for row in mapped:
         t = row.timings["specgen"]
         share = f"{100 * t.block_map_ms / t.ms:.1f}%" if t.ms else "n/a"
-        visited = (
-            f"{100 * t.tiles_visited:.1f}%" if t.tiles_visited is not None else "n/a"
-        )
+        visited = f"{100 * t.tiles_visited:.1f}%" if t.tiles_visited is not None else "n/a"
         keys = [value(row) for _, value in report.keys]
-        lines.append(
-            "| "
-            + " | ".join(keys + [f"{1000 * t.block_map_ms:.1f}", share, visited])
-            + " |"
-        )
+        lines.append("| " + " | ".join(keys + [f"{1000 * t.block_map_ms:.1f}", share, visited]) + " |")
     return lines
 
 
@@ -421,11 +366,8 @@ def plot(result: BenchResult, report: Report, path: Path) -> Optional[str]:
     x_label, x_of = report.plot_x
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for name in ["specgen"] + result.baselines:
-        points = [
-            (x_of(row), row.timings[name].tflops)
-            for row in result.rows
-            if name in row.timings and row.timings[name].tflops is not None
-        ]
+        points = [(x_of(row), row.timings[name].tflops) for row in result.rows
+                  if name in row.timings and row.timings[name].tflops is not None]
         if points:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", label=label(name))
@@ -451,9 +393,7 @@ def _shrink_png(path: Path) -> None:
     except ImportError:
         return
     with Image.open(path) as image:
-        small = image.convert("RGB").quantize(
-            colors=32, method=Image.Quantize.MEDIANCUT
-        )
+        small = image.convert("RGB").quantize(colors=32, method=Image.Quantize.MEDIANCUT)
     small.save(path, optimize=True)
 
 
@@ -475,21 +415,13 @@ def write_report(stem: Path, json_text: str, markdown: str) -> dict[str, Path]:
     return paths
 
 
-def write_result(
-    result: BenchResult,
-    results_dir: Path,
-    log: Callable[[str], None] = _stderr,
-    report: Optional[Report] = None,
-) -> Path:
+def write_result(result: BenchResult, results_dir: Path, log: Callable[[str], None] = _stderr,
+                 report: Optional[Report] = None) -> Path:
     """<results_dir>/<gpu>/<spec>-<suite>.json, .md and (where the report plots) .png."""
     from specgen.check.gpu import device_slug
 
     report = report or report_for(result.suite)
-    stem = (
-        results_dir
-        / device_slug(result.device.get("name", "gpu"))
-        / f"{result.spec}-{result.suite}"
-    )
+    stem = results_dir / device_slug(result.device.get("name", "gpu")) / f"{result.spec}-{result.suite}"
     paths = write_report(stem, result_json(result), format_markdown(result, report))
     if report.plot_x:
         problem = plot(result, report, paths["png"])
@@ -501,9 +433,7 @@ def write_result(
 # --- the driver ----------------------------------------------------------------------
 
 
-_PATCHED: list[str] = (
-    []
-)  # baselines imported in this process that patched cuda.tile.launch
+_PATCHED: list[str] = []  # baselines imported in this process that patched cuda.tile.launch
 
 
 def note_launch_patched(name: str) -> None:
@@ -515,9 +445,7 @@ def note_launch_patched(name: str) -> None:
 def require_unpatched_launch() -> None:
     """Refuse to launch specgen kernels in a process where a baseline patched
     cuda.tile.launch: their launchers break there."""
-    patched = _PATCHED + [
-        n for n in ("tilegym",) if n in sys.modules and n not in _PATCHED
-    ]
+    patched = _PATCHED + [n for n in ("tilegym",) if n in sys.modules and n not in _PATCHED]
     if patched:
         raise UsageError(
             f"bench: {', '.join(patched)} was imported in this process and patched cuda.tile.launch, "
@@ -532,9 +460,7 @@ class Context:
     torch: Any
     do_bench: Callable
     log: Callable[[str], None]
-    yardstick: (
-        dict  # the BenchResult fields of the run's yardstick: {"matmul_tflops": ...}
-    )
+    yardstick: dict  # the BenchResult fields of the run's yardstick: {"matmul_tflops": ...}
 
 
 @dataclass
@@ -545,9 +471,7 @@ class Case:
     row: dict  # the Row's fields but timings and speedup
     inputs: Any = None  # what the baselines read (suite-defined)
     kernel: Any = None  # what the suite's time_kernel calls
-    ours: Any = (
-        None  # specgen's output, set by time_kernel: the baselines' diff reference
-    )
+    ours: Any = None  # specgen's output, set by time_kernel: the baselines' diff reference
 
 
 class Suite:
@@ -604,16 +528,8 @@ def _moved(x, how):
     return how(x) if hasattr(x, "device") else x
 
 
-def run(
-    suite: Suite,
-    paths: list[str],
-    *,
-    results: Path,
-    gen: Path,
-    baselines: Sequence[str],
-    shapes: Optional[Sequence] = None,
-    log: Callable[[str], None] = _stderr,
-) -> list[Path]:
+def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: Sequence[str],
+        shapes: Optional[Sequence] = None, log: Callable[[str], None] = _stderr) -> list[Path]:
     """Time every spec's kernel in ``paths`` on the suite's shapes (``shapes``
     overrides them) next to ``baselines``; write each result under
     ``results/<gpu>/`` and print its table. Returns the results' stems.
@@ -647,14 +563,8 @@ def run(
             log(f"{plan.module_name}: skipped, {why}")
             continue
         module = import_module_file(job.out_path)
-        fns = {
-            n: (
-                (REGISTRY[n].reason(suite.name, plan) or _LATE)
-                if REGISTRY[n].late
-                else REGISTRY[n].make(torch, suite.name, plan)
-            )
-            for n in names
-        }
+        fns = {n: (REGISTRY[n].reason(suite.name, plan) or _LATE) if REGISTRY[n].late
+               else REGISTRY[n].make(torch, suite.name, plan) for n in names}
         rows = []
         for shape in suite.shapes(plan, shapes):
             case = suite.case(ctx, module, plan, shape)
@@ -664,48 +574,24 @@ def run(
                 fn = fns[name]
                 if fn is _LATE:
                     timings[name] = Timing(error=PENDING)
-                    late.append(
-                        _Late(
-                            len(done),
-                            len(rows),
-                            name,
-                            module,
-                            plan,
-                            shape,
-                            _moved(case.ours, lambda t: t.cpu()),
-                        )
-                    )
+                    late.append(_Late(len(done), len(rows), name, module, plan, shape,
+                                      _moved(case.ours, lambda t: t.cpu())))
                 elif not callable(fn):
                     timings[name] = Timing(error=str(fn))
                 else:
                     try:
-                        timings[name] = suite.time_baseline(
-                            ctx, case, REGISTRY[name], fn
-                        )
-                    except (
-                        Exception
-                    ) as exc:  # noqa: BLE001 - a failed baseline is reported
+                        timings[name] = suite.time_baseline(ctx, case, REGISTRY[name], fn)
+                    except Exception as exc:  # noqa: BLE001 - a failed baseline is reported
                         timings[name] = failed_timing(exc)
             rows.append(Row(**case.row, timings=timings, speedup=speedups(timings)))
-            log(
-                f"[{plan.module_name}] {case.label}: "
-                + "  ".join(
-                    f"{n} {suite.report.cell(t) or 'n/a'}" for n, t in timings.items()
-                )
-            )
+            log(f"[{plan.module_name}] {case.label}: " + "  ".join(
+                f"{n} {suite.report.cell(t) or 'n/a'}" for n, t in timings.items()))
             del case
             torch.cuda.empty_cache()
         result = BenchResult(
-            spec=plan.module_name,
-            kernel=plan.kernel_name,
-            suite=suite.name,
-            created=datetime.date.today().isoformat(),
-            device=device,
-            baselines=names,
-            layout=suite.layout(plan),
-            rows=rows,
-            **ctx.yardstick,
-        )
+            spec=plan.module_name, kernel=plan.kernel_name, suite=suite.name,
+            created=datetime.date.today().isoformat(), device=device, baselines=names,
+            layout=suite.layout(plan), rows=rows, **ctx.yardstick)
         written.append(write_result(result, results, log, suite.report))
         print(format_markdown(result, suite.report))
         done.append(result)
@@ -717,14 +603,10 @@ def run(
     return written
 
 
-def _late_pass(
-    suite: Suite, ctx: Context, late: list[_Late], done: list[BenchResult], log
-) -> None:
+def _late_pass(suite: Suite, ctx: Context, late: list[_Late], done: list[BenchResult], log) -> None:
     """Time the late baselines, now that no specgen kernel is left to launch."""
-    log(
-        f"late pass: {', '.join(sorted({i.name for i in late}))} after every specgen kernel "
-        "(importing tilegym patches cuda.tile.launch)"
-    )
+    log(f"late pass: {', '.join(sorted({i.name for i in late}))} after every specgen kernel "
+        "(importing tilegym patches cuda.tile.launch)")
     built: dict[tuple, Any] = {}
     for item in late:
         key = (item.name, item.result)
@@ -738,15 +620,11 @@ def _late_pass(
             try:
                 case = suite.case(ctx, item.module, item.plan, item.shape)
                 case.ours = _moved(item.ours, lambda t: t.cuda())
-                row.timings[item.name] = suite.time_baseline(
-                    ctx, case, REGISTRY[item.name], fn
-                )
+                row.timings[item.name] = suite.time_baseline(ctx, case, REGISTRY[item.name], fn)
                 del case
             except Exception as exc:  # noqa: BLE001 - a failed baseline is reported
                 row.timings[item.name] = failed_timing(exc)
             ctx.torch.cuda.empty_cache()
         row.speedup = speedups(row.timings)
-        log(
-            f"[{item.plan.module_name}] late {item.name}: "
-            f"{suite.report.cell(row.timings[item.name]) or row.timings[item.name].error}"
-        )
+        log(f"[{item.plan.module_name}] late {item.name}: "
+            f"{suite.report.cell(row.timings[item.name]) or row.timings[item.name].error}")

@@ -48,9 +48,7 @@ class Comparison:
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     """Compare ``out`` with the float64 ``ref``; any non-finite output fails."""
     if out.shape != ref.shape:
-        raise ValueError(
-            f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}"
-        )
+        raise ValueError(f"shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}")
     out64 = out.to(torch.float64)
     nonfinite = int((~torch.isfinite(out64)).sum())
     if out.numel() == 0:
@@ -61,17 +59,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Comparison:
     return Comparison(err, rel, nonfinite, nonfinite == 0 and rel <= TOLERANCES[dtype])
 
 
-def random_qkv(
-    spec: dict,
-    batch: int,
-    kv_heads: int,
-    seq_q: int,
-    seq_k: int,
-    *,
-    generator=None,
-    layout: str = "contiguous",
-    device="cuda",
-):
+def random_qkv(spec: dict, batch: int, kv_heads: int, seq_q: int, seq_k: int, *,
+               generator=None, layout: str = "contiguous", device="cuda"):
     """Random q [B, Hq, Sq, D], k [B, Hkv, Skv, D] and v [B, Hkv, Skv, Dv] for
     ``spec`` (its SPEC dict), N(0, 1) in the spec's dtype. ``layout`` "transposed"
     makes each a [B, S, H, D] tensor seen as [B, H, S, D] (non-contiguous);
@@ -82,21 +71,11 @@ def random_qkv(
 
     def rand(heads: int, seq: int, dim: int) -> torch.Tensor:
         if layout == "sliced":  # a view of the first seq rows of a longer buffer
-            t = torch.randn(
-                (batch, heads, seq + 37, dim),
-                generator=generator,
-                device=device,
-                dtype=torch.float32,
-            ).to(dtype)
+            t = torch.randn((batch, heads, seq + 37, dim), generator=generator, device=device,
+                            dtype=torch.float32).to(dtype)
             return t[:, :, :seq]
-        shape = (
-            (batch, seq, heads, dim)
-            if layout == "transposed"
-            else (batch, heads, seq, dim)
-        )
-        t = torch.randn(
-            shape, generator=generator, device=device, dtype=torch.float32
-        ).to(dtype)
+        shape = (batch, seq, heads, dim) if layout == "transposed" else (batch, heads, seq, dim)
+        t = torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
         return t.transpose(1, 2) if layout == "transposed" else t
 
     heads = kv_heads * spec["gqa_ratio"]
@@ -117,21 +96,13 @@ class Packed:
     lengths: tuple[tuple[int, int], ...]  # (seq_q, seq_k) per sequence
 
     def kwargs(self) -> dict:
-        return {
-            "cu_seqlens_q": self.cu_seqlens_q,
-            "cu_seqlens_k": self.cu_seqlens_k,
-            "max_seqlen_q": max(q for q, _ in self.lengths),
-            "max_seqlen_k": max(k for _, k in self.lengths),
-        }
+        return {"cu_seqlens_q": self.cu_seqlens_q, "cu_seqlens_k": self.cu_seqlens_k,
+                "max_seqlen_q": max(q for q, _ in self.lengths),
+                "max_seqlen_k": max(k for _, k in self.lengths)}
 
 
-def random_packed(
-    spec: dict,
-    lengths: list[tuple[int, int]],
-    kv_heads: int,
-    generator=None,
-    device="cuda",
-) -> Packed:
+def random_packed(spec: dict, lengths: list[tuple[int, int]], kv_heads: int, generator=None,
+                  device="cuda") -> Packed:
     """A packed varlen batch of (seq_q, seq_k) per sequence, N(0, 1) in the spec's dtype."""
     dtype = getattr(torch, spec["dtype"])
     d, dv = spec["head_dim"], spec.get("v_head_dim") or spec["head_dim"]
@@ -141,48 +112,26 @@ def random_packed(
         return torch.randn(shape, generator=generator, device=device).to(dtype)
 
     def cumulative(values):
-        return torch.tensor(
-            [0] + list(itertools.accumulate(values)), dtype=torch.int32, device=device
-        )
+        return torch.tensor([0] + list(itertools.accumulate(values)), dtype=torch.int32, device=device)
 
     heads = kv_heads * spec["gqa_ratio"]
-    return Packed(
-        rand(total_q, heads, d),
-        rand(total_k, kv_heads, d),
-        rand(total_k, kv_heads, dv),
-        cumulative(q for q, _ in lengths),
-        cumulative(k for _, k in lengths),
-        tuple(tuple(pair) for pair in lengths),
-    )
+    return Packed(rand(total_q, heads, d), rand(total_k, kv_heads, d), rand(total_k, kv_heads, dv),
+                  cumulative(q for q, _ in lengths), cumulative(k for _, k in lengths),
+                  tuple(tuple(pair) for pair in lengths))
 
 
-def packed_reference(
-    spec: dict,
-    batch: Packed,
-    extra: dict,
-    scale=None,
-    p_dtype=None,
-    compute_dtype=torch.float64,
-):
+def packed_reference(spec: dict, batch: Packed, extra: dict, scale=None, p_dtype=None,
+                     compute_dtype=torch.float64):
     """The fp64 reference of a varlen batch, one sequence at a time (its queries
     are its last seq_q positions): out [total_q, Hq, Dv] and lse [Hq, total_q]."""
     outs, lses = [], []
     cq, ck = batch.cu_seqlens_q.tolist(), batch.cu_seqlens_k.tolist()
     for i, (len_q, len_k) in enumerate(batch.lengths):
-        q = batch.q[cq[i] : cq[i + 1]].transpose(0, 1)[None]
-        k = batch.k[ck[i] : ck[i + 1]].transpose(0, 1)[None]
-        v = batch.v[ck[i] : ck[i + 1]].transpose(0, 1)[None]
-        out, lse = reference_for(
-            spec,
-            q,
-            k,
-            v,
-            extra,
-            q_offset=len_k - len_q,
-            scale=scale,
-            p_dtype=p_dtype,
-            compute_dtype=compute_dtype,
-        )
+        q = batch.q[cq[i]:cq[i + 1]].transpose(0, 1)[None]
+        k = batch.k[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+        v = batch.v[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+        out, lse = reference_for(spec, q, k, v, extra, q_offset=len_k - len_q, scale=scale,
+                                 p_dtype=p_dtype, compute_dtype=compute_dtype)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs, 0), torch.cat(lses, 1)
@@ -190,23 +139,14 @@ def packed_reference(
 
 def shape_dims(q: torch.Tensor, k: torch.Tensor) -> dict:
     """The named sizes of a call, for hook tensor shapes: batch, heads, ..."""
-    return {
-        "batch": q.shape[0],
-        "heads": q.shape[1],
-        "kv_heads": k.shape[1],
-        "seq_q": q.shape[2],
-        "seq_k": k.shape[2],
-    }
+    return {"batch": q.shape[0], "heads": q.shape[1], "kv_heads": k.shape[1],
+            "seq_q": q.shape[2], "seq_k": k.shape[2]}
 
 
 def poisoned_out(spec: dict, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """An output buffer [B, Hq, Sq, Dv] full of NaN: an element never written fails."""
-    return torch.full(
-        (*q.shape[:3], v.shape[3]),
-        float("nan"),
-        dtype=getattr(torch, output_dtype(spec)),
-        device=q.device,
-    )
+    return torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=getattr(torch, output_dtype(spec)),
+                      device=q.device)
 
 
 DROPOUT_P = 0.15  # what tests and benchmarks of a dropout spec use
@@ -218,9 +158,7 @@ def feature_inputs(spec: dict, dims: dict, generator=None, device="cuda") -> dic
     matter. ``dims``: batch, heads, kv_heads, seq_q, seq_k (see shape_dims)."""
     extra = {}
     if spec.get("sinks"):
-        extra["sinks"] = (
-            torch.randn(dims["heads"], device=device, generator=generator) * 2.0
-        )
+        extra["sinks"] = torch.randn(dims["heads"], device=device, generator=generator) * 2.0
     extra.update(hook_tensors(spec, dims, generator, device))
     if spec["dtype"] == "float8_e4m3fn":
         extra.update(FP8_DESCALES)
@@ -228,9 +166,7 @@ def feature_inputs(spec: dict, dims: dict, generator=None, device="cuda") -> dic
         extra.update({n: FP8_DESCALES[n] for n in ("k_descale", "v_descale")})
     if spec.get("dropout"):
         extra["dropout_p"] = DROPOUT_P
-        extra["seed"] = int(
-            torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator)
-        )
+        extra["seed"] = int(torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator))
     return extra
 
 
@@ -253,9 +189,8 @@ def hook_tensors(spec: dict, dims: dict, generator=None, device="cuda") -> dict:
             made[name] = flags.to(torch.int32)
         elif last not in ("seq_q", "seq_k"):
             high = dims.get("seq_k", 1) + 1
-            made[name] = torch.randint(
-                0, high, shape, device=device, generator=generator, dtype=torch.int32
-            )
+            made[name] = torch.randint(0, high, shape, device=device, generator=generator,
+                                       dtype=torch.int32)
         else:
             starts = torch.rand(shape, device=device, generator=generator) < 1 / 256
             made[name] = torch.cumsum(starts.to(torch.int32), dim=-1, dtype=torch.int32)
@@ -270,19 +205,8 @@ def call_kernel(module, q, k, v, extra: dict, **kwargs):
     return result, None
 
 
-def reference_for(
-    spec: dict,
-    q,
-    k,
-    v,
-    extra: dict,
-    *,
-    q_offset: int = 0,
-    scale=None,
-    p_dtype=None,
-    compute_dtype=torch.float64,
-    batch_offset: int = 0,
-):
+def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None,
+                  p_dtype=None, compute_dtype=torch.float64, batch_offset: int = 0):
     """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse).
     ``p_dtype``: the P-rounding model of attention_reference (see p_rounding)."""
     from specgen.check.reference import attention_reference
@@ -290,29 +214,15 @@ def reference_for(
     window = spec.get("window")
     tensors = {name: extra[name] for name in spec.get("tensors") or {}}
     if spec["dtype"] == "float8_e4m3fn":  # the values the float8 tensors stand for
-        q, k, v = (
-            t.to(torch.float32).to(torch.float64) * extra.get(name, 1.0)
-            for t, name in ((q, "q_descale"), (k, "k_descale"), (v, "v_descale"))
-        )
+        q, k, v = (t.to(torch.float32).to(torch.float64) * extra.get(name, 1.0)
+                   for t, name in ((q, "q_descale"), (k, "k_descale"), (v, "v_descale")))
     return attention_reference(
-        q,
-        k,
-        v,
-        causal=spec["causal"],
-        scale=scale,
-        q_offset=q_offset,
+        q, k, v, causal=spec["causal"], scale=scale, q_offset=q_offset,
         window=(window["left"], window["right"]) if window else None,
-        softcap=spec.get("softcap"),
-        sinks=extra.get("sinks"),
-        return_lse=True,
-        score_mod=spec.get("score_mod"),
-        mask_mod=spec.get("mask_mod"),
-        tensors=tensors,
-        dropout_p=extra.get("dropout_p", 0.0),
-        seed=extra.get("seed", 0),
-        p_dtype=p_dtype,
-        compute_dtype=compute_dtype,
-        batch_offset=batch_offset,
+        softcap=spec.get("softcap"), sinks=extra.get("sinks"), return_lse=True,
+        score_mod=spec.get("score_mod"), mask_mod=spec.get("mask_mod"), tensors=tensors,
+        dropout_p=extra.get("dropout_p", 0.0), seed=extra.get("seed", 0), p_dtype=p_dtype,
+        compute_dtype=compute_dtype, batch_offset=batch_offset,
     )
 
 
@@ -365,9 +275,8 @@ class DecodeBatch:
     v_transposed: bool = False
 
     def args(self) -> tuple:
-        return (self.q, self.k_cache, self.v_cache, self.seq_lens) + (
-            (self.page_table,) if self.page_table is not None else ()
-        )
+        return ((self.q, self.k_cache, self.v_cache, self.seq_lens)
+                + ((self.page_table,) if self.page_table is not None else ()))
 
     @property
     def capacity(self) -> int:
@@ -379,39 +288,25 @@ class DecodeBatch:
     def dims(self) -> dict:
         """The sizes hook tensors are declared in (seq_k: the cache's positions)."""
         heads, kv_heads = self.q.shape[2], self.k_cache.shape[2]
-        return {
-            "batch": self.q.shape[0],
-            "heads": heads,
-            "kv_heads": kv_heads,
-            "seq_k": self.capacity,
-        }
+        return {"batch": self.q.shape[0], "heads": heads, "kv_heads": kv_heads,
+                "seq_k": self.capacity}
 
     def keys(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's cached K and V, [Hkv, seq_len, D] each."""
         n = int(self.seq_lens[b])
         # V in the usual layout ([B, L, Hkv, D] or [num_pages, page_size, Hkv, D]).
-        v_cache = (
-            self.v_cache.permute(0, 3, 1, 2) if self.v_transposed else self.v_cache
-        )
+        v_cache = self.v_cache.permute(0, 3, 1, 2) if self.v_transposed else self.v_cache
         if self.page_table is None:
             return self.k_cache[b, :n].transpose(0, 1), v_cache[b, :n].transpose(0, 1)
         size = self.k_cache.shape[1]
         pos = torch.arange(n, device=self.q.device)
         pages = self.page_table[b, pos // size].long()
-        return (
-            self.k_cache[pages, pos % size].transpose(0, 1),
-            v_cache[pages, pos % size].transpose(0, 1),
-        )
+        return (self.k_cache[pages, pos % size].transpose(0, 1),
+                v_cache[pages, pos % size].transpose(0, 1))
 
 
-def random_decode(
-    spec: dict,
-    seq_lens: list[int],
-    kv_heads: int,
-    q_len: int,
-    generator=None,
-    device="cuda",
-) -> DecodeBatch:
+def random_decode(spec: dict, seq_lens: list[int], kv_heads: int, q_len: int,
+                  generator=None, device="cuda") -> DecodeBatch:
     """Random q and caches for ``seq_lens``; every cache slot past a sequence's
     length holds NaN, so a kernel that reads one into its result fails the check.
     A paged cache gets its pages in a shuffled order (and one spare page). A
@@ -424,9 +319,7 @@ def random_decode(
     heads = kv_heads * spec["gqa_ratio"]
 
     fp8 = kv_dtype == torch.float8_e4m3fn
-    k_descale, v_descale = (
-        (FP8_DESCALES["k_descale"], FP8_DESCALES["v_descale"]) if fp8 else (1.0, 1.0)
-    )
+    k_descale, v_descale = (FP8_DESCALES["k_descale"], FP8_DESCALES["v_descale"]) if fp8 else (1.0, 1.0)
 
     def rand(*shape, descale=1.0, to=dtype):
         return (torch.randn(shape, generator=generator, device=device) / descale).to(to)
@@ -448,29 +341,21 @@ def random_decode(
             k[b, n:] = float("nan")
             v[b, n:] = float("nan")
         if transposed:
-            padded = torch.full(
-                (batch, kv_heads, d, -(-max_len // 16) * 16),
-                float("nan"),
-                dtype=kv_dtype,
-                device=device,
-            )
+            padded = torch.full((batch, kv_heads, d, -(-max_len // 16) * 16), float("nan"),
+                                dtype=kv_dtype, device=device)
             padded[..., :max_len] = v.permute(0, 2, 3, 1)
             v = padded
         return DecodeBatch(q, k, v, lens, None, transposed)
     size = paged["page_size"]
     per_seq = [-(-n // size) for n in seq_lens]
     num_pages = sum(per_seq) + 1
-    order = torch.randperm(num_pages, generator=generator, device=device).to(
-        torch.int32
-    )
+    order = torch.randperm(num_pages, generator=generator, device=device).to(torch.int32)
     table = torch.zeros(batch, max(per_seq), dtype=torch.int32, device=device)
-    k = torch.full(
-        (num_pages, size, kv_heads, d), float("nan"), dtype=kv_dtype, device=device
-    )
+    k = torch.full((num_pages, size, kv_heads, d), float("nan"), dtype=kv_dtype, device=device)
     v = torch.full_like(k, float("nan"))
     used = 0
     for b, (n, count) in enumerate(zip(seq_lens, per_seq)):
-        table[b, :count] = order[used : used + count]
+        table[b, :count] = order[used:used + count]
         used += count
         pos = torch.arange(n, device=device)
         pages = table[b, pos // size].long()
@@ -481,9 +366,7 @@ def random_decode(
     return DecodeBatch(q, k, v, lens, table, transposed)
 
 
-def decode_reference(
-    spec: dict, batch: DecodeBatch, extra: dict, scale=None
-) -> torch.Tensor:
+def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) -> torch.Tensor:
     """The fp64 reference of a decode call: each sequence's q_len new tokens are its
     last positions, against its cached keys (window, sinks, mask_mod)."""
     outs = []
@@ -495,15 +378,7 @@ def decode_reference(
             v = v.to(torch.float64) * float(extra.get("v_descale", 1.0))
         q = batch.q[b].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         n = int(batch.seq_lens[b])
-        out, _ = reference_for(
-            {**spec, "causal": True},
-            q,
-            k[None],
-            v[None],
-            extra,
-            q_offset=n - q_len,
-            scale=scale,
-            batch_offset=b,
-        )
+        out, _ = reference_for({**spec, "causal": True}, q, k[None], v[None], extra,
+                               q_offset=n - q_len, scale=scale, batch_offset=b)
         outs.append(out[0].transpose(0, 1))
     return torch.stack(outs)

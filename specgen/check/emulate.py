@@ -36,20 +36,10 @@ import cuda.tile as _ct
 
 # cuTile's dtype names and the torch types that stand for them.
 _DTYPES = {
-    "bool_": torch.bool,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
+    "bool_": torch.bool, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
+    "int64": torch.int64, "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32,
+    "uint64": torch.uint64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float32": torch.float32, "float64": torch.float64, "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
 
@@ -76,14 +66,8 @@ def _tensor(x, like: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x
     if like is not None:
-        return torch.tensor(
-            x,
-            dtype=(
-                like.dtype
-                if not isinstance(x, float) or like.is_floating_point()
-                else torch.float32
-            ),
-        )
+        return torch.tensor(x, dtype=like.dtype if not isinstance(x, float) or like.is_floating_point()
+                            else torch.float32)
     # cuTile's default scalar types: int32 and float32.
     if isinstance(x, bool):
         return torch.tensor(x)
@@ -135,17 +119,10 @@ def _padding_value(mode, dtype: torch.dtype):
     if not dtype.is_floating_point:
         # Undetermined integer padding: a value no index or id takes.
         return 0 if name in ("ZERO", "NEG_ZERO") else -(2**30) + 7
-    return {
-        "ZERO": 0.0,
-        "NEG_ZERO": -0.0,
-        "POS_INF": math.inf,
-        "NEG_INF": -math.inf,
-    }.get(name, math.nan)
+    return {"ZERO": 0.0, "NEG_ZERO": -0.0, "POS_INF": math.inf, "NEG_INF": -math.inf}.get(name, math.nan)
 
 
-def _tile_space(
-    array: torch.Tensor, index, shape, order
-) -> tuple[torch.Tensor, list, list]:
+def _tile_space(array: torch.Tensor, index, shape, order) -> tuple[torch.Tensor, list, list]:
     if order in (None, "C"):
         view = array
     elif order == "F":
@@ -153,9 +130,7 @@ def _tile_space(
     else:
         view = array.permute(*order)
     if len(index) != view.dim() or len(shape) != view.dim():
-        raise EmulationError(
-            f"a tile index {tuple(index)} / shape {tuple(shape)} for a {view.dim()}-D array"
-        )
+        raise EmulationError(f"a tile index {tuple(index)} / shape {tuple(shape)} for a {view.dim()}-D array")
     src, dst = [], []
     for i, s, n in zip(index, shape, view.shape):
         start = int(i) * s
@@ -167,66 +142,35 @@ def _tile_space(
     return view, src, dst
 
 
-def load(
-    array,
-    index,
-    shape,
-    *,
-    order="C",
-    padding_mode=None,
-    check_bounds=True,
-    latency=None,
-    allow_tma=None,
-    **_,
-):
+def load(array, index, shape, *, order="C", padding_mode=None, check_bounds=True, latency=None,
+         allow_tma=None, **_):
     if tuple(shape) == () and len(index) == array.dim():  # one element, as a 0-d tile
         if not all(0 <= int(i) < n for i, n in zip(index, array.shape)):
-            raise EmulationError(
-                f"ct.load of element {tuple(index)} outside {tuple(array.shape)}"
-            )
+            raise EmulationError(f"ct.load of element {tuple(index)} outside {tuple(array.shape)}")
         return array[tuple(int(i) for i in index)].clone()
     view, src, dst = _tile_space(array, index, shape, order)
     if src is None:
         raise EmulationError(
             f"ct.load of tile {tuple(int(i) for i in index)} (shape {tuple(shape)}) lies wholly "
-            f"outside an array of shape {tuple(view.shape)}: undefined in cuTile"
-        )
-    tile = torch.full(
-        tuple(shape), _padding_value(padding_mode, array.dtype), dtype=array.dtype
-    )
+            f"outside an array of shape {tuple(view.shape)}: undefined in cuTile")
+    tile = torch.full(tuple(shape), _padding_value(padding_mode, array.dtype), dtype=array.dtype)
     part = view[tuple(src)]
     if not check_bounds and tuple(part.shape) != tuple(shape):
-        raise EmulationError(
-            f"ct.load with check_bounds=False reaches past an array of shape "
-            f"{tuple(view.shape)}: undefined in cuTile"
-        )
+        raise EmulationError(f"ct.load with check_bounds=False reaches past an array of shape "
+                             f"{tuple(view.shape)}: undefined in cuTile")
     tile[tuple(dst)] = part
     return tile
 
 
-def store(
-    array,
-    index,
-    tile,
-    *,
-    order="C",
-    check_bounds=True,
-    latency=None,
-    allow_tma=None,
-    **_,
-):
+def store(array, index, tile, *, order="C", check_bounds=True, latency=None, allow_tma=None, **_):
     if not isinstance(tile, torch.Tensor):
         raise EmulationError("ct.store of a scalar is not modelled")
     view, src, dst = _tile_space(array, index, tuple(tile.shape), order)
     if src is None:
-        raise EmulationError(
-            f"ct.store of tile {tuple(int(i) for i in index)} lies wholly outside "
-            f"an array of shape {tuple(view.shape)}: undefined in cuTile"
-        )
+        raise EmulationError(f"ct.store of tile {tuple(int(i) for i in index)} lies wholly outside "
+                             f"an array of shape {tuple(view.shape)}: undefined in cuTile")
     if tile.dtype != array.dtype:
-        raise EmulationError(
-            f"ct.store of a {tile.dtype} tile into a {array.dtype} array"
-        )
+        raise EmulationError(f"ct.store of a {tile.dtype} tile into a {array.dtype} array")
     view[tuple(src)] = tile[tuple(dst)]
 
 
@@ -242,9 +186,7 @@ def _indices(array: torch.Tensor, indices):
     return safe, inside
 
 
-def gather(
-    array, indices, *, mask=None, padding_value=0, check_bounds=True, latency=None
-):
+def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, latency=None):
     safe, inside = _indices(array, indices)
     if mask is not None:
         inside = inside & torch.broadcast_to(_tensor(mask), inside.shape)
@@ -323,21 +265,15 @@ def _reduce(fn, x, axis, keepdims):
     return fn(x, dim=axis, keepdim=keepdims)
 
 
-def max(
-    x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False
-):  # noqa: A001
+def max(x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False):  # noqa: A001
     return _reduce(torch.amax, x, axis, keepdims)
 
 
-def min(
-    x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False
-):  # noqa: A001
+def min(x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False):  # noqa: A001
     return _reduce(torch.amin, x, axis, keepdims)
 
 
-def sum(
-    x, axis=None, *, keepdims=False, rounding_mode=None, flush_to_zero=False
-):  # noqa: A001
+def sum(x, axis=None, *, keepdims=False, rounding_mode=None, flush_to_zero=False):  # noqa: A001
     x = _tensor(x)
     if axis is None:
         out = torch.sum(x).to(x.dtype)
@@ -348,9 +284,7 @@ def sum(
 def cumsum(x, axis=0, *, reverse=False, rounding_mode=None, flush_to_zero=False):
     x = _tensor(x)
     if reverse:
-        return torch.flip(torch.cumsum(torch.flip(x, (axis,)), dim=axis), (axis,)).to(
-            x.dtype
-        )
+        return torch.flip(torch.cumsum(torch.flip(x, (axis,)), dim=axis), (axis,)).to(x.dtype)
     return torch.cumsum(x, dim=axis).to(x.dtype)
 
 
@@ -362,7 +296,7 @@ def _flush(x: torch.Tensor, flush_to_zero: bool) -> torch.Tensor:
     """flush_to_zero: float32 results below the smallest normal (2**-126) read 0."""
     if not flush_to_zero or x.dtype != torch.float32:
         return x
-    return torch.where(x.abs() < 2.0**-126, torch.zeros_like(x), x)
+    return torch.where(x.abs() < 2.0 ** -126, torch.zeros_like(x), x)
 
 
 def exp2(x, *, flush_to_zero=False):
@@ -478,23 +412,16 @@ def _array_slice(self, axis, start, stop):
     start, stop = int(start), int(stop)
     n = self.shape[axis]
     if not (0 <= start < n and start <= stop <= n):
-        raise EmulationError(
-            f"Array.slice(axis={axis}, start={start}, stop={stop}) of an axis of "
-            f"{n}: cuTile needs 0 <= start < N and start <= stop <= N"
-        )
+        raise EmulationError(f"Array.slice(axis={axis}, start={start}, stop={stop}) of an axis of "
+                             f"{n}: cuTile needs 0 <= start < N and start <= stop <= N")
     return self.narrow(axis, start, stop - start)
 
 
 # Everything else (kernel, Constant, ByTarget, PaddingMode, RoundingMode, ...) is
 # cuTile's own: the module's decorators and annotations need no device.
-_OVERRIDES = {
-    name: value
-    for name, value in globals().items()
-    if callable(value)
-    and not name.startswith("_")
-    and value.__module__ == __name__
-    and name not in ("torch_dtype", "EmulationError", "load_module", "emulating")
-}
+_OVERRIDES = {name: value for name, value in globals().items()
+              if callable(value) and not name.startswith("_") and value.__module__ == __name__
+              and name not in ("torch_dtype", "EmulationError", "load_module", "emulating")}
 _OVERRIDES.update({name: dtype for name, dtype in _DTYPES.items()})
 _OVERRIDES["bool_"] = torch.bool
 
@@ -519,13 +446,8 @@ class _FakeCuda(types.ModuleType):
 
     def get_device_properties(self, device=None):
         # An H100 SXM's count of SMs, for launchers that size grids by it.
-        return types.SimpleNamespace(
-            name="cuTile emulator",
-            major=self._sm[0],
-            minor=self._sm[1],
-            multi_processor_count=132,
-            total_memory=80 << 30,
-        )
+        return types.SimpleNamespace(name="cuTile emulator", major=self._sm[0], minor=self._sm[1],
+                                     multi_processor_count=132, total_memory=80 << 30)
 
     def current_stream(self, device=None):
         return None
@@ -573,7 +495,7 @@ class _NoDevice(ast.NodeTransformer):
         if isinstance(node.value, str) and node.value.startswith("specgen::"):
             # Its custom ops in a namespace of their own: the module's real ops,
             # if loaded in this process, keep theirs.
-            renamed = "specgen_emulated::" + node.value[len("specgen::") :]
+            renamed = "specgen_emulated::" + node.value[len("specgen::"):]
             return ast.copy_location(ast.Constant(renamed), node)
         return node
 
@@ -596,12 +518,8 @@ def emulating():
                 setattr(torch.Tensor, name, method)
 
 
-def load_module(
-    path,
-    sm: tuple[int, int] = (9, 0),
-    name: str | None = None,
-    source: str | None = None,
-) -> types.ModuleType:
+def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
+                source: str | None = None) -> types.ModuleType:
     """Import a generated module with its kernels emulated (call them inside
     ``emulating()``). ``sm``: the compute capability its launcher sees, which picks
     its launch configs; ``source``: the module's text, where not the file's."""
@@ -626,9 +544,7 @@ def load_module(
         return real_import(name, globals, locals, fromlist, level)
 
     module = types.ModuleType(name or f"emulated_{path.stem}")
-    module.__file__ = str(
-        path.with_name(f"{path.stem}.emulated.py")
-    )  # no AOT folder beside it
+    module.__file__ = str(path.with_name(f"{path.stem}.emulated.py"))  # no AOT folder beside it
     module.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": _import}
     module.__dict__["max"] = _builtin_max
     module.__dict__["min"] = _builtin_min

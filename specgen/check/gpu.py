@@ -37,10 +37,7 @@ def fresh_jobs(paths: list[str], out_dir: Path, log) -> list[Job]:
 
 def fresh_modules(paths: list[str], out_dir: Path, log) -> list[tuple[Job, ModuleType]]:
     """fresh_jobs, then import each module from its file."""
-    return [
-        (job, import_module_file(job.out_path))
-        for job in fresh_jobs(paths, out_dir, log)
-    ]
+    return [(job, import_module_file(job.out_path)) for job in fresh_jobs(paths, out_dir, log)]
 
 
 def import_module_file(path: Path) -> ModuleType:
@@ -63,17 +60,10 @@ def device_info() -> dict:
     try:
         import subprocess
 
-        driver = (
-            subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=True,
-            )
-            .stdout.strip()
-            .splitlines()[0]
-        )
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout.strip().splitlines()[0]
     except Exception:  # noqa: BLE001 - the driver version is informative only
         pass
     return {
@@ -92,10 +82,6 @@ def device_info() -> dict:
 
 def device_slug(name: str) -> str:
     """'NVIDIA H200' -> 'h200'; the folder name of bench results."""
-    words = [
-        w
-        for w in name.lower().replace("-", " ").split()
-        if w not in ("nvidia", "tesla")
-    ]
+    words = [w for w in name.lower().replace("-", " ").split() if w not in ("nvidia", "tesla")]
     slug = "_".join(words) or "gpu"
     return "".join(c for c in slug if c.isalnum() or c == "_")

@@ -16,9 +16,7 @@ def causal_mask(seq_q: int, seq_k: int, q_offset: int = 0, device=None) -> torch
     return visible_mask(seq_q, seq_k, causal=True, q_offset=q_offset, device=device)
 
 
-def visible(
-    rows, keys, *, causal: bool, left: int | None = None, right: int | None = None
-):
+def visible(rows, keys, *, causal: bool, left: int | None = None, right: int | None = None):
     """The mask rule of every generated kernel, elementwise: query position ``rows``
     sees key ``keys`` when j <= p (causal), p - left <= j (window left) and
     j <= p + right (window right). Works on ints and on broadcasting tensors (the
@@ -31,14 +29,8 @@ def visible(
     return allowed
 
 
-def key_range(
-    position: int,
-    seq_k: int,
-    *,
-    causal: bool,
-    left: int | None = None,
-    right: int | None = None,
-) -> tuple[int, int]:
+def key_range(position: int, seq_k: int, *, causal: bool, left: int | None = None,
+              right: int | None = None) -> tuple[int, int]:
     """[lo, hi] of the keys query position ``position`` sees under :func:`visible`
     among keys 0..seq_k-1, in closed form (empty when hi < lo)."""
     hi = seq_k - 1
@@ -50,15 +42,8 @@ def key_range(
     return lo, hi
 
 
-def visible_mask(
-    seq_q: int,
-    seq_k: int,
-    *,
-    causal: bool,
-    q_offset: int = 0,
-    window: tuple | None = None,
-    device=None,
-) -> torch.Tensor:
+def visible_mask(seq_q: int, seq_k: int, *, causal: bool, q_offset: int = 0,
+                 window: tuple | None = None, device=None) -> torch.Tensor:
     """[seq_q, seq_k] bool: :func:`visible` for query row i (position q_offset + i)
     and key j."""
     rows = torch.arange(seq_q, device=device)[:, None] + q_offset
@@ -77,29 +62,15 @@ def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
     return (a * lo + (((a * hi) & 0xFFFF) << 16)) & _MASK32
 
 
-def dropout_keep(
-    batch: int,
-    heads: int,
-    seq_q: int,
-    seq_k: int,
-    *,
-    q_offset: int,
-    seed: int,
-    dropout_p: float,
-    device=None,
-) -> torch.Tensor:
+def dropout_keep(batch: int, heads: int, seq_q: int, seq_k: int, *, q_offset: int, seed: int,
+                 dropout_p: float, device=None) -> torch.Tensor:
     """[B, H, Sq, Skv] bool: True where the generated kernels keep a probability.
 
     The kernels hash (seed, b * H + h, q_offset + i, j) with murmur3's 32-bit
     finaliser and keep where the top 24 bits are >= round(dropout_p * 2**24)."""
     threshold = min(round(dropout_p * 2**24), 2**24)
-    bh = torch.arange(batch * heads, device=device, dtype=torch.int64).view(
-        batch, heads, 1, 1
-    )
-    rows = (
-        torch.arange(seq_q, device=device, dtype=torch.int64).view(1, 1, -1, 1)
-        + q_offset
-    )
+    bh = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads, 1, 1)
+    rows = torch.arange(seq_q, device=device, dtype=torch.int64).view(1, 1, -1, 1) + q_offset
     keys = torch.arange(seq_k, device=device, dtype=torch.int64).view(1, 1, 1, -1)
     stream = seed ^ _mul32(bh, 0xC2B2AE3D)
     x = _mul32(rows, 0x9E3779B1) ^ _mul32(keys, 0x85EBCA77) ^ stream
@@ -151,9 +122,7 @@ def attention_reference(
     ``return_lse`` the result is (out, lse [B, Hq, Sq]).
     """
     if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})"
-        )
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     ratio = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.to(compute_dtype) for t in (q, k, v))
     if ratio > 1:
@@ -169,34 +138,20 @@ def attention_reference(
         batch, heads, seq_q, seq_k = scores.shape
         env = {
             "score": scores,
-            "b": (torch.arange(batch, device=q.device) + batch_offset).view(
-                -1, 1, 1, 1
-            ),
+            "b": (torch.arange(batch, device=q.device) + batch_offset).view(-1, 1, 1, 1),
             "h": torch.arange(heads, device=q.device).view(1, -1, 1, 1),
-            "q_idx": (torch.arange(seq_q, device=q.device) + q_offset).view(
-                1, 1, -1, 1
-            ),
+            "q_idx": (torch.arange(seq_q, device=q.device) + q_offset).view(1, 1, -1, 1),
             "kv_idx": torch.arange(seq_k, device=q.device).view(1, 1, 1, -1),
         }
         if score_mod:
-            scores = torch.broadcast_to(
-                evaluate(score_mod, env, tensors or {}), scores.shape
-            )
+            scores = torch.broadcast_to(evaluate(score_mod, env, tensors or {}), scores.shape)
             scores = scores.to(compute_dtype)
         if mask_mod:
-            allowed = torch.broadcast_to(
-                evaluate(mask_mod, env, tensors or {}), scores.shape
-            )
+            allowed = torch.broadcast_to(evaluate(mask_mod, env, tensors or {}), scores.shape)
             scores = scores.masked_fill(~allowed, -math.inf)
     if causal or window is not None:
-        visible = visible_mask(
-            q.shape[2],
-            k.shape[2],
-            causal=causal,
-            q_offset=q_offset,
-            window=window,
-            device=q.device,
-        )
+        visible = visible_mask(q.shape[2], k.shape[2], causal=causal, q_offset=q_offset,
+                               window=window, device=q.device)
         scores = scores.masked_fill(~visible, -math.inf)
     if sinks is not None:
         sink = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
@@ -211,17 +166,10 @@ def attention_reference(
     if p_dtype is not None:
         weights = weights.to(torch.float32).to(p_dtype).to(compute_dtype)
     if dropout_p:
-        keep = dropout_keep(
-            *weights.shape,
-            q_offset=q_offset,
-            seed=seed,
-            dropout_p=dropout_p,
-            device=q.device,
-        )
+        keep = dropout_keep(*weights.shape, q_offset=q_offset, seed=seed, dropout_p=dropout_p,
+                            device=q.device)
         weights = weights * keep / (1.0 - dropout_p)
-    out = torch.matmul(weights, v64) / torch.where(
-        norm == 0, torch.ones_like(norm), norm
-    )
+    out = torch.matmul(weights, v64) / torch.where(norm == 0, torch.ones_like(norm), norm)
     if not return_lse:
         return out
     return out, (top + torch.log(norm)).squeeze(-1)

@@ -40,9 +40,7 @@ class Case:
     seq_q: int
     seq_k: int
     q_offset: int = 0
-    layout: str = (
-        "contiguous"  # or "transposed": a [B, S, H, D] tensor seen as [B, H, S, D]
-    )
+    layout: str = "contiguous"  # or "transposed": a [B, S, H, D] tensor seen as [B, H, S, D]
     # varlen: (seq_q, seq_k) per sequence of a packed batch (batch, seq_q, seq_k unused)
     lengths: tuple = ()
     # decode: each sequence's cached length (new tokens included); seq_q is q_len
@@ -50,10 +48,8 @@ class Case:
 
     def label(self, ratio: int) -> str:
         if self.decode_lens:
-            return (
-                f"decode q_len {self.seq_q} Hq{self.kv_heads * ratio} Hkv{self.kv_heads} "
-                f"lens {','.join(map(str, self.decode_lens))}"
-            )
+            return (f"decode q_len {self.seq_q} Hq{self.kv_heads * ratio} Hkv{self.kv_heads} "
+                    f"lens {','.join(map(str, self.decode_lens))}")
         if self.lengths:
             lens = ",".join(f"{q}/{k}" if q != k else str(q) for q, k in self.lengths)
             return f"packed Hq{self.kv_heads * ratio} Hkv{self.kv_heads} lens {lens}"
@@ -100,38 +96,22 @@ def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
     if (spec or {}).get("family") == "decode":
         lens_sets = DECODE_LENS[:3] if quick else DECODE_LENS
         q_lens = sorted({1, spec.get("max_q_len", 1)})
-        return [
-            Case(len(lens), h, q_len, 0, decode_lens=tuple(max(n, q_len) for n in lens))
-            for q_len in q_lens
-            for h in (1, 2)
-            for lens in lens_sets
-        ]
+        return [Case(len(lens), h, q_len, 0, decode_lens=tuple(max(n, q_len) for n in lens))
+                for q_len in q_lens for h in (1, 2) for lens in lens_sets]
     if (spec or {}).get("varlen"):
         lengths = VARLEN_LENGTHS[:3] if quick else VARLEN_LENGTHS
-        return [
-            Case(len(lens), h, 0, 0, lengths=lens) for h in (1, 2) for lens in lengths
-        ]
+        return [Case(len(lens), h, 0, 0, lengths=lens) for h in (1, 2) for lens in lengths]
     batches, kv_heads = ((1,), (1, 2)) if quick else ((1, 3), (1, 2))
     seqs = QUICK_SEQS if quick else FULL_SEQS
     cases = [Case(b, h, s, s) for b in batches for h in kv_heads for s in seqs]
     chunks = ((128, 1000),) if quick else ((128, 1000), (17, 4096), (1, 333))
-    cases += [
-        Case(b, h, sq, sk, sk - sq)
-        for b in batches
-        for h in kv_heads
-        for sq, sk in chunks
-    ]
-    cases += [
-        Case(2, 2, 300, 300, layout="transposed"),
-        Case(1, 2, 100, 700, 600, "transposed"),
-    ]
+    cases += [Case(b, h, sq, sk, sk - sq) for b in batches for h in kv_heads for sq, sk in chunks]
+    cases += [Case(2, 2, 300, 300, layout="transposed"), Case(1, 2, 100, 700, 600, "transposed")]
     window = (spec or {}).get("window") or {}
     if window.get("left") is not None:
         # Positions seq_k + left - 50 ... : the first 50 rows still see a key.
-        cases += [
-            Case(1, 2, 200, 1000, 1000 + window["left"] - 50),
-            Case(2, 1, 64, 333, 333 + window["left"] + 7),
-        ]
+        cases += [Case(1, 2, 200, 1000, 1000 + window["left"] - 50),
+                  Case(2, 1, 64, 333, 333 + window["left"] + 7)]
     return cases
 
 
@@ -143,28 +123,12 @@ def _synchronize(torch, device: str) -> None:
 def run_packed_case(torch, module, case: Case, generator, device: str = "cuda") -> dict:
     """A varlen case: one packed batch against the per-sequence fp64 reference."""
     spec = module.SPEC
-    batch = random_packed(
-        spec, list(case.lengths), case.kv_heads, generator, device=device
-    )
-    extra = feature_inputs(
-        spec,
-        {
-            "batch": len(case.lengths),
-            "heads": batch.q.shape[1],
-            "kv_heads": case.kv_heads,
-        },
-        generator,
-        device=device,
-    )
-    out = torch.full(
-        (*batch.q.shape[:2], batch.v.shape[2]),
-        float("nan"),
-        dtype=getattr(torch, output_dtype(spec)),
-        device=device,
-    )
-    _, lse = call_kernel(
-        module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs()
-    )
+    batch = random_packed(spec, list(case.lengths), case.kv_heads, generator, device=device)
+    extra = feature_inputs(spec, {"batch": len(case.lengths), "heads": batch.q.shape[1],
+                                  "kv_heads": case.kv_heads}, generator, device=device)
+    out = torch.full((*batch.q.shape[:2], batch.v.shape[2]), float("nan"),
+                     dtype=getattr(torch, output_dtype(spec)), device=device)
+    _, lse = call_kernel(module, batch.q, batch.k, batch.v, extra, out=out, **batch.kwargs())
     _synchronize(torch, device)
     ref, ref_lse = packed_reference(spec, batch, extra)
     model = _p_model(spec, lambda **kw: packed_reference(spec, batch, extra, **kw))
@@ -191,14 +155,11 @@ def check_packed_gradients(torch, module, batch, extra: dict, generator) -> dict
         return packed_reference(spec, packed, extra, compute_dtype=compute_dtype)[0]
 
     learned = ["sinks"] if "sinks" in extra else []
-    return _gradient_check(
-        torch, (batch.q, batch.k, batch.v), extra, learned, call, reference, generator
-    )
+    return _gradient_check(torch, (batch.q, batch.k, batch.v), extra, learned, call, reference,
+                           generator)
 
 
-def _gradient_check(
-    torch, inputs, extra: dict, learned: list, call, reference, generator
-) -> dict:
+def _gradient_check(torch, inputs, extra: dict, learned: list, call, reference, generator) -> dict:
     """The gradients of ``call(q, k, v, extra) -> out`` in q, k, v and the ``learned``
     entries of ``extra``, for a random upstream gradient, against those of
     ``reference(q, k, v, extra, compute_dtype) -> out`` in fp64 and in the inputs'
@@ -216,13 +177,9 @@ def _gradient_check(
     got = torch.autograd.grad(out, leaves, dout)
 
     def reference_grads(compute_dtype):
-        refs = [
-            t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
-            for i, t in enumerate(leaves)
-        ]
-        ref = reference(
-            *refs[:3], dict(extra, **dict(zip(learned, refs[3:]))), compute_dtype
-        )
+        refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
+                for i, t in enumerate(leaves)]
+        ref = reference(*refs[:3], dict(extra, **dict(zip(learned, refs[3:]))), compute_dtype)
         return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
 
     return _fa_rule(torch, got, reference_grads(torch.float64), reference_grads(dtype))
@@ -245,24 +202,17 @@ def _fa_rule(torch, got, exact, rough) -> dict:
 
 def _p_model(spec: dict, reference):
     """``reference(p_dtype=...)``'s output with P rounded as the spec's kernel rounds
-    it (check.p_rounding), or None where that rounding is not coarser than the output.
-    """
+    it (check.p_rounding), or None where that rounding is not coarser than the output."""
     p_dtype = p_rounding(spec)
     return None if p_dtype is None else reference(p_dtype=p_dtype)[0]
 
 
 def _row(label: str, spec: dict, out, ref, lse, ref_lse, model=None) -> dict:
     """One case's report row. ``model``: the reference with only P rounded like the
-    kernel's (check.p_rounding); its error against ``ref`` is reported as p_model_err.
-    """
+    kernel's (check.p_rounding); its error against ``ref`` is reported as p_model_err."""
     result = compare(out, ref, spec["dtype"])
-    row = {
-        "shape": label,
-        "max_abs_err": result.max_abs_err,
-        "rel_err": result.rel_err,
-        "nonfinite": result.nonfinite,
-        "ok": result.ok,
-    }
+    row = {"shape": label, "max_abs_err": result.max_abs_err, "rel_err": result.rel_err,
+           "nonfinite": result.nonfinite, "ok": result.ok}
     if model is not None:
         row["p_model_err"] = compare(model, ref, spec["dtype"]).rel_err
     if lse is not None:
@@ -276,14 +226,8 @@ def _row(label: str, spec: dict, out, ref, lse, ref_lse, model=None) -> dict:
 def run_decode_case(torch, module, case: Case, generator, device: str = "cuda") -> dict:
     """A decode case: NaN-poisoned cache slots past every length, fp64 reference."""
     spec = module.SPEC
-    batch = random_decode(
-        spec,
-        list(case.decode_lens),
-        case.kv_heads,
-        case.seq_q,
-        generator,
-        device=device,
-    )
+    batch = random_decode(spec, list(case.decode_lens), case.kv_heads, case.seq_q, generator,
+                          device=device)
     extra = feature_inputs(spec, batch.dims(), generator, device=device)
     out = torch.full(batch.q.shape, float("nan"), dtype=batch.q.dtype, device=device)
     module.attention(*batch.args(), out=out, **extra)
@@ -300,31 +244,19 @@ def run_case(torch, module, case: Case, generator, device: str = "cuda") -> dict
     if case.lengths:
         return run_packed_case(torch, module, case, generator, device)
     spec = module.SPEC
-    q, k, v = random_qkv(
-        spec,
-        case.batch,
-        case.kv_heads,
-        case.seq_q,
-        case.seq_k,
-        generator=generator,
-        layout=case.layout,
-        device=device,
-    )
+    q, k, v = random_qkv(spec, case.batch, case.kv_heads, case.seq_q, case.seq_k,
+                         generator=generator, layout=case.layout, device=device)
     extra = feature_inputs(spec, shape_dims(q, k), generator, device=device)
     out = poisoned_out(spec, q, v)
     _, lse = call_kernel(module, q, k, v, extra, q_offset=case.q_offset, out=out)
     _synchronize(torch, device)
     ref, ref_lse = reference_for(spec, q, k, v, extra, q_offset=case.q_offset)
-    model = _p_model(
-        spec,
-        lambda **kw: reference_for(spec, q, k, v, extra, q_offset=case.q_offset, **kw),
-    )
+    model = _p_model(spec, lambda **kw: reference_for(spec, q, k, v, extra,
+                                                      q_offset=case.q_offset, **kw))
     row = _row(case.label(spec["gqa_ratio"]), spec, out, ref, lse, ref_lse, model)
     if spec.get("backward"):
         row["out_ok"] = row["ok"]
-        row.update(
-            check_gradients(torch, module, q, k, v, extra, case.q_offset, generator)
-        )
+        row.update(check_gradients(torch, module, q, k, v, extra, case.q_offset, generator))
         row["ok"] = row["ok"] and row["grad_ok"]
     return row
 
@@ -334,9 +266,7 @@ def learnable_tensors(spec: dict) -> list[str]:
     return [n for n, t in (spec.get("tensors") or {}).items() if t.get("learnable")]
 
 
-def check_gradients(
-    torch, module, q, k, v, extra: dict, q_offset: int, generator
-) -> dict:
+def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generator) -> dict:
     """The gradients of a ``backward: true`` kernel (q, k, v, sinks and learnable
     hook tensors) for a random upstream gradient, by FlashAttention's rule: each
     one's largest error against fp64 autograd of the reference is at most twice that
@@ -349,9 +279,7 @@ def check_gradients(
         return out[0] if isinstance(out, tuple) else out
 
     def reference(q, k, v, extra, compute_dtype):
-        return reference_for(
-            spec, q, k, v, extra, q_offset=q_offset, compute_dtype=compute_dtype
-        )[0]
+        return reference_for(spec, q, k, v, extra, q_offset=q_offset, compute_dtype=compute_dtype)[0]
 
     learned = (["sinks"] if "sinks" in extra else []) + learnable_tensors(spec)
     return _gradient_check(torch, (q, k, v), extra, learned, call, reference, generator)
@@ -365,8 +293,7 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
     lines = [
         f"{name} ({dtype}, tolerance rel <= {TOLERANCES[dtype]:.0e})",
         f"  {'shape':<{width}}  {'max abs err':>11}  {'rel err':>9}  "
-        + (f"{'P-round err':>11}  " if model else "")
-        + "pass",
+        + (f"{'P-round err':>11}  " if model else "") + "pass",
     ]
     for r in rows:
         note = f"  ({r['nonfinite']} non-finite)" if r.get("nonfinite") else ""
@@ -374,10 +301,7 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
             note += f"  grads {r['grad_ratio']:.2f} of FA's allowance"
         if "lse_err" in r:
             note += f"  lse err {r['lse_err']:.1e}" + (
-                f" ({r['lse_mismatch']} -inf/NaN mismatches)"
-                if r["lse_mismatch"]
-                else ""
-            )
+                f" ({r['lse_mismatch']} -inf/NaN mismatches)" if r["lse_mismatch"] else "")
         lines.append(
             f"  {r['shape']:<{width}}  {r['max_abs_err']:>11.3e}  {r['rel_err']:>9.3e}  "
             + (f"{r.get('p_model_err', math.nan):>11.3e}  " if model else "")
@@ -392,10 +316,7 @@ FUZZ_MAX_SCORES = 1 << 27
 
 def _log_uniform(rng: random.Random, low: int, high: int) -> int:
     """An integer in [low, high], uniform in log scale (short and long both drawn)."""
-    return min(
-        high,
-        max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))),
-    )
+    return min(high, max(low, int(round(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))))
 
 
 # An emulated run's fuzz cases are 8 times smaller (the CPU also computes the
@@ -413,27 +334,19 @@ def fuzz_case(spec: dict, case_seed: str, scale: int = 1) -> Case:
     kv_heads = rng.randint(1, max(1, min(4, 32 // ratio)))
     if spec.get("family") == "decode":
         q_len = rng.randint(1, spec.get("max_q_len", 1))
-        lens = tuple(
-            _log_uniform(rng, q_len, max(q_len, 16384 // scale))
-            for _ in range(rng.randint(1, 8))
-        )
+        lens = tuple(_log_uniform(rng, q_len, max(q_len, 16384 // scale))
+                     for _ in range(rng.randint(1, 8)))
         return Case(len(lens), kv_heads, q_len, 0, decode_lens=lens)
     if spec.get("varlen"):
         lengths = []
         for _ in range(rng.randint(1, 6)):
             seq_q = _log_uniform(rng, 1, max(16, 1024 // scale))
-            lengths.append(
-                (seq_q, seq_q + rng.choice([0, 0, rng.randint(0, 512 // scale)]))
-            )
+            lengths.append((seq_q, seq_q + rng.choice([0, 0, rng.randint(0, 512 // scale)])))
         return Case(len(lengths), kv_heads, 0, 0, lengths=tuple(lengths))
     while True:
         batch = rng.randint(1, 4)
         seq_q = _log_uniform(rng, 1, max(16, 2048 // scale))
-        seq_k = (
-            seq_q
-            if rng.random() < 0.4
-            else _log_uniform(rng, 1, max(16, 4096 // scale))
-        )
+        seq_k = seq_q if rng.random() < 0.4 else _log_uniform(rng, 1, max(16, 4096 // scale))
         if batch * kv_heads * ratio * seq_q * seq_k <= FUZZ_MAX_SCORES // scale:
             break
     # Bottom-right (chunked prefill), top-left, or anywhere up to past the keys.
@@ -456,20 +369,15 @@ def parse_fuzz_case(text: str) -> str:
     """--fuzz-case SEED:I, as a failing fuzz case prints it."""
     seed, sep, index = text.partition(":")
     if not (sep and seed.lstrip("-").isdigit() and index.isdigit()):
-        raise UsageError(
-            f"--fuzz-case: expected SEED:I as a fuzz failure prints it, got {text!r}"
-        )
+        raise UsageError(f"--fuzz-case: expected SEED:I as a fuzz failure prints it, got {text!r}")
     return f"{int(seed)}:{int(index)}"
 
 
 def case_generator_seed(seed: int, index: int, fuzz_seed: str | None) -> int:
     """The seed of case ``index``'s own input generator: every case draws its inputs
     from its own generator, so a case gives the same inputs alone, in order, or in a
-    worker process (a fuzz case's depends on its SEED:I only, as --fuzz-case replays it).
-    """
-    return random.Random(
-        fuzz_seed if fuzz_seed else f"{seed}:matrix:{index}"
-    ).getrandbits(63)
+    worker process (a fuzz case's depends on its SEED:I only, as --fuzz-case replays it)."""
+    return random.Random(fuzz_seed if fuzz_seed else f"{seed}:matrix:{index}").getrandbits(63)
 
 
 def _emulated_module(module_path: str):
@@ -489,9 +397,7 @@ def _emulated_case(module_path: str, case: Case, generator_seed: int) -> dict:
 
     module = _emulated_module(module_path)
     with emulate.emulating():
-        return run_case(
-            torch, module, case, torch.Generator().manual_seed(generator_seed), "cpu"
-        )
+        return run_case(torch, module, case, torch.Generator().manual_seed(generator_seed), "cpu")
 
 
 def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
@@ -502,25 +408,15 @@ def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
     from specgen.check.gpu import import_module_file
 
     module = import_module_file(Path(module_path))
-    return run_case(
-        torch, module, case, torch.Generator(device="cuda").manual_seed(generator_seed)
-    )
+    return run_case(torch, module, case, torch.Generator(device="cuda").manual_seed(generator_seed))
 
 
-def run_cases(
-    cases: list,
-    generator_seeds: list[int],
-    module_path: str,
-    jobs: int,
-    report,
-    executor=None,
-    worker=_worker_case,
-) -> list[dict]:
+def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: int, report,
+              executor=None, worker=_worker_case) -> list[dict]:
     """Run ``cases`` (case i with generator_seeds[i]), in this process or on ``jobs``
     worker processes sharing the GPU where jobs > 1, and return their rows in case
     order. ``report(i, row)`` is called as each case finishes (in finishing order).
-    ``executor`` and ``worker`` replace the process pool and the case function (tests).
-    """
+    ``executor`` and ``worker`` replace the process pool and the case function (tests)."""
     if jobs <= 1:
         rows = []
         for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds)):
@@ -531,15 +427,11 @@ def run_cases(
     import multiprocessing
 
     pool = executor or concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(jobs, len(cases)) or 1,
-        mp_context=multiprocessing.get_context("spawn"),
-    )
+        max_workers=min(jobs, len(cases)) or 1, mp_context=multiprocessing.get_context("spawn"))
     rows: list = [None] * len(cases)
     with pool:
-        futures = {
-            pool.submit(worker, module_path, case, gen_seed): i
-            for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds))
-        }
+        futures = {pool.submit(worker, module_path, case, gen_seed): i
+                   for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds))}
         for future in concurrent.futures.as_completed(futures):
             i = futures[future]
             rows[i] = future.result()
@@ -547,36 +439,22 @@ def run_cases(
     return rows
 
 
-def run_test(
-    paths: list[str],
-    out_dir: Path,
-    quick: bool,
-    seed: int,
-    fuzz: int = 0,
-    fuzz_case_seed: str | None = None,
-    jobs: int = 1,
-    emulate: bool = False,
-) -> int:
+def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int = 0,
+             fuzz_case_seed: str | None = None, jobs: int = 1, emulate: bool = False) -> int:
     """The shape matrix (or ``fuzz`` random cases per spec, or the one fuzz case
     ``fuzz_case_seed``) for each spec, on ``jobs`` worker processes; exit 1 on any
     failure. ``emulate``: run the kernels on the CPU (specgen.check.emulate), on
     the quick matrix or EMULATED_SCALE times smaller fuzz cases; no GPU needed."""
     log = lambda line: print(line, file=sys.stderr)  # noqa: E731
     if emulate:
-        loaded = [
-            (job, _emulated_module(str(job.out_path)).SPEC)
-            for job in fresh_jobs(paths, out_dir, log)
-        ]
+        loaded = [(job, _emulated_module(str(job.out_path)).SPEC)
+                  for job in fresh_jobs(paths, out_dir, log)]
         worker, scale = _emulated_case, EMULATED_SCALE
-        log(
-            "kernels emulated on the CPU (specgen.check.emulate): numerics and indexing, "
-            "not the GPU's rounding or speed"
-        )
+        log("kernels emulated on the CPU (specgen.check.emulate): numerics and indexing, "
+            "not the GPU's rounding or speed")
     else:
         require_cuda("test")
-        loaded = [
-            (job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)
-        ]
+        loaded = [(job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)]
         worker, scale = _worker_case, 1
     # An emulated fuzz case is drawn at other lengths: its replay is emulated too.
     replay_flag = " --emulate" if emulate else ""
@@ -588,33 +466,20 @@ def run_test(
             seeds = [f"{seed}:{i}" for i in range(fuzz)]
         else:
             seeds = []
-        cases = (
-            [fuzz_case(spec, s, scale) for s in seeds]
-            if seeds
-            else case_matrix(quick or emulate, spec)
-        )
-        generator_seeds = [
-            case_generator_seed(seed, i, seeds[i] if seeds else None)
-            for i in range(len(cases))
-        ]
+        cases = ([fuzz_case(spec, s, scale) for s in seeds] if seeds
+                 else case_matrix(quick or emulate, spec))
+        generator_seeds = [case_generator_seed(seed, i, seeds[i] if seeds else None)
+                           for i in range(len(cases))]
         name, total = job.plan.module_name, len(cases)
         if jobs > 1:
             log(f"[{name}] {total} cases on {min(jobs, total)} worker processes")
 
         def report(i, row, name=name, total=total, cases=cases, seeds=seeds):
             # The verdict as it comes, so a run cut short still says what it found.
-            log(
-                f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
-                + (
-                    f"; replay: --fuzz-case {seeds[i]}{replay_flag}"
-                    if seeds and not row["ok"]
-                    else ""
-                )
-            )
+            log(f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
+                + (f"; replay: --fuzz-case {seeds[i]}{replay_flag}" if seeds and not row["ok"] else ""))
 
-        rows = run_cases(
-            cases, generator_seeds, str(job.out_path), jobs, report, worker=worker
-        )
+        rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, worker=worker)
         failures = []
         for i, row in enumerate(rows):
             if seeds:
@@ -628,14 +493,10 @@ def run_test(
         models = [r["p_model_err"] for r in rows if "p_model_err" in r]
         floor = f" (P rounding alone: worst {max(models):.3e})" if models else ""
         drawn = f"case {fuzz_case_seed}" if fuzz_case_seed else f"seed {seed}"
-        print(
-            f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}{floor}, "
-            f"{drawn}"
-        )
+        print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}{floor}, "
+              f"{drawn}")
         for case_seed in failures:
-            print(
-                f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}{replay_flag}"
-            )
+            print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}{replay_flag}")
         print()
         failed += bad
     return 1 if failed else 0

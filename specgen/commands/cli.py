@@ -28,43 +28,21 @@ def _parser() -> argparse.ArgumentParser:
         "and AOT-compile each for its compile_for targets. Exit 0 ok, 1 compile "
         "failure or drift (--check), 2 bad input.",
     )
-    build.add_argument(
-        "paths", nargs="+", metavar="PATH", help="spec file or folder of specs"
-    )
-    build.add_argument(
-        "--gen",
-        "--out",
-        dest="gen",
-        default="generated",
-        metavar="DIR",
-        help="folder of generated modules (default: generated); --out is the "
-        "same option",
-    )
-    build.add_argument(
-        "--targets",
-        metavar="LIST",
-        help="comma-separated targets overriding each spec's compile_for, "
-        "e.g. sm_90,sm_100",
-    )
+    build.add_argument("paths", nargs="+", metavar="PATH", help="spec file or folder of specs")
+    build.add_argument("--gen", "--out", dest="gen", default="generated", metavar="DIR",
+                       help="folder of generated modules (default: generated); --out is the "
+                       "same option")
+    build.add_argument("--targets", metavar="LIST",
+                       help="comma-separated targets overriding each spec's compile_for, "
+                       "e.g. sm_90,sm_100")
     build.add_argument("--no-compile", action="store_true", help="render only")
-    build.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 if a generated module is missing, "
-        "stale or edited by hand",
-    )
-    build.add_argument(
-        "--force",
-        action="store_true",
-        help="overwrite generated modules even if edited by hand",
-    )
-    build.add_argument(
-        "--jobs",
-        "-j",
-        type=int,
-        metavar="N",
-        help="parallel compiles (default: CPU count, at most 8)",
-    )
+    build.add_argument("--check", action="store_true",
+                       help="write nothing; exit 1 if a generated module is missing, "
+                       "stale or edited by hand")
+    build.add_argument("--force", action="store_true",
+                       help="overwrite generated modules even if edited by hand")
+    build.add_argument("--jobs", "-j", type=int, metavar="N",
+                       help="parallel compiles (default: CPU count, at most 8)")
 
     test = sub.add_parser(
         "test",
@@ -73,51 +51,26 @@ def _parser() -> argparse.ArgumentParser:
         "against the fp64 reference with poisoned outputs. Exit 0 all pass, 1 any "
         "failure, 2 bad input or no CUDA GPU.",
     )
-    test.add_argument(
-        "paths", nargs="+", metavar="SPEC", help="spec file or folder of specs"
-    )
+    test.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
     test.add_argument("--quick", action="store_true", help="a smaller shape matrix")
     test.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    test.add_argument(
-        "--fuzz",
-        type=int,
-        default=0,
-        metavar="N",
-        help="N random valid shapes per spec instead of the matrix (batch, "
-        "heads, lengths, q_offset, strided views; decode: ragged lengths and "
-        "shuffled page tables); a failure prints the --fuzz-case that replays it",
-    )
-    test.add_argument(
-        "--fuzz-case",
-        metavar="SEED:I",
-        help="replay one fuzz case (as a failure prints it)",
-    )
-    test.add_argument(
-        "--jobs",
-        "-j",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the cases on N worker processes sharing the GPU (default 1); "
-        "every case draws its inputs from its own generator, so results do "
-        "not depend on N",
-    )
-    test.add_argument(
-        "--gen",
-        "--out",
-        dest="gen",
-        default="generated",
-        metavar="DIR",
-        help="folder of generated modules (default: generated); --out is the "
-        "same option",
-    )
-    test.add_argument(
-        "--emulate",
-        action="store_true",
-        help="run the kernels on the CPU instead, through torch standing in "
-        "for cuda.tile (no GPU needed): the quick matrix, or fuzz shapes 8x "
-        "smaller; checks numerics and indexing, not the GPU's rounding or speed",
-    )
+    test.add_argument("--fuzz", type=int, default=0, metavar="N",
+                      help="N random valid shapes per spec instead of the matrix (batch, "
+                      "heads, lengths, q_offset, strided views; decode: ragged lengths and "
+                      "shuffled page tables); a failure prints the --fuzz-case that replays it")
+    test.add_argument("--fuzz-case", metavar="SEED:I",
+                      help="replay one fuzz case (as a failure prints it)")
+    test.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                      help="run the cases on N worker processes sharing the GPU (default 1); "
+                      "every case draws its inputs from its own generator, so results do "
+                      "not depend on N")
+    test.add_argument("--gen", "--out", dest="gen", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated); --out is the "
+                      "same option")
+    test.add_argument("--emulate", action="store_true",
+                      help="run the kernels on the CPU instead, through torch standing in "
+                      "for cuda.tile (no GPU needed): the quick matrix, or fuzz shapes 8x "
+                      "smaller; checks numerics and indexing, not the GPU's rounding or speed")
 
     tune = sub.add_parser(
         "tune",
@@ -129,51 +82,23 @@ def _parser() -> argparse.ArgumentParser:
         "comments and order; then re-render the module. Exit 0 ok, 1 nothing correct, "
         "2 bad input.",
     )
-    tune.add_argument(
-        "path", metavar="SPEC", help="spec file to tune (edited in place)"
-    )
-    tune.add_argument(
-        "--target",
-        required=True,
-        metavar="SM",
-        help="GPU target to tune, e.g. sm_90; must be this machine's GPU",
-    )
-    tune.add_argument(
-        "--suite",
-        default="prefill",
-        help="suite whose shapes are timed (default: prefill)",
-    )
-    tune.add_argument(
-        "--seqs",
-        metavar="LIST",
-        help="comma-separated sequence lengths instead of the suite's",
-    )
-    tune.add_argument(
-        "--confirm",
-        default="4",
-        metavar="N",
-        help="re-time the N fastest configs per length (and the long-sequence "
-        "winner) with do_bench medians, as specgen bench does, and choose by "
-        "those; 0 chooses by the search's means (default: 4)",
-    )
-    tune.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="search and report, but leave the spec and module unchanged",
-    )
-    tune.add_argument(
-        "--results",
-        default="bench/results",
-        metavar="DIR",
-        help="results folder: the tuning report goes to "
-        "DIR/<gpu>/tune-<spec>-<target>.json (default: bench/results)",
-    )
-    tune.add_argument(
-        "--gen",
-        default="generated",
-        metavar="DIR",
-        help="folder of generated modules (default: generated)",
-    )
+    tune.add_argument("path", metavar="SPEC", help="spec file to tune (edited in place)")
+    tune.add_argument("--target", required=True, metavar="SM",
+                      help="GPU target to tune, e.g. sm_90; must be this machine's GPU")
+    tune.add_argument("--suite", default="prefill", help="suite whose shapes are timed (default: prefill)")
+    tune.add_argument("--seqs", metavar="LIST",
+                      help="comma-separated sequence lengths instead of the suite's")
+    tune.add_argument("--confirm", default="4", metavar="N",
+                      help="re-time the N fastest configs per length (and the long-sequence "
+                      "winner) with do_bench medians, as specgen bench does, and choose by "
+                      "those; 0 chooses by the search's means (default: 4)")
+    tune.add_argument("--dry-run", action="store_true",
+                      help="search and report, but leave the spec and module unchanged")
+    tune.add_argument("--results", default="bench/results", metavar="DIR",
+                      help="results folder: the tuning report goes to "
+                      "DIR/<gpu>/tune-<spec>-<target>.json (default: bench/results)")
+    tune.add_argument("--gen", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated)")
 
     bench = sub.add_parser(
         "bench",
@@ -181,50 +106,27 @@ def _parser() -> argparse.ArgumentParser:
         description="Time each kernel and the baselines in one process on the same "
         "inputs (triton do_bench medians); write JSON, a markdown table and a plot.",
     )
-    bench.add_argument(
-        "paths", nargs="*", metavar="SPEC", help="spec file or folder of specs"
-    )
-    bench.add_argument(
-        "--variants",
-        metavar="FILE",
-        help="time the variants of one spec listed in FILE (YAML) against "
-        "cuDNN (and any other --baselines) instead; see docs/tuning.md for the format",
-    )
-    bench.add_argument(
-        "--suite",
-        default="prefill",
-        help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
-        "token against a KV cache, B 1..64; CUDA graphs, steady state and one "
-        "call per graph) or backward (the "
-        "backward kernels of backward: true specs, B4 Hq32, S 1024..16384) "
-        "(default: prefill)",
-    )
-    bench.add_argument(
-        "--baselines",
-        default=None,
-        metavar="LIST",
-        help="comma-separated names from cudnn,flash,flex,fa3,tilegym (default: "
-        "cudnn,flash,flex, or cudnn with --variants; fa3 and tilegym where "
-        "installed, else the row says why)",
-    )
-    bench.add_argument(
-        "--seqs",
-        metavar="LIST",
-        help="prefill and backward: time these lengths (Sq = Skv) instead of the "
-        "suite's 1024..16384, e.g. 2048,8192",
-    )
-    bench.add_argument(
-        "--results",
-        default="bench/results",
-        metavar="DIR",
-        help="results folder; files go to DIR/<gpu>/ (default: bench/results)",
-    )
-    bench.add_argument(
-        "--gen",
-        default="generated",
-        metavar="DIR",
-        help="folder of generated modules (default: generated)",
-    )
+    bench.add_argument("paths", nargs="*", metavar="SPEC", help="spec file or folder of specs")
+    bench.add_argument("--variants", metavar="FILE",
+                       help="time the variants of one spec listed in FILE (YAML) against "
+                       "cuDNN (and any other --baselines) instead; see docs/tuning.md for the format")
+    bench.add_argument("--suite", default="prefill",
+                       help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
+                            "token against a KV cache, B 1..64; CUDA graphs, steady state and one "
+                            "call per graph) or backward (the "
+                            "backward kernels of backward: true specs, B4 Hq32, S 1024..16384) "
+                            "(default: prefill)")
+    bench.add_argument("--baselines", default=None, metavar="LIST",
+                       help="comma-separated names from cudnn,flash,flex,fa3,tilegym (default: "
+                       "cudnn,flash,flex, or cudnn with --variants; fa3 and tilegym where "
+                       "installed, else the row says why)")
+    bench.add_argument("--seqs", metavar="LIST",
+                       help="prefill and backward: time these lengths (Sq = Skv) instead of the "
+                       "suite's 1024..16384, e.g. 2048,8192")
+    bench.add_argument("--results", default="bench/results", metavar="DIR",
+                       help="results folder; files go to DIR/<gpu>/ (default: bench/results)")
+    bench.add_argument("--gen", default="generated", metavar="DIR",
+                       help="folder of generated modules (default: generated)")
 
     diff = sub.add_parser(
         "diff",
@@ -233,50 +135,25 @@ def _parser() -> argparse.ArgumentParser:
         "resources per target, 5 performance from bench results. Exit 0 identical, "
         "1 different, 2 bad input.",
     )
-    diff.add_argument(
-        "paths",
-        nargs="*",
-        metavar="PATH",
-        help="A B (spec files or generated modules), or A with --set; "
-        "with --templates, specs to re-render (default: specs)",
-    )
-    diff.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="diff A against A with this field changed, e.g. fast_math.exp2=false "
-        "(repeatable; values are YAML)",
-    )
-    diff.add_argument(
-        "--templates",
-        action="store_true",
-        help="re-render specs with the working-tree templates and diff them "
-        "against the committed generated/",
-    )
+    diff.add_argument("paths", nargs="*", metavar="PATH",
+                      help="A B (spec files or generated modules), or A with --set; "
+                      "with --templates, specs to re-render (default: specs)")
+    diff.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                      help="diff A against A with this field changed, e.g. fast_math.exp2=false "
+                      "(repeatable; values are YAML)")
+    diff.add_argument("--templates", action="store_true",
+                      help="re-render specs with the working-tree templates and diff them "
+                      "against the committed generated/")
     diff.add_argument("--stat", action="store_true", help="source section: counts only")
     diff.add_argument("--json", action="store_true", help="machine-readable output")
-    diff.add_argument(
-        "--no-compile", action="store_true", help="skip the compiled section"
-    )
-    diff.add_argument(
-        "--results",
-        default="bench/results",
-        metavar="DIR",
-        help="bench results for the performance section (default: bench/results)",
-    )
-    diff.add_argument(
-        "--gen",
-        default="generated",
-        metavar="DIR",
-        help="folder of generated modules (default: generated)",
-    )
+    diff.add_argument("--no-compile", action="store_true", help="skip the compiled section")
+    diff.add_argument("--results", default="bench/results", metavar="DIR",
+                      help="bench results for the performance section (default: bench/results)")
+    diff.add_argument("--gen", default="generated", metavar="DIR",
+                      help="folder of generated modules (default: generated)")
 
     schema = sub.add_parser("schema", help="print the spec's JSON Schema")
-    schema.add_argument(
-        "--file", metavar="FILE", help="write it to FILE instead of stdout"
-    )
+    schema.add_argument("--file", metavar="FILE", help="write it to FILE instead of stdout")
 
     docs = sub.add_parser(
         "docs",
@@ -285,12 +162,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Regenerate docs/spec-reference.md and docs/performance.md in the "
         "project at --root. Exit 0 in step (or written), 1 with --check when a page drifted.",
     )
-    docs.add_argument(
-        "--check", action="store_true", help="report drift, write nothing"
-    )
-    docs.add_argument(
-        "--root", default=".", metavar="DIR", help="project folder (default: .)"
-    )
+    docs.add_argument("--check", action="store_true", help="report drift, write nothing")
+    docs.add_argument("--root", default=".", metavar="DIR", help="project folder (default: .)")
     return parser
 
 
@@ -323,24 +196,13 @@ def main(argv: list[str] | None = None) -> int:
             from specgen.check.runner import parse_fuzz_case
 
             if args.fuzz < 0 or args.fuzz > 100000:
-                raise UsageError(
-                    f"--fuzz: expected a count in [0, 100000], got {args.fuzz}"
-                )
+                raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
             if not 1 <= args.jobs <= 64:
-                raise UsageError(
-                    f"--jobs: expected a worker count in [1, 64], got {args.jobs}"
-                )
+                raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
             case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
-            return run_test(
-                args.paths,
-                Path(args.gen),
-                quick=args.quick,
-                seed=args.seed,
-                fuzz=args.fuzz,
-                fuzz_case_seed=case,
-                jobs=args.jobs,
-                emulate=args.emulate,
-            )
+            return run_test(args.paths, Path(args.gen), quick=args.quick, seed=args.seed,
+                            fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs,
+                            emulate=args.emulate)
         if args.command == "tune":
             from specgen.bench import parse_suite
             from specgen.compile.jobs import parse_targets
@@ -348,23 +210,12 @@ def main(argv: list[str] | None = None) -> int:
 
             target = parse_targets(args.target)
             if len(target) != 1:
-                raise UsageError(
-                    f"--target: expected one target such as sm_90, got {args.target!r}"
-                )
+                raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
             if not args.confirm.isdigit() or int(args.confirm) > 64:
-                raise UsageError(
-                    f"--confirm: expected a count in [0, 64], got {args.confirm!r}"
-                )
-            return run_tune(
-                Path(args.path),
-                target[0],
-                parse_suite(args.suite, allowed=("prefill",)),
-                Path(args.results),
-                Path(args.gen),
-                seqs=parse_seqs(args.seqs),
-                dry_run=args.dry_run,
-                confirm=int(args.confirm),
-            )
+                raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
+            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)), Path(args.results),
+                            Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
+                            confirm=int(args.confirm))
         if args.command == "bench":
             from specgen.bench import parse_suite, run_suite
             from specgen.bench.baselines import parse_baselines
@@ -373,57 +224,32 @@ def main(argv: list[str] | None = None) -> int:
                 from specgen.commands.explore import run_variants
 
                 if args.paths:
-                    raise UsageError(
-                        "bench: give either SPEC paths or --variants FILE, not both"
-                    )
+                    raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
                 if args.seqs:
-                    raise UsageError(
-                        "bench: --seqs does not apply to --variants (the file's "
-                        "shapes.seqs sets the lengths)"
-                    )
-                run_variants(
-                    Path(args.variants),
-                    Path(args.results),
-                    baselines=parse_baselines(args.baselines or "cudnn"),
-                )
+                    raise UsageError("bench: --seqs does not apply to --variants (the file's "
+                                     "shapes.seqs sets the lengths)")
+                run_variants(Path(args.variants), Path(args.results),
+                             baselines=parse_baselines(args.baselines or "cudnn"))
                 return 0
             if not args.paths:
-                raise UsageError(
-                    "bench: give at least one SPEC path (or --variants FILE)"
-                )
+                raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
             suite = parse_suite(args.suite)
             shapes = None
             if args.seqs:
                 from specgen.commands.tune import parse_seqs
 
                 if suite == "decode":
-                    raise UsageError(
-                        "bench: --seqs applies to the prefill and backward suites; the "
-                        "decode suite's shapes are (batch, cache length) pairs"
-                    )
+                    raise UsageError("bench: --seqs applies to the prefill and backward suites; the "
+                                     "decode suite's shapes are (batch, cache length) pairs")
                 shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
-            run_suite(
-                suite,
-                args.paths,
-                results=Path(args.results),
-                gen=Path(args.gen),
-                shapes=shapes,
-                baselines=parse_baselines(args.baselines or "cudnn,flash,flex"),
-            )
+            run_suite(suite, args.paths, results=Path(args.results), gen=Path(args.gen), shapes=shapes,
+                      baselines=parse_baselines(args.baselines or "cudnn,flash,flex"))
             return 0
         if args.command == "diff":
             from specgen.commands.diff import run_diff
 
-            return run_diff(
-                args.paths,
-                args.sets,
-                args.templates,
-                args.stat,
-                args.json,
-                not args.no_compile,
-                Path(args.results),
-                Path(args.gen),
-            )
+            return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
+                            not args.no_compile, Path(args.results), Path(args.gen))
         if args.command == "docs":
             from specgen.docs import DocsError, write_docs
 
@@ -432,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             except DocsError as exc:
                 raise UsageError(f"docs: {exc}") from None
             for name in changed:
-                print(
-                    f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}"
-                )
+                print(f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}")
             if not changed:
                 print("docs/ in step with the model and bench/results")
             return 1 if args.check and changed else 0

@@ -70,9 +70,7 @@ def apply_sets(data: dict, assignments: list[str]) -> dict:
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
-            raise UsageError(
-                f"--set {key}: the value {raw!r} is not valid YAML"
-            ) from None
+            raise UsageError(f"--set {key}: the value {raw!r} is not valid YAML") from None
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -185,10 +183,7 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
     if tool is None:
         return None
     text = subprocess.run(
-        [tool, "--dump-resource-usage", str(cubin)],
-        capture_output=True,
-        text=True,
-        check=True,
+        [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
     schedules = cubin_schedules(cubin) or {}
     kernels = []
@@ -199,16 +194,9 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
             name = line[len("Function ") :].rstrip(":")
         elif name and (match := _RESOURCE_RE.search(line)):
             reg, stack, shared, local = map(int, match.groups())
-            kernels.append(
-                {
-                    "kernel": _variant_label(name, plan),
-                    "registers": reg,
-                    "stack": stack,
-                    "shared": shared,
-                    "local": local,
-                    "loops": schedules.get(name),
-                }
-            )
+            kernels.append({"kernel": _variant_label(name, plan), "registers": reg,
+                            "stack": stack, "shared": shared, "local": local,
+                            "loops": schedules.get(name)})
             name = None
     return kernels
 
@@ -220,9 +208,7 @@ def _variant_label(symbol: str, plan: Plan) -> str:
         from cuda.tile.compilation import ConstantConstraint, demangle_kernel_name
 
         name, signature = demangle_kernel_name(symbol)
-        values = [
-            p.value for p in signature.parameters if isinstance(p, ConstantConstraint)
-        ]
+        values = [p.value for p in signature.parameters if isinstance(p, ConstantConstraint)]
         if name != plan.kernel_name:
             return f"{name} ({', '.join(map(str, values))})" if values else name
         return " ".join(f"{n}={v}" for n, v in zip(plan.kernel_constants, values))
@@ -239,17 +225,13 @@ def compiled_section(a: Side, b: Side) -> list[dict]:
         row: dict[str, Any] = {"target": target}
         for key, side in (("a", a), ("b", b)):
             try:
-                result = compile_target(
-                    side.plan, side.source, f"{side.plan.module_name}.py", target
-                )
+                result = compile_target(side.plan, side.source, f"{side.plan.module_name}.py", target)
             except CompileError as exc:
                 row[key] = {"error": str(exc)}
                 continue
             usage = [resource_usage(path, side.plan) for path in result.paths]
-            row[key] = {
-                "cubin_bytes": result.size,
-                "kernels": None if None in usage else [k for u in usage for k in u],
-            }
+            row[key] = {"cubin_bytes": result.size,
+                        "kernels": None if None in usage else [k for u in usage for k in u]}
         rows.append(row)
     return rows
 
@@ -276,26 +258,15 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
             ra, rb = load_result(path_a), load_result(path_b)
             by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
             rows = [
-                {
-                    "seq": r.seq_q,
-                    "a_tflops": r.timings["specgen"].tflops,
-                    "b_tflops": by_seq.get(r.seq_q),
-                }
+                {"seq": r.seq_q, "a_tflops": r.timings["specgen"].tflops,
+                 "b_tflops": by_seq.get(r.seq_q)}
                 for r in ra.rows
             ]
             for row in rows:
                 ok = row["a_tflops"] and row["b_tflops"]
                 row["ratio"] = row["b_tflops"] / row["a_tflops"] if ok else None
-            out.append(
-                {
-                    "device": ra.device.get("name", device_dir.name),
-                    "suite": suite,
-                    "unit": "TFLOPS",
-                    "a_date": ra.created,
-                    "b_date": rb.created,
-                    "rows": rows,
-                }
-            )
+            out.append({"device": ra.device.get("name", device_dir.name), "suite": suite,
+                        "unit": "TFLOPS", "a_date": ra.created, "b_date": rb.created, "rows": rows})
     return out
 
 
@@ -305,38 +276,19 @@ def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
     from specgen.bench.core import load_result
 
     # Schema 1 timed one call per graph: not comparable with the steady state.
-    if 1 in [
-        json.loads(p.read_text()).get("schema_version", 3) for p in (path_a, path_b)
-    ]:
+    if 1 in [json.loads(p.read_text()).get("schema_version", 3) for p in (path_a, path_b)]:
         return None
     ra, rb = load_result(path_a), load_result(path_b)
-    by_shape = {
-        (r.batch, r.heads_kv, r.seq_k): 1000 * r.timings["specgen"].ms
-        for r in rb.rows
-        if r.timings["specgen"].ms
-    }
+    by_shape = {(r.batch, r.heads_kv, r.seq_k): 1000 * r.timings["specgen"].ms for r in rb.rows
+                if r.timings["specgen"].ms}
     rows = []
     for r in ra.rows:
         a_ms = r.timings["specgen"].ms
-        a_us, b_us = (1000 * a_ms if a_ms else None), by_shape.get(
-            (r.batch, r.heads_kv, r.seq_k)
-        )
-        rows.append(
-            {
-                "shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_k}",
-                "a_us": a_us,
-                "b_us": b_us,
-                "ratio": a_us / b_us if a_us and b_us else None,
-            }
-        )
-    return {
-        "device": ra.device.get("name", path_a.parent.name),
-        "suite": "decode",
-        "unit": "µs",
-        "a_date": ra.created,
-        "b_date": rb.created,
-        "rows": rows,
-    }
+        a_us, b_us = (1000 * a_ms if a_ms else None), by_shape.get((r.batch, r.heads_kv, r.seq_k))
+        rows.append({"shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_k}", "a_us": a_us, "b_us": b_us,
+                     "ratio": a_us / b_us if a_us and b_us else None})
+    return {"device": ra.device.get("name", path_a.parent.name), "suite": "decode", "unit": "µs", "a_date": ra.created,
+            "b_date": rb.created, "rows": rows}
 
 
 # --- output --------------------------------------------------------------------
@@ -372,9 +324,7 @@ def pair_kernels(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
     left_a = [k for k in a if not any(k is pa for pa, _ in pairs)]
     left_b = list(b_by_label.values())
     for i in range(max(len(left_a), len(left_b))):
-        pairs.append(
-            (left_a[i] if i < len(left_a) else {}, left_b[i] if i < len(left_b) else {})
-        )
+        pairs.append((left_a[i] if i < len(left_a) else {}, left_b[i] if i < len(left_b) else {}))
     return pairs
 
 
@@ -384,20 +334,11 @@ def _num(value: Optional[int]) -> str:
 
 def format_text(report: dict, stat: bool, colour: bool) -> str:
     lines = [f"a: {report['a']}", f"b: {report['b']}", "", "1. Spec"]
-    lines += [
-        f"  {c['field']}: {_show(c['a'])} {ARROW} {_show(c['b'])}"
-        for c in report["spec"]
-    ] or ["  identical"]
+    lines += [f"  {c['field']}: {_show(c['a'])} {ARROW} {_show(c['b'])}" for c in report["spec"]] or ["  identical"]
     lines += ["", "2. Plan"]
-    lines += [
-        f"  {c['field']}: {_show(c['a'])} {ARROW} {_show(c['b'])}"
-        for c in report["plan"]
-    ] or ["  identical"]
+    lines += [f"  {c['field']}: {_show(c['a'])} {ARROW} {_show(c['b'])}" for c in report["plan"]] or ["  identical"]
     src = report["source"]
-    lines += [
-        "",
-        f"3. Source: +{src['added']} -{src['removed']} lines in {src['hunks']} hunk(s)",
-    ]
+    lines += ["", f"3. Source: +{src['added']} -{src['removed']} lines in {src['hunks']} hunk(s)"]
     if not stat and src["diff"]:
         lines.append((_colour(src["diff"]) if colour else src["diff"]).rstrip("\n"))
     return "\n".join(lines) + "\n" + format_tail(report)
@@ -411,31 +352,21 @@ def format_tail(report: dict) -> str:
         for row in report["compiled"]:
             a, b = row["a"], row["b"]
             if "error" in a or "error" in b:
-                lines.append(
-                    f"  {row['target']}: a {a.get('error', 'ok')}; b {b.get('error', 'ok')}"
-                )
+                lines.append(f"  {row['target']}: a {a.get('error', 'ok')}; b {b.get('error', 'ok')}")
                 continue
             lines.append(
                 f"  {row['target']}: cubin {a['cubin_bytes']:,} {ARROW} {b['cubin_bytes']:,} bytes "
                 f"({_delta(a['cubin_bytes'], b['cubin_bytes'])})"
             )
             if a["kernels"] is None or b["kernels"] is None:
-                lines.append(
-                    "    (registers/spills/shared: install nvidia-cuda-cuobjdump)"
-                )
+                lines.append("    (registers/spills/shared: install nvidia-cuda-cuobjdump)")
                 continue
             for ka, kb in pair_kernels(a["kernels"], b["kernels"]):
                 parts = []
-                for key, name in (
-                    ("registers", "reg"),
-                    ("shared", "smem"),
-                    ("local", "local/spill"),
-                    ("stack", "stack"),
-                ):
+                for key, name in (("registers", "reg"), ("shared", "smem"),
+                                  ("local", "local/spill"), ("stack", "stack")):
                     va, vb = ka.get(key), kb.get(key)
-                    parts.append(
-                        f"{name} {_num(va)} {ARROW} {_num(vb)} ({_delta(va, vb)})"
-                    )
+                    parts.append(f"{name} {_num(va)} {ARROW} {_num(vb)} ({_delta(va, vb)})")
                 la, lb = ka.get("kernel", "(absent)"), kb.get("kernel", "(absent)")
                 label = la if la == lb else f"{la} {ARROW} {lb}"
                 lines.append(f"    [{label}] " + ", ".join(parts))
@@ -445,23 +376,16 @@ def format_tail(report: dict) -> str:
                     lines.append(f"      loops: {' | '.join(loops_a or ['-'])}")
                     lines.append(f"         {ARROW} {' | '.join(loops_b or ['-'])}")
     if report.get("performance"):
-        lines += [
-            "",
-            "5. Performance (specgen kernel, from bench/results; ratio above 1: b is faster)",
-        ]
+        lines += ["", "5. Performance (specgen kernel, from bench/results; ratio above 1: b is faster)"]
         for block in report["performance"]:
-            lines.append(
-                f"  {block['device']}, suite {block['suite']}, {block['unit']} "
-                f"(a {block['a_date']}, b {block['b_date']}):"
-            )
+            lines.append(f"  {block['device']}, suite {block['suite']}, {block['unit']} "
+                         f"(a {block['a_date']}, b {block['b_date']}):")
             for row in block["rows"]:
                 ratio = f"{row['ratio']:.2f}×" if row["ratio"] else "n/a"
                 if block["unit"] == "µs":
                     a_t = f"{row['a_us']:.1f}" if row["a_us"] else "n/a"
                     b_t = f"{row['b_us']:.1f}" if row["b_us"] else "n/a"
-                    lines.append(
-                        f"    {row['shape']}: {a_t} {ARROW} {b_t} µs ({ratio})"
-                    )
+                    lines.append(f"    {row['shape']}: {a_t} {ARROW} {b_t} µs ({ratio})")
                     continue
                 a_t = f"{row['a_tflops']:.0f}" if row["a_tflops"] else "n/a"
                 b_t = f"{row['b_tflops']:.0f}" if row["b_tflops"] else "n/a"
@@ -508,9 +432,7 @@ def run_diff(
         if sets and len(paths) != 1:
             raise UsageError("diff: --set takes exactly one spec or module (A)")
         if not sets and len(paths) != 2:
-            raise UsageError(
-                "diff: give two specs or modules (A B), or one with --set key=value"
-            )
+            raise UsageError("diff: give two specs or modules (A B), or one with --set key=value")
         data_a, side_a = load_side(paths[0])
         side_b = variant_side(data_a, side_a, sets) if sets else load_side(paths[1])[1]
         if compiled and not as_json:
@@ -521,11 +443,8 @@ def run_diff(
             head = format_text({**report, "performance": None}, stat, colour)
             sys.stdout.write(head + "\n4. Compiled\n")
             sys.stdout.flush()
-            print(
-                "diff: compiling a and b for their targets (cached cubins are instant)...",
-                file=sys.stderr,
-                flush=True,
-            )
+            print("diff: compiling a and b for their targets (cached cubins are instant)...",
+                  file=sys.stderr, flush=True)
             report["compiled"] = compiled_section(side_a, side_b)
             tail = format_tail(report).split("\n4. Compiled\n", 1)[-1]
             sys.stdout.write(tail)
@@ -547,14 +466,8 @@ def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
 
     reports = []
     for job in load_jobs(paths, gen_dir):
-        committed = (
-            job.out_path.read_text(encoding="utf-8") if job.out_path.is_file() else ""
-        )
+        committed = job.out_path.read_text(encoding="utf-8") if job.out_path.is_file() else ""
         a = Side(f"{job.out_path} (committed)", job.plan, committed)
-        b = Side(
-            f"{job.out_path} (working-tree templates)", job.plan, job.rendered.text
-        )
-        reports.append(
-            build_report(a, b, compiled=False, results_dir=Path("/nonexistent"))
-        )
+        b = Side(f"{job.out_path} (working-tree templates)", job.plan, job.rendered.text)
+        reports.append(build_report(a, b, compiled=False, results_dir=Path("/nonexistent")))
     return reports

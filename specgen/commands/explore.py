@@ -104,9 +104,7 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
     except OSError as exc:
         raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise UsageError(
-            f"{path}: not valid YAML: {str(exc).splitlines()[0]}"
-        ) from None
+        raise UsageError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
@@ -121,10 +119,8 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
             raise UsageError("\n".join(exc.lines())) from None
         features = [n for n in ("window", "softcap", "sinks") if getattr(plan.spec, n)]
         if features:
-            raise UsageError(
-                f"{path}: variant {label!r}: uses {', '.join(features)}, which the "
-                "cuDNN baseline of bench --variants cannot compute; use specgen bench"
-            )
+            raise UsageError(f"{path}: variant {label!r}: uses {', '.join(features)}, which the "
+                             "cuDNN baseline of bench --variants cannot compute; use specgen bench")
         plans[label] = plan
         sources[label] = render(plan, config.spec).text
     return config, plans, sources
@@ -132,11 +128,7 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
 
 def format_markdown(result: VariantsResult) -> str:
     seqs = result.shapes.seqs
-    head = (
-        "| variant | max rel err | "
-        + " | ".join(f"S={s} TFLOPS (×cuDNN)" for s in seqs)
-        + " |"
-    )
+    head = "| variant | max rel err | " + " | ".join(f"S={s} TFLOPS (×cuDNN)" for s in seqs) + " |"
     lines = [
         f"Variants of `{result.spec}` from `{result.file}` on {result.device.get('name')}, "
         f"{result.created}; B={result.shapes.batch}, Hq={result.shapes.heads}, Sq=Skv"
@@ -146,12 +138,7 @@ def format_markdown(result: VariantsResult) -> str:
         "|" + "---|" * (2 + len(seqs)),
     ]
     by_key = {(r.variant, r.seq): r for r in result.rows}
-    cudnn = {
-        s: next(
-            (r.cudnn_tflops for r in result.rows if r.seq == s and r.cudnn_tflops), None
-        )
-        for s in seqs
-    }
+    cudnn = {s: next((r.cudnn_tflops for r in result.rows if r.seq == s and r.cudnn_tflops), None) for s in seqs}
     for label in result.variants:
         err = result.max_rel_err.get(label)
         cells = []
@@ -160,41 +147,18 @@ def format_markdown(result: VariantsResult) -> str:
             if row is None or row.tflops is None:
                 cells.append(row.error if row and row.error else "–")
             else:
-                cell = (
-                    f"{row.tflops:.0f} ({row.vs_cudnn:.2f}×)"
-                    if row.vs_cudnn
-                    else f"{row.tflops:.0f}"
-                )
-                others = [
-                    f"{row.speedup[n]:.2f}× {label_of(n)}"
-                    for n in result.baselines
-                    if n in row.speedup
-                ]
+                cell = f"{row.tflops:.0f} ({row.vs_cudnn:.2f}×)" if row.vs_cudnn else f"{row.tflops:.0f}"
+                others = [f"{row.speedup[n]:.2f}× {label_of(n)}" for n in result.baselines if n in row.speedup]
                 cells.append(cell + (" " + ", ".join(others) if others else ""))
-        lines.append(
-            f"| {label} | {'–' if err is None else f'{err:.1e}'} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    lines.append(
-        "| cuDNN (same run) | | "
-        + " | ".join(f"{cudnn[s]:.0f}" if cudnn[s] else "–" for s in seqs)
-        + " |"
-    )
+        lines.append(f"| {label} | {'–' if err is None else f'{err:.1e}'} | " + " | ".join(cells) + " |")
+    lines.append("| cuDNN (same run) | | " + " | ".join(f"{cudnn[s]:.0f}" if cudnn[s] else "–" for s in seqs) + " |")
     for name in result.baselines:
         if name in result.skipped:
-            lines.append(
-                f"| {label_of(name)} | | "
-                + " | ".join(result.skipped[name] for _ in seqs)
-                + " |"
-            )
+            lines.append(f"| {label_of(name)} | | " + " | ".join(result.skipped[name] for _ in seqs) + " |")
             continue
         cells = []
         for s in seqs:
-            row = next(
-                (r for r in result.rows if r.seq == s and name in r.baseline_tflops),
-                None,
-            )
+            row = next((r for r in result.rows if r.seq == s and name in r.baseline_tflops), None)
             cells.append(f"{row.baseline_tflops[name]:.0f}" if row else "–")
         lines.append(f"| {label_of(name)} (same run) | | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -215,27 +179,13 @@ def run_variants(
     from specgen.bench.baselines import REGISTRY, Inputs
     from specgen.bench.core import graph_time_ms, median_ms, tflops, write_report
     from specgen.bench.flops import attention_flops
-    from specgen.check.cases import (
-        TOLERANCES,
-        call_kernel,
-        compare,
-        poisoned_out,
-        random_qkv,
-        smoke_case,
-    )
-    from specgen.check.gpu import (
-        device_info,
-        device_slug,
-        import_module_file,
-        require_cuda,
-    )
+    from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
+    from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda
 
     late = [n for n in baselines if REGISTRY[n].late]
     if late:
-        raise UsageError(
-            f"bench --variants: {', '.join(late)} cannot be timed beside the variants "
-            "(importing it changes cuda.tile.launch); use specgen bench"
-        )
+        raise UsageError(f"bench --variants: {', '.join(late)} cannot be timed beside the variants "
+                         "(importing it changes cuda.tile.launch); use specgen bench")
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")
     from triton.testing import do_bench
@@ -246,9 +196,7 @@ def run_variants(
         return median_ms(do_bench, fn)
 
     device = device_info()
-    log(
-        f"device: {device['name']} ({device['sm']}); {len(plans)} variants of {config.spec}"
-    )
+    log(f"device: {device['name']} ({device['sm']}); {len(plans)} variants of {config.spec}")
     tmp = Path(tempfile.mkdtemp(prefix="specgen-variants-"))
     modules = {}
     for i, (label, source) in enumerate(sources.items()):
@@ -259,9 +207,7 @@ def run_variants(
     first = next(iter(plans.values()))
     cudnn = REGISTRY["cudnn"].make(torch, "prefill", first)
     if isinstance(cudnn, str):
-        raise UsageError(
-            f"{path}: the cuDNN baseline cannot run {config.spec}: {cudnn}"
-        )
+        raise UsageError(f"{path}: the cuDNN baseline cannot run {config.spec}: {cudnn}")
     others, skipped = {}, {}
     for name in dict.fromkeys(n for n in baselines if n != "cudnn"):
         runner = REGISTRY[name].make(torch, "prefill", first)
@@ -279,27 +225,15 @@ def run_variants(
     for label, module in modules.items():
         try:
             out = poisoned_out(first.spec_dict, case.q, case.v)
-            call_kernel(
-                module,
-                case.q,
-                case.k,
-                case.v,
-                case.extra,
-                q_offset=case.q_offset,
-                out=out,
-            )
+            call_kernel(module, case.q, case.k, case.v, case.extra, q_offset=case.q_offset, out=out)
             torch.cuda.synchronize()
             result = compare(out, case.ref, first.dtype)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             errs[label] = None
-            log(
-                f"[{label}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            )
+            log(f"[{label}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             continue
         errs[label] = result.rel_err
-        log(
-            f"[{label}] max rel err {result.rel_err:.2e} {'ok' if result.ok else 'WRONG'}"
-        )
+        log(f"[{label}] max rel err {result.rel_err:.2e} {'ok' if result.ok else 'WRONG'}")
 
     rows = []
     shapes = config.shapes
@@ -307,29 +241,16 @@ def run_variants(
     for seq in shapes.seqs:
         q, k, v = random_qkv(first.spec_dict, shapes.batch, kv_heads, seq, seq)
         # torch has no float8 attention: cuDNN runs on 16-bit copies of the same values.
-        bq, bk, bv = (
-            (t.to(getattr(torch, first.out_dtype)) for t in (q, k, v))
-            if first.fp8
-            else (q, k, v)
-        )
+        bq, bk, bv = ((t.to(getattr(torch, first.out_dtype)) for t in (q, k, v)) if first.fp8
+                      else (q, k, v))
         kf = bk.repeat_interleave(ratio, 1) if ratio > 1 else bk
         vf = bv.repeat_interleave(ratio, 1) if ratio > 1 else bv
         out = poisoned_out(first.spec_dict, q, v)
-        flops = attention_flops(
-            shapes.batch, shapes.heads, seq, seq, d, causal, first.v_head_dim
-        )
-        extra = (
-            {"q_descale": 1.0, "k_descale": 1.0, "v_descale": 1.0} if first.fp8 else {}
-        )
+        flops = attention_flops(shapes.batch, shapes.heads, seq, seq, d, causal, first.v_head_dim)
+        extra = {"q_descale": 1.0, "k_descale": 1.0, "v_descale": 1.0} if first.fp8 else {}
 
-        inputs = Inputs(
-            q=bq,
-            k=bk,
-            v=bv,
-            k_full=kf,
-            v_full=vf,
-            kernel_qkv=(q, k, v) if first.fp8 else None,
-        )
+        inputs = Inputs(q=bq, k=bk, v=bv, k_full=kf, v_full=vf,
+                        kernel_qkv=(q, k, v) if first.fp8 else None)
         cudnn_ms = measure(lambda: cudnn(inputs))
         other_ms = {}
         for name, runner in others.items():
@@ -337,58 +258,35 @@ def run_variants(
                 runner(inputs)  # its one-time copies and JIT outside the timing
                 other_ms[name] = measure(lambda: runner(inputs))
             except Exception as exc:  # noqa: BLE001 - reported, the variants still run
-                log(
-                    f"[{name}] S={seq} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                )
+                log(f"[{name}] S={seq} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         for name, ms in other_ms.items():
             log(f"[{name}] S={seq}: {tflops(flops, ms):.0f} TFLOPS")
         for label, module in modules.items():
             err = errs.get(label)
             if err is None or err > TOLERANCES[first.dtype]:
-                rows.append(
-                    VariantTiming(variant=label, seq=seq, error="incorrect or failed")
-                )
+                rows.append(VariantTiming(variant=label, seq=seq, error="incorrect or failed"))
                 continue
             call_kernel(module, q, k, v, extra, out=out)  # JIT outside the timing
             ms = measure(lambda: call_kernel(module, q, k, v, extra, out=out))
             row = VariantTiming(
-                variant=label,
-                seq=seq,
-                ms=ms,
-                tflops=tflops(flops, ms),
-                cudnn_ms=cudnn_ms,
-                cudnn_tflops=tflops(flops, cudnn_ms),
-                vs_cudnn=cudnn_ms / ms,
-                baseline_ms=other_ms,
-                baseline_tflops={n: tflops(flops, m) for n, m in other_ms.items()},
+                variant=label, seq=seq, ms=ms, tflops=tflops(flops, ms), cudnn_ms=cudnn_ms,
+                cudnn_tflops=tflops(flops, cudnn_ms), vs_cudnn=cudnn_ms / ms,
+                baseline_ms=other_ms, baseline_tflops={n: tflops(flops, m) for n, m in other_ms.items()},
                 speedup={n: m / ms for n, m in other_ms.items()},
             )
             rows.append(row)
             vs = "".join(f", {r:.2f}x {n}" for n, r in row.speedup.items())
-            log(
-                f"[{label}] S={seq}: {row.tflops:.0f} TFLOPS, {row.vs_cudnn:.2f}x cuDNN ({row.cudnn_tflops:.0f}){vs}"
-            )
+            log(f"[{label}] S={seq}: {row.tflops:.0f} TFLOPS, {row.vs_cudnn:.2f}x cuDNN ({row.cudnn_tflops:.0f}){vs}")
         del q, k, v, bq, bk, bv, kf, vf, out
 
     result = VariantsResult(
-        file=path.as_posix(),
-        spec=config.spec,
-        base=config.base,
-        created=datetime.date.today().isoformat(),
-        device=device,
-        shapes=shapes,
-        timing=config.timing,
-        variants=config.variants,
-        max_rel_err=errs,
-        rows=rows,
-        baselines=[n for n in dict.fromkeys(baselines) if n != "cudnn"],
-        skipped=skipped,
+        file=path.as_posix(), spec=config.spec, base=config.base, created=datetime.date.today().isoformat(),
+        device=device, shapes=shapes, timing=config.timing, variants=config.variants, max_rel_err=errs,
+        rows=rows, baselines=[n for n in dict.fromkeys(baselines) if n != "cudnn"], skipped=skipped,
     )
     stem = out_dir / device_slug(device["name"]) / f"variants-{path.stem}"
     table = format_markdown(result)
-    write_report(
-        stem, json.dumps(result.model_dump(mode="json"), indent=2) + "\n", table
-    )
+    write_report(stem, json.dumps(result.model_dump(mode="json"), indent=2) + "\n", table)
     print(table)
     log(f"wrote {stem}.json and .md")
     return stem

@@ -38,7 +38,6 @@ from specgen.spec import (
     spec_to_dict,
 )
 
-
 def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
     if text is None:
         return None
@@ -47,9 +46,7 @@ def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
     except ValueError:
         seqs = []
     if not seqs or seqs[0] < 1:
-        raise UsageError(
-            f"--seqs: expected comma-separated positive lengths like 2048,8192, got {text!r}"
-        )
+        raise UsageError(f"--seqs: expected comma-separated positive lengths like 2048,8192, got {text!r}")
     return seqs
 
 
@@ -88,11 +85,7 @@ def finalists(timed: list[Timed], count: int, own: Optional[dict]) -> list[dict]
 
 def describe(config: dict) -> str:
     text = f"{config['tile_m']}x{config['tile_n']} occ{config['occupancy']}"
-    for name, short in (
-        ("num_ctas", "ctas"),
-        ("num_worker_warps", "ww"),
-        ("opt_level", "O"),
-    ):
+    for name, short in (("num_ctas", "ctas"), ("num_worker_warps", "ww"), ("opt_level", "O")):
         if config.get(name) is not None:
             text += f" {short}{config[name]}"
     if config.get("tile_order") == "global":
@@ -125,12 +118,8 @@ def choose(
     picked = []
     for seq in seqs:
         winner = best[seq].config
-        own_here = next(
-            (t for t in results[seq] if config_key(t.config) == config_key(own)), None
-        )
-        if own_here is not None and best[seq].mean_us > own_here.mean_us * (
-            1 - min_gain
-        ):
+        own_here = next((t for t in results[seq] if config_key(t.config) == config_key(own)), None)
+        if own_here is not None and best[seq].mean_us > own_here.mean_us * (1 - min_gain):
             winner = own  # not worth a bucket: the own config is within min_gain
         picked.append((seq, winner))
     buckets: list[dict] = []
@@ -148,9 +137,7 @@ def _clean(config: dict) -> dict:
     return compact_config(config)
 
 
-def write_back(
-    text: str, path: str, target: str, own: dict, buckets: list[dict]
-) -> str:
+def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]) -> str:
     """The spec text with ``targets.<target>`` set to the tuned config.
 
     Comments, key order and formatting elsewhere are kept (ruamel.yaml round
@@ -204,10 +191,8 @@ def write_back(
     try:
         validate_spec(parse_spec_text(new_text, path), path)
     except SpecError as exc:  # a tuned value the spec rejects is a bug: keep the file
-        raise UsageError(
-            "tune produced an invalid spec, file left unchanged: "
-            + "; ".join(exc.lines())
-        ) from None
+        raise UsageError("tune produced an invalid spec, file left unchanged: "
+                         + "; ".join(exc.lines())) from None
     return new_text
 
 
@@ -217,10 +202,8 @@ def write_back(
 def _hints(config: dict) -> dict:
     """Every kernel option, null ones reset to their defaults (the decorator's
     per-target values must not leak into another config)."""
-    return {
-        name: HINT_DEFAULTS[name] if config.get(name) is None else config[name]
-        for name in HINT_FIELDS
-    }
+    return {name: HINT_DEFAULTS[name] if config.get(name) is None else config[name]
+            for name in HINT_FIELDS}
 
 
 def run_tune(
@@ -262,20 +245,14 @@ def run_tune(
             f"add e.g. autotune: {{{target}: {{tile_m: [64, 128], tile_n: [64, 128]}}}}"
         )
     if spec.family != "prefill":
-        raise UsageError(
-            f"{path}: tune searches prefill specs; set a decode spec's tile_n and "
-            "occupancy by hand and compare with specgen bench --suite decode"
-        )
+        raise UsageError(f"{path}: tune searches prefill specs; set a decode spec's tile_n and "
+                         "occupancy by hand and compare with specgen bench --suite decode")
     if spec.varlen:
-        raise UsageError(
-            f"{path}: tune times [B, H, S, D] batches; a varlen spec is not supported "
-            "yet (tune a copy with varlen: false and paste its targets)"
-        )
+        raise UsageError(f"{path}: tune times [B, H, S, D] batches; a varlen spec is not supported "
+                         "yet (tune a copy with varlen: false and paste its targets)")
     configs = search_space(space, spec.q_subtiles)
     if not configs:
-        raise UsageError(
-            f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}"
-        )
+        raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
     batch, heads, suite_seqs = BATCH, HEADS, SEQS
     seqs = sorted(seqs or suite_seqs)
     heads = suite_heads(heads, spec.gqa_ratio)
@@ -287,30 +264,21 @@ def run_tune(
 
     device = device_info()
     if device["sm"] != target:
-        raise UsageError(
-            f"--target {target}: this GPU is {device['name']} ({device['sm']}); "
-            f"tune on a {target} device"
-        )
-    log(
-        f"device: {device['name']} ({device['sm']}); tuning {spec.name} for {target}: "
-        f"{len(configs)} configs x {len(seqs)} lengths (B={batch}, Hq={heads})"
-    )
+        raise UsageError(f"--target {target}: this GPU is {device['name']} ({device['sm']}); "
+                         f"tune on a {target} device")
+    log(f"device: {device['name']} ({device['sm']}); tuning {spec.name} for {target}: "
+        f"{len(configs)} configs x {len(seqs)} lengths (B={batch}, Hq={heads})")
 
     # One kernel for both tile orders when the space has "global".
     # And one kernel for both V layouts when the space asks for a transposed V.
     v_default = default_v_transposed(spec)
     v_choices = {v_default if v is None else v for v in space.v_transposed}
     # And one kernel in the work-item loop form when the space has persistent launches.
-    plan = make_plan(
-        spec,
-        tile_order_param=space.tile_order != ["per_head"],
-        v_layout_param=True in v_choices,
-        persistent_loop=True in space.persistent,
-    )
+    plan = make_plan(spec, tile_order_param=space.tile_order != ["per_head"],
+                     v_layout_param=True in v_choices,
+                     persistent_loop=True in space.persistent)
     source = render(plan, path.as_posix()).text
-    module = load_module_from_source(
-        f"{spec.name}_tune", source, f"{spec.name}_tune.py"
-    )
+    module = load_module_from_source(f"{spec.name}_tune", source, f"{spec.name}_tune.py")
     kernel = getattr(module, plan.kernel_name)
     spec_dict = spec_to_dict(spec)
     kv_heads, d = heads // spec.gqa_ratio, spec.head_dim
@@ -320,23 +288,13 @@ def run_tune(
     def kernel_args(q, k, v, out, config, extra, q_offset=0):
         """The launch arguments, in the order of the plan's parameter list;
         ``extra``: sinks and hook tensors (feature_inputs)."""
-        v_t = (
-            v_default if config.get("v_transposed") is None else config["v_transposed"]
-        )
+        v_t = v_default if config.get("v_transposed") is None else config["v_transposed"]
         v_arg = module.transposed_v(v) if v_t else v  # as the launcher passes it
-        values = {
-            "q": q,
-            "k": k,
-            "v": v_arg,
-            "out": out,
-            "scale": scale,
-            "q_offset": q_offset,
-            "v_transposed": v_t,
-            "tile_m": config["tile_m"],
-            "tile_n": config["tile_n"],
-            "even_n": k.shape[2] % config["tile_n"] == 0,
-            "tiles_outer": config["tile_order"] == "global",
-        }
+        values = {"q": q, "k": k, "v": v_arg, "out": out, "scale": scale,
+                  "q_offset": q_offset, "v_transposed": v_t,
+                  "tile_m": config["tile_m"], "tile_n": config["tile_n"],
+                  "even_n": k.shape[2] % config["tile_n"] == 0,
+                  "tiles_outer": config["tile_order"] == "global"}
         if plan.sinks:
             values["sinks"] = extra["sinks"].float()
         if plan.return_lse:
@@ -344,55 +302,31 @@ def run_tune(
         for name, _, _, _ in plan.extra_tensors:
             values[f"tensor:{name}"] = extra[name].contiguous()
         if plan.fp8:
-            values["descales"] = torch.tensor(
-                [extra["q_descale"], extra["k_descale"], extra["v_descale"]],
-                dtype=torch.float32,
-                device="cuda",
-            )
+            values["descales"] = torch.tensor([extra["q_descale"], extra["k_descale"], extra["v_descale"]],
+                                              dtype=torch.float32, device="cuda")
         if plan.dropout:
             p = extra["dropout_p"]
-            values.update(
-                dropout_threshold=min(round(p * 2**24), 2**24),
-                dropout_scale=1.0 / (1.0 - p),
-                seed=extra["seed"],
-            )
+            values.update(dropout_threshold=min(round(p * 2**24), 2**24), dropout_scale=1.0 / (1.0 - p),
+                          seed=extra["seed"])
         return tuple(values[param.role] for param in plan.params)
 
-    sm_count = torch.cuda.get_device_properties(
-        torch.cuda.current_device()
-    ).multi_processor_count
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def grid(config, seq_q, batch_heads):
         """As the generated launcher computes it."""
         tiles = math.ceil(seq_q / config["tile_m"])
         if plan.persistent_loop:
             work = tiles * batch_heads
-            return (
-                (
-                    min(work, sm_count * config["occupancy"])
-                    if config["persistent"]
-                    else work
-                ),
-                1,
-                1,
-            )
+            return (min(work, sm_count * config["occupancy"]) if config["persistent"] else work, 1, 1)
         if config["tile_order"] == "global":
             return (batch_heads, tiles, 1)
         return (tiles, batch_heads, 1)
 
     results: dict[int, list[Timed]] = {}
-    report: dict = {
-        "spec": spec.name,
-        "target": target,
-        "suite": suite,
-        "created": datetime.date.today().isoformat(),
-        "device": device,
-        "batch": batch,
-        "heads_q": heads,
-        "space": space.model_dump(mode="json"),
-        "confirm": confirm,
-        "lengths": [],
-    }
+    report: dict = {"spec": spec.name, "target": target, "suite": suite,
+                    "created": datetime.date.today().isoformat(), "device": device,
+                    "batch": batch, "heads_q": heads, "space": space.model_dump(mode="json"),
+                    "confirm": confirm, "lengths": []}
     variants: dict[tuple, object] = {}
 
     def variant(config):
@@ -409,8 +343,7 @@ def run_tune(
         extra = feature_inputs(spec_dict, shape_dims(q, k))
         log(f"[S={seq}] searching {len(configs)} configs")
         result = exhaustive_search(
-            configs,
-            stream,
+            configs, stream,
             grid_fn=lambda c: grid(c, seq, batch * heads),
             kernel=kernel,
             args_fn=lambda c: kernel_args(q, k, v, out, c, extra),
@@ -420,30 +353,16 @@ def run_tune(
         flops = forward_flops(plan, batch, heads, seq, seq)
         searched = [Timed(m.config, m.mean_us) for m in result.successes]
         if result.failures:
-            log(
-                f"[S={seq}]   {len(result.failures)} configs failed, e.g. "
-                f"{describe(result.failures[0][0])}: {result.failures[0][1].__name__}"
-            )
+            log(f"[S={seq}]   {len(result.failures)} configs failed, e.g. "
+                f"{describe(result.failures[0][0])}: {result.failures[0][1].__name__}")
         length = {
             "seq": seq,
-            "measurements": [
-                {
-                    "config": m.config,
-                    "mean_us": m.mean_us,
-                    "error_margin_us": m.error_margin_us,
-                    "tflops": tflops(flops, m.mean_us / 1000),
-                }
-                for m in sorted(result.successes, key=lambda m: m.mean_us)
-            ],
-            "failures": [
-                {
-                    "config": c,
-                    "error": f"{t.__name__}: {msg.splitlines()[0] if msg else ''}"[
-                        :300
-                    ],
-                }
-                for c, t, msg in result.failures
-            ],
+            "measurements": [{"config": m.config, "mean_us": m.mean_us,
+                              "error_margin_us": m.error_margin_us,
+                              "tflops": tflops(flops, m.mean_us / 1000)}
+                             for m in sorted(result.successes, key=lambda m: m.mean_us)],
+            "failures": [{"config": c, "error": f"{t.__name__}: {msg.splitlines()[0] if msg else ''}"[:300]}
+                         for c, t, msg in result.failures],
         }
         if confirm and searched:
             # The search's means rank; the choice uses the bench's own measure
@@ -451,33 +370,20 @@ def run_tune(
             timed = []
             for config in finalists(searched, confirm, own):
                 launch = variant(config)
-                grid_c, args_c = grid(config, seq, batch * heads), kernel_args(
-                    q, k, v, out, config, extra
-                )
-                ms = do_bench(
-                    lambda: ct.launch(stream, grid_c, launch, args_c),
-                    warmup=25,
-                    rep=200,
-                    return_mode="median",
-                )
+                grid_c, args_c = grid(config, seq, batch * heads), kernel_args(q, k, v, out, config, extra)
+                ms = do_bench(lambda: ct.launch(stream, grid_c, launch, args_c),
+                              warmup=25, rep=200, return_mode="median")
                 timed.append(Timed(config, ms * 1000))
-            length["confirmed"] = [
-                {
-                    "config": t.config,
-                    "median_us": t.mean_us,
-                    "tflops": tflops(flops, t.mean_us / 1000),
-                }
-                for t in sorted(timed, key=lambda t: t.mean_us)
-            ]
+            length["confirmed"] = [{"config": t.config, "median_us": t.mean_us,
+                                    "tflops": tflops(flops, t.mean_us / 1000)}
+                                   for t in sorted(timed, key=lambda t: t.mean_us)]
         else:
             timed = searched
         results[seq] = timed
         for t in sorted(timed, key=lambda t: t.mean_us)[:5]:
-            log(
-                f"[S={seq}]   {describe(t.config):28s} {t.mean_us:9.1f} us "
+            log(f"[S={seq}]   {describe(t.config):28s} {t.mean_us:9.1f} us "
                 f"{tflops(flops, t.mean_us / 1000):6.0f} TFLOPS"
-                + (" (do_bench median)" if confirm else "")
-            )
+                + (" (do_bench median)" if confirm else ""))
         if own is None and timed:
             own = min(timed, key=lambda t: t.mean_us).config
         report["lengths"].insert(0, length)
@@ -491,14 +397,8 @@ def run_tune(
         key = config_key(config)
         if key not in checked:
             out = poisoned_out(spec_dict, case.q, case.v)
-            ct.launch(
-                stream,
-                grid(config, case.q.shape[2], case.q.shape[0] * case.q.shape[1]),
-                variant(config),
-                kernel_args(
-                    case.q, case.k, case.v, out, config, case.extra, case.q_offset
-                ),
-            )
+            ct.launch(stream, grid(config, case.q.shape[2], case.q.shape[0] * case.q.shape[1]), variant(config),
+                      kernel_args(case.q, case.k, case.v, out, config, case.extra, case.q_offset))
             torch.cuda.synchronize()
             checked[key] = compare(out, case.ref, spec.dtype)
             log(f"check {describe(config)}: max rel err {checked[key].rel_err:.2e}")
@@ -510,25 +410,14 @@ def run_tune(
         if not results:
             log("no config ran correctly; the spec is unchanged")
             return 1
-        own, buckets = choose(
-            results, seq_buckets=space.seq_buckets, min_gain=space.min_gain
-        )
+        own, buckets = choose(results, seq_buckets=space.seq_buckets, min_gain=space.min_gain)
         wrong = [c for c in [own, *buckets] if not correct(c)]
         if not wrong:
             break
         bad = {config_key(c) for c in wrong}
-        results = {
-            s: [t for t in r if config_key(t.config) not in bad]
-            for s, r in results.items()
-        }
-    report["chosen"] = {
-        "own": own,
-        "by_seq_k": buckets,
-        "checked": {
-            describe(dict(zip(TUNABLE_FIELDS, key))): c.rel_err
-            for key, c in checked.items()
-        },
-    }
+        results = {s: [t for t in r if config_key(t.config) not in bad] for s, r in results.items()}
+    report["chosen"] = {"own": own, "by_seq_k": buckets, "checked": {
+        describe(dict(zip(TUNABLE_FIELDS, key))): c.rel_err for key, c in checked.items()}}
 
     slug = device_slug(device["name"])
     report_path = out_dir / slug / f"tune-{spec.name}-{target}.json"
@@ -537,20 +426,15 @@ def run_tune(
     log(f"wrote {report_path}")
 
     summary = f"{target}: {describe(own)}" + "".join(
-        f"; seq_k <= {b['max_seq_k']}: {describe(b)}" for b in buckets
-    )
+        f"; seq_k <= {b['max_seq_k']}: {describe(b)}" for b in buckets)
     print(summary)
     if dry_run:
         log("--dry-run: the spec is unchanged")
         return 0
     text = path.read_text(encoding="utf-8")
-    tuned = TargetConfig.model_validate(
-        {**_clean(own), "by_seq_k": [_clean(b) for b in buckets]}
-    )
+    tuned = TargetConfig.model_validate({**_clean(own), "by_seq_k": [_clean(b) for b in buckets]})
     current = spec.targets.get(target)
-    new_text = (
-        text if current == tuned else write_back(text, str(path), target, own, buckets)
-    )
+    new_text = text if current == tuned else write_back(text, str(path), target, own, buckets)
     if new_text == text:
         log(f"{path}: unchanged (already tuned to these configs)")
     else:

@@ -19,12 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from specgen.compile.export import (
-    CompileResult,
-    aot_entries_path,
-    atomic_write,
-    package_version,
-)
+from specgen.compile.export import CompileResult, aot_entries_path, atomic_write, package_version
 
 AOT_FORMAT = 1
 
@@ -33,9 +28,7 @@ def aot_dir(module_path: Path) -> Path:
     return module_path.with_name(module_path.stem + ".aot")
 
 
-def write_aot_folder(
-    module_path: Path, source: str, results: list[CompileResult]
-) -> Path:
+def write_aot_folder(module_path: Path, source: str, results: list[CompileResult]) -> Path:
     """Copy the cubins of ``results`` beside ``module_path`` and write their manifest;
     cubins of an earlier build that this one does not list are removed."""
     folder = aot_dir(module_path)
@@ -45,10 +38,7 @@ def write_aot_folder(
         for cubin in result.paths:
             name = cubin.name
             keep.add(name)
-            if (
-                not (folder / name).is_file()
-                or (folder / name).stat().st_size != cubin.stat().st_size
-            ):
+            if not (folder / name).is_file() or (folder / name).stat().st_size != cubin.stat().st_size:
                 atomic_write(folder / name, cubin.read_bytes())
             for entry in json.loads(aot_entries_path(cubin).read_text()):
                 entries.append({**entry, "cubin": name})
@@ -58,9 +48,7 @@ def write_aot_folder(
         "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
         "entries": entries,
     }
-    atomic_write(
-        folder / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode()
-    )
+    atomic_write(folder / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
     # Cubins of an earlier build (never another writer's temporary ".name.xxx" file:
     # concurrent builds of one module write the same files).
     for stale in folder.glob("*.cubin"):

@@ -76,20 +76,13 @@ def toolchain_versions() -> dict:
 CACHE_FORMAT = 3
 
 
-def cache_key(
-    plan: Plan,
-    source: str,
-    target: str,
-    config: ConfigPlan | None = None,
-    kernel: str | None = None,
-) -> str:
+def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
+              kernel: str | None = None) -> str:
     from cuda.tile.compilation import mangle_kernel_name
 
     config = config or plan.target(target).configs[-1]
     kernel = kernel or plan.kernel_name
-    sigs = dict(kernel_builds(plan, config, target))[kernel] or signatures(
-        plan, target, config
-    )
+    sigs = dict(kernel_builds(plan, config, target))[kernel] or signatures(plan, target, config)
     payload = {
         "format": CACHE_FORMAT,
         # What the cubin assumes of its arguments, so a change of the exported
@@ -107,24 +100,15 @@ def cache_key(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def cubin_path(
-    plan: Plan,
-    source: str,
-    target: str,
-    config: ConfigPlan | None = None,
-    kernel: str | None = None,
-) -> Path:
+def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
+               kernel: str | None = None) -> Path:
     """The cache file of one kernel (default: the spec's main kernel) of one config."""
     key = cache_key(plan, source, target, config, kernel)
     suffix = "" if kernel in (None, plan.kernel_name) else f"-{kernel}"
-    return (
-        cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}{suffix}.cubin"
-    )
+    return cache_dir() / "cubins" / plan.module_name / f"{target}-{key[:20]}{suffix}.cubin"
 
 
-def kernel_builds(
-    plan: Plan, config: ConfigPlan, target: str
-) -> list[tuple[str, list | None]]:
+def kernel_builds(plan: Plan, config: ConfigPlan, target: str) -> list[tuple[str, list | None]]:
     """Every kernel a config compiles for ``target``, main kernel first: (name, its
     signatures, or None for the spec's own). Decode adds its combine kernel,
     backward: true the three backward kernels."""
@@ -142,13 +126,9 @@ def target_configs(plan: Plan, target: str) -> list[ConfigPlan]:
     """The distinct kernel builds the launcher can pick on ``target``."""
     seen, configs = set(), []
     for config in plan.target(target).configs:
-        key = (
-            config.tile_m,
-            config.tile_n,
-            tuple(config.extra_hints.items()),
-            config.tile_order if plan.tile_order_param else None,
-            config.v_transposed if plan.v_layout_param else None,
-        )
+        key = (config.tile_m, config.tile_n, tuple(config.extra_hints.items()),
+               config.tile_order if plan.tile_order_param else None,
+               config.v_transposed if plan.v_layout_param else None)
         if key not in seen:
             seen.add(key)
             configs.append(config)
@@ -196,9 +176,7 @@ def load_module_from_source(name: str, source: str, origin: str):
         exec(compile(source, origin, "exec"), module.__dict__)  # noqa: S102
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise CompileError(
-            f"{origin}: import failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise CompileError(f"{origin}: import failed: {type(exc).__name__}: {exc}") from exc
     return module
 
 
@@ -216,11 +194,7 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     """The decode family's kernels (split, combine and, block_sparse, the map
     kernel): {kernel name: its signatures}."""
     import cuda.tile as ct
-    from cuda.tile.compilation import (
-        CallingConvention,
-        KernelSignature,
-        ScalarConstraint,
-    )
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     def array(dtype, ndim: int, elem_bytes: int = 4, inner_aligned: bool = False):
         return _array_constraint(dtype, ndim, elem_bytes, inner_aligned)
@@ -229,69 +203,31 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     cache = array(getattr(ct, plan.kv_dtype), 4, 1 if plan.kv_fp8 else 2, True)
     split = [array(io, 4, 2, True), cache, cache, array(ct.int32, 1)]
     split += [array(ct.int32, 2)] if plan.page_size else []
-    split += (
-        [array(ct.float32, 1), array(ct.float32, 1)] if plan.kv_fp8 else []
-    )  # k, v descales
+    split += [array(ct.float32, 1), array(ct.float32, 1)] if plan.kv_fp8 else []  # k, v descales
     sinks = [array(ct.float32, 1)] if plan.sinks else []
-    parts = [
-        array(io, 4, 2, True),
-        array(ct.float32, 5, 4, True),
-        array(ct.float32, 4, 4, True),
-    ]
-    scalars = [
-        ScalarConstraint(ct.float32),
-        ScalarConstraint(ct.int32),
-        ScalarConstraint(ct.int32),
-    ]
+    parts = [array(io, 4, 2, True), array(ct.float32, 5, 4, True), array(ct.float32, 4, 4, True)]
+    scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32), ScalarConstraint(ct.int32)]
     convention = CallingConvention.cutile_python_v1()
     # The combine kernel is specialised on the split count padded to a power of two.
     fixed = plan.spec.splits if plan.spec.splits != "auto" else None
-    split_tiles = (
-        [1 << (fixed - 1).bit_length()]
-        if fixed
-        else [1 << i for i in range(1, plan.max_splits.bit_length())]
-    )
+    split_tiles = ([1 << (fixed - 1).bit_length()] if fixed else
+                   [1 << i for i in range(1, plan.max_splits.bit_length())])
     pdl = pdl_value(plan, target)
     # The mask_mod's tensors (small, any alignment) and the block map (counts, indices).
-    hooks = [
-        array(getattr(ct, dtype), len(dims)) for _, _, dtype, dims in plan.extra_tensors
-    ]
+    hooks = [array(getattr(ct, dtype), len(dims)) for _, _, dtype, dims in plan.extra_tensors]
     tables = [array(ct.int32, 4)] * 2 if plan.block_sparse else []
     builds = {
-        plan.kernel_name: [
-            KernelSignature(
-                split
-                + sinks
-                + hooks
-                + tables
-                + parts
-                + scalars
-                + [config.tile_n, single, pdl],
-                convention,
-            )
-            for single in (True, False)
-        ],
-        plan.combine_name: [
-            KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
-            for tile in split_tiles
-            if tile > 1
-        ],
+        plan.kernel_name: [KernelSignature(split + sinks + hooks + tables + parts + scalars
+                                           + [config.tile_n, single, pdl], convention)
+                           for single in (True, False)],
+        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
+                            for tile in split_tiles if tile > 1],
     }
-    if (
-        plan.block_sparse
-    ):  # the map's kernels: states, seq_lens, hooks, q_len; the lists
+    if plan.block_sparse:  # the map's kernels: states, seq_lens, hooks, q_len; the lists
         state = array(ct.int32, 4, 4, True)
-        builds[plan.map_kernel_name] = [
-            KernelSignature(
-                [state, array(ct.int32, 1)]
-                + hooks
-                + [ScalarConstraint(ct.int32), config.tile_n],
-                convention,
-            )
-        ]
-        builds[plan.map_list_kernel_name] = [
-            KernelSignature(tables + [state], convention)
-        ]
+        builds[plan.map_kernel_name] = [KernelSignature(
+            [state, array(ct.int32, 1)] + hooks + [ScalarConstraint(ct.int32), config.tile_n], convention)]
+        builds[plan.map_list_kernel_name] = [KernelSignature(tables + [state], convention)]
     return builds
 
 
@@ -300,39 +236,25 @@ def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
     tiles and, with backward: true, at the dQ kernel's tiles and by key tile at the
     dK/dV kernel's."""
     import cuda.tile as ct
-    from cuda.tile.compilation import (
-        CallingConvention,
-        KernelSignature,
-        ScalarConstraint,
-    )
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     tables = [_array_constraint(ct.int32, 4, 4, False)] * 2  # MapCounts, MapIdx
-    hooks = [
-        _array_constraint(getattr(ct, dtype), len(dims), 4, False)
-        for _, _, dtype, dims in plan.extra_tensors
-    ]
+    hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
+             for _, _, dtype, dims in plan.extra_tensors]
     scalars = [ScalarConstraint(ct.int32)] * 3  # seq_q, seq_k, q_offset
     shapes = [(config.tile_m, config.tile_n, False)]
     if plan.backward:
         shapes += [(*plan.bwd_dq_tile, False), (*plan.bwd_tile, True)]
     convention = CallingConvention.cutile_python_v1()
-    return {
-        plan.map_kernel_name: [
-            KernelSignature(tables + hooks + scalars + list(shape), convention)
-            for shape in dict.fromkeys(shapes)
-        ]
-    }
+    return {plan.map_kernel_name: [KernelSignature(tables + hooks + scalars + list(shape), convention)
+                                   for shape in dict.fromkeys(shapes)]}
 
 
 def backward_signatures(plan: Plan) -> dict:
     """The backward kernels (delta, dK/dV, dQ): {kernel name: its signatures}, at the
     module's tiles (plan.bwd_tile; the dQ kernel's plan.bwd_dq_tile)."""
     import cuda.tile as ct
-    from cuda.tile.compilation import (
-        CallingConvention,
-        KernelSignature,
-        ScalarConstraint,
-    )
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     io = getattr(ct, plan.dtype)
     tile_m, tile_n = plan.bwd_tile
@@ -341,65 +263,36 @@ def backward_signatures(plan: Plan) -> dict:
         qkv = _array_constraint(io, 3, 2, True)
         rows = _array_constraint(ct.float32, 2, 4, False)
         cu = [_array_constraint(ct.int32, 1, 4, False)]
-        scalars = cu * 2 + [
-            ScalarConstraint(ct.float32),
-            ScalarConstraint(ct.int32),
-        ]  # qk_scale, q_shift
+        scalars = cu * 2 + [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]  # qk_scale, q_shift
     else:
         qkv = _array_constraint(io, 4, 2, True)
         rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
         cu = []
-        scalars = [
-            ScalarConstraint(ct.float32),
-            ScalarConstraint(ct.int32),
-        ]  # qk_scale, q_offset
+        scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]  # qk_scale, q_offset
     # dropout: seed, keep threshold, 1 / (1 - dropout_p)
     if plan.dropout:
-        scalars += [
-            ScalarConstraint(ct.int32),
-            ScalarConstraint(ct.int32),
-            ScalarConstraint(ct.float32),
-        ]
+        scalars += [ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.float32)]
     convention = CallingConvention.cutile_python_v1()
     # The hook tensors the dK/dV and dQ kernels gather from (small, any alignment),
     # and the float32 gradients of the learnable ones, which the dQ kernel adds to.
-    hooks = [
-        _array_constraint(getattr(ct, dtype), len(dims), 4, False)
-        for _, _, dtype, dims in plan.extra_tensors
-    ]
+    hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
+             for _, _, dtype, dims in plan.extra_tensors]
     if plan.block_sparse:  # the block map at the kernel's tiles: MapCounts, MapIdx
         hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
-    grads = [
-        _array_constraint(ct.float32, ndim[name], 4, False)
-        for name, _ in plan.learnable
-    ]
+    grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
     delta, dkdv, dq = plan.bwd_names
     return {
         delta: [KernelSignature([qkv, qkv, rows] + cu + [tile_m], convention)],
-        dkdv: [
-            KernelSignature(
-                [qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + [tile_m, tile_n],
-                convention,
-            )
-        ],
-        dq: [
-            KernelSignature(
-                [qkv] * 4
-                + [rows, rows, qkv]
-                + hooks
-                + grads
-                + scalars
-                + list(plan.bwd_dq_tile),
-                convention,
-            )
-        ],
+        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + [tile_m, tile_n],
+                               convention)],
+        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + grads + scalars
+                             + list(plan.bwd_dq_tile), convention)],
     }
 
 
-def _array_constraint(
-    dtype, ndim: int, elem_bytes: int, inner_aligned: bool, last_dim: int | None = None
-):
+def _array_constraint(dtype, ndim: int, elem_bytes: int, inner_aligned: bool,
+                      last_dim: int | None = None):
     """An array with a contiguous last axis; ``inner_aligned``: 16-byte aligned rows
     and base (q, k, v, out as torch makes them). ``last_dim``: the last axis is always
     this head dim (the launcher checks it), so the cubin may assume its divisibility
@@ -432,38 +325,20 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     The JIT path specialises again for whatever it is called with.
     """
     import cuda.tile as ct
-    from cuda.tile.compilation import (
-        CallingConvention,
-        KernelSignature,
-        ScalarConstraint,
-    )
+    from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
     cfg = config or plan.target(target).configs[-1]
-    constants = {
-        "TILE_M": [cfg.tile_m],
-        "TILE_N": [cfg.tile_n],
-        "EVEN_N": [True, False],
-        "TILES_OUTER": [cfg.tiles_outer],
-        "V_TRANSPOSED": [cfg.v_transposed],
-    }
+    constants = {"TILE_M": [cfg.tile_m], "TILE_N": [cfg.tile_n], "EVEN_N": [True, False],
+                 "TILES_OUTER": [cfg.tiles_outer], "V_TRANSPOSED": [cfg.v_transposed]}
     fixed = []
     for param in plan.params:
         if param.kind == "array":
             io = param.layout == "io"
             elem_bytes = 1 if param.dtype == "float8_e4m3fn" else 2 if io else 4
             # A transposed V's last axis is the (padded-stride) key axis, of any length.
-            last_dim = (
-                None if param.name == "V" and cfg.v_transposed else param.last_dim
-            )
-            fixed.append(
-                _array_constraint(
-                    getattr(ct, param.dtype),
-                    param.ndim,
-                    elem_bytes,
-                    io,
-                    last_dim=last_dim,
-                )
-            )
+            last_dim = None if param.name == "V" and cfg.v_transposed else param.last_dim
+            fixed.append(_array_constraint(getattr(ct, param.dtype), param.ndim, elem_bytes, io,
+                                           last_dim=last_dim))
         elif param.kind == "scalar":
             fixed.append(ScalarConstraint(getattr(ct, param.dtype)))
         else:
@@ -473,10 +348,7 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     for value in fixed:
         options = value if isinstance(value, list) else [value]
         result = [r + [o] for r in result for o in options]
-    return [
-        KernelSignature(params, CallingConvention.cutile_python_v1())
-        for params in result
-    ]
+    return [KernelSignature(params, CallingConvention.cutile_python_v1()) for params in result]
 
 
 def compile_target(plan: Plan, source: str, origin: str, target: str) -> CompileResult:
@@ -491,33 +363,21 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
             path.parent.mkdir(parents=True, exist_ok=True)
             # The lock makes concurrent builds of the same kernel compile it once.
             with FileLock(str(path) + ".lock"):
-                if not (
-                    path.is_file()
-                    and path.stat().st_size > 0
-                    and aot_entries_path(path).is_file()
-                ):
+                if not (path.is_file() and path.stat().st_size > 0 and aot_entries_path(path).is_file()):
                     all_cached = False
                     if module is None:
-                        module = load_module_from_source(
-                            plan.module_name, source, origin
-                        )
+                        module = load_module_from_source(plan.module_name, source, origin)
                     kernel = getattr(module, name)
                     if name == plan.kernel_name and config.extra_hints:
                         kernel = kernel.replace_hints(**config.extra_hints)
                     sigs = sigs or signatures(plan, target, config)
                     atomic_write(path, _export(plan, kernel, target, config, sigs))
                     entries = aot_entries(module, kernel, name, target, sigs)
-                    atomic_write(
-                        aot_entries_path(path), json.dumps(entries, indent=1).encode()
-                    )
+                    atomic_write(aot_entries_path(path), json.dumps(entries, indent=1).encode())
             paths.append(path)
             size += path.stat().st_size
     return CompileResult(
-        plan.module_name,
-        target,
-        tuple(paths),
-        size,
-        time.perf_counter() - start,
+        plan.module_name, target, tuple(paths), size, time.perf_counter() - start,
         cached=all_cached,
     )
 
@@ -533,16 +393,9 @@ def aot_entries(module, kernel, name: str, target: str, sigs) -> list[dict]:
     from cuda.tile.compilation import mangle_kernel_name
 
     hints = module.aot_hints(kernel, target)
-    return [
-        {
-            "kernel": name,
-            "sm": target,
-            "hints": hints,
-            "signature": mangle_kernel_name(name, sig.with_symbol(None)),
-            "symbol": sig.symbol or mangle_kernel_name(name, sig),
-        }
-        for sig in sigs
-    ]
+    return [{"kernel": name, "sm": target, "hints": hints,
+             "signature": mangle_kernel_name(name, sig.with_symbol(None)),
+             "symbol": sig.symbol or mangle_kernel_name(name, sig)} for sig in sigs]
 
 
 def _export(plan: Plan, kernel, target: str, config: ConfigPlan, sigs=None) -> bytes:
@@ -559,11 +412,7 @@ def _export(plan: Plan, kernel, target: str, config: ConfigPlan, sigs=None) -> b
         )
     except Exception as exc:  # cuTile raises several unrelated types
         lines = str(exc).strip().splitlines() or [""]
-        where = (
-            lines[1].strip()
-            if len(lines) > 1 and lines[1].strip().startswith('"')
-            else ""
-        )
+        where = lines[1].strip() if len(lines) > 1 and lines[1].strip().startswith('"') else ""
         tiles = f"{config.tile_m}x{config.tile_n}"
         raise CompileError(
             f"{plan.module_name}: {target} ({tiles}): {type(exc).__name__}: {lines[0]}"

@@ -42,9 +42,7 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
         else:
             raise UsageError(f"{raw}: no such spec file or directory")
     if not found:
-        raise UsageError(
-            "no spec files (*.yaml, *.yml) found in " + ", ".join(map(str, paths))
-        )
+        raise UsageError("no spec files (*.yaml, *.yml) found in " + ", ".join(map(str, paths)))
     unique = list(dict.fromkeys(p.resolve() for p in found))
     return [Path(os.path.relpath(p)) if _is_under_cwd(p) else p for p in unique]
 
@@ -119,13 +117,9 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
         if text == job.rendered.text:
             continue
         if hand_edited(text):
-            problems.append(
-                f"{job.out_path}: edited by hand (its content no longer matches its header's hash)"
-            )
+            problems.append(f"{job.out_path}: edited by hand (its content no longer matches its header's hash)")
         else:
-            problems.append(
-                f"{job.out_path}: stale against {job.spec_path} or the templates"
-            )
+            problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates")
     return problems
 
 
@@ -145,9 +139,7 @@ def foreign_modules(jobs: list[Job]) -> list[str]:
     return problems
 
 
-def write_jobs(
-    jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str], None]
-) -> list[str]:
+def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str], None]) -> list[str]:
     """Write changed modules atomically; refuse to replace hand-edited ones."""
     refused = []
     init = out_dir / "__init__.py"
@@ -199,39 +191,24 @@ def compile_jobs(
         if workers <= 1 or len(tasks) <= 1:
             for job, target in tasks:
                 try:
-                    yield job, target, compile_target(
-                        job.plan, job.rendered.text, str(job.out_path), target
-                    )
+                    yield job, target, compile_target(job.plan, job.rendered.text, str(job.out_path), target)
                 except CompileError as exc:
                     yield job, target, exc
             return
         with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
             futures = {
                 pool.submit(
-                    compile_target,
-                    job.plan,
-                    job.rendered.text,
-                    str(job.out_path),
-                    target,
+                    compile_target, job.plan, job.rendered.text, str(job.out_path), target
                 ): (job, target)
                 for job, target in tasks
             }
             pending, start = set(futures), time.monotonic()
             while pending:
-                done, pending = wait(
-                    pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED
-                )
+                done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
                 if not done:  # a cubin can take minutes: say what is still running
-                    names = sorted(
-                        f"{j.plan.module_name} {t}"
-                        for j, t in map(futures.get, pending)
-                    )
-                    shown = ", ".join(names[:4]) + (
-                        f" and {len(names) - 4} more" if len(names) > 4 else ""
-                    )
-                    log(
-                        f"  still compiling ({time.monotonic() - start:.0f} s): {shown}"
-                    )
+                    names = sorted(f"{j.plan.module_name} {t}" for j, t in map(futures.get, pending))
+                    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                    log(f"  still compiling ({time.monotonic() - start:.0f} s): {shown}")
                 for future in done:
                     job, target = futures[future]
                     try:
@@ -239,10 +216,8 @@ def compile_jobs(
                     except CompileError as exc:
                         yield job, target, exc
 
-    log(
-        f"compiling {len(tasks)} module-target pair(s) on {min(workers, len(tasks))} worker(s); "
-        "a cubin takes seconds to minutes, a cached one is instant"
-    )
+    log(f"compiling {len(tasks)} module-target pair(s) on {min(workers, len(tasks))} worker(s); "
+        "a cubin takes seconds to minutes, a cached one is instant")
     for done, (job, target, outcome) in enumerate(outcomes(), 1):
         if isinstance(outcome, CompileError):
             failures.append(str(outcome))
@@ -254,11 +229,7 @@ def compile_jobs(
     results.sort(key=lambda r: order[(r.module, r.target)])
     for job in jobs:  # the cubins beside each module, for its first call on a GPU
         mine = [r for r in results if r.module == job.plan.module_name]
-        if (
-            mine
-            and job.out_path.is_file()
-            and job.out_path.read_text() == job.rendered.text
-        ):
+        if mine and job.out_path.is_file() and job.out_path.read_text() == job.rendered.text:
             write_aot_folder(job.out_path, job.rendered.text, mine)
     return results, failures
 
@@ -289,14 +260,10 @@ def run_build(
         for problem in problems:
             err(problem)
         if problems:
-            err(
-                "run `specgen build` to regenerate (it refuses hand-edited files without --force)"
-            )
+            err("run `specgen build` to regenerate (it refuses hand-edited files without --force)")
             failed = True
         else:
-            log(
-                f"{len(jobs)} generated module(s) in step with their specs and templates"
-            )
+            log(f"{len(jobs)} generated module(s) in step with their specs and templates")
     else:
         foreign = [] if force else foreign_modules(jobs)
         if foreign:  # nothing is written: the build is refused as bad input

@@ -56,10 +56,7 @@ def _disassembler_env(tool: str) -> Optional[dict]:
     if shutil.which("nvdisasm"):
         return dict(os.environ)
     if beside.is_file():
-        return {
-            **os.environ,
-            "PATH": f"{beside.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        }
+        return {**os.environ, "PATH": f"{beside.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     return None
 
 
@@ -69,9 +66,8 @@ def sass_functions(cubin: Path) -> Optional[dict[str, list[tuple[int, str]]]]:
     env = _disassembler_env(tool) if tool else None
     if env is None:
         return None
-    text = subprocess.run(
-        [tool, "-sass", str(cubin)], capture_output=True, text=True, check=True, env=env
-    ).stdout
+    text = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True, env=env).stdout
     result: dict[str, list[tuple[int, str]]] = {}
     name = None
     for line in text.splitlines():
@@ -129,11 +125,7 @@ def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
             events = [e for a, e in events_at.items() if span[0] <= a <= span[1] and e]
             if any(e in "QP" for e in events):
                 loops[span] = events
-    inner = [
-        s
-        for s in loops
-        if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)
-    ]
+    inner = [s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)]
     return [_compress(loops[span]) for span in sorted(inner)]
 
 
@@ -149,11 +141,8 @@ def main(argv: list[str]) -> int:
     for path in argv:
         schedules = cubin_schedules(Path(path))
         if schedules is None:
-            print(
-                "cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump "
-                "nvidia-cuda-nvdisasm",
-                file=sys.stderr,
-            )
+            print("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump "
+                  "nvidia-cuda-nvdisasm", file=sys.stderr)
             return 2
         for name, loops in schedules.items():
             for i, text in enumerate(loops):

@@ -36,14 +36,8 @@ from typing import Any, Callable, Union
 
 # Names transformers ships; registering over them would change every model that
 # asks for them.
-BUILTIN_NAMES = (
-    "eager",
-    "sdpa",
-    "flash_attention_2",
-    "flash_attention_3",
-    "flash_attention_4",
-    "flex_attention",
-)
+BUILTIN_NAMES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3",
+                 "flash_attention_4", "flex_attention")
 
 
 def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleType:
@@ -84,21 +78,13 @@ def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleTy
         )
     family = spec.get("family", "prefill")
     unsupported = [
-        why
-        for why, bad in (
-            (
-                f"family {family!r} (decode kernels read a serving KV cache layout)",
-                family != "prefill",
-            ),
+        why for why, bad in (
+            (f"family {family!r} (decode kernels read a serving KV cache layout)", family != "prefill"),
             ("varlen (packed sequences take cu_seqlens)", spec.get("varlen")),
             ("float8_e4m3fn (needs descales)", spec.get("dtype") == "float8_e4m3fn"),
-            (
-                "tensors: (hook tensors have no source in a transformers layer)",
-                spec.get("tensors"),
-            ),
+            ("tensors: (hook tensors have no source in a transformers layer)", spec.get("tensors")),
             ("return_lse", spec.get("return_lse")),
-        )
-        if bad
+        ) if bad
     ]
     if unsupported:
         raise ValueError(
@@ -148,21 +134,14 @@ def make_attention_function(module: ModuleType) -> Callable:
                 f"specgen {name}: the layer is {'causal' if is_causal else 'non-causal'} "
                 f"and the spec has causal: {str(causal_spec).lower()}"
             )
-        if (
-            query.dim() == 4
-            and key.dim() == 4
-            and key.shape[1] * ratio != query.shape[1]
-        ):
+        if query.dim() == 4 and key.dim() == 4 and key.shape[1] * ratio != query.shape[1]:
             raise ValueError(
                 f"specgen {name}: the layer has {query.shape[1]} query heads and "
                 f"{key.shape[1]} KV heads; the spec has gqa_ratio {ratio}"
             )
         sliding = kwargs.get("sliding_window")
-        if window is not None and (
-            sliding is None
-            or window.get("left") != sliding - 1
-            or window.get("right") not in (None, 0)
-        ):
+        if window is not None and (sliding is None or window.get("left") != sliding - 1
+                                   or window.get("right") not in (None, 0)):
             raise ValueError(
                 f"specgen {name}: the spec's window {window} needs a layer with "
                 f"sliding_window == left + 1, and the layer has sliding_window {sliding}"
@@ -176,14 +155,10 @@ def make_attention_function(module: ModuleType) -> Callable:
         sinks = kwargs.get("s_aux")
         if spec.get("sinks"):
             if sinks is None:
-                raise ValueError(
-                    f"specgen {name}: the spec has sinks and the layer passes no s_aux"
-                )
+                raise ValueError(f"specgen {name}: the spec has sinks and the layer passes no s_aux")
             extra["sinks"] = sinks
         elif sinks is not None:
-            raise ValueError(
-                f"specgen {name}: the layer passes sinks (s_aux) and the spec has none"
-            )
+            raise ValueError(f"specgen {name}: the layer passes sinks (s_aux) and the spec has none")
         if dropout > 0.0:
             if not spec.get("dropout"):
                 raise ValueError(
@@ -192,20 +167,16 @@ def make_attention_function(module: ModuleType) -> Callable:
                 )
             # A fresh seed per call from Python's RNG: no device sync.
             extra.update(dropout_p=dropout, seed=random.randrange(2**31 - 1))
-        if (
-            torch.is_grad_enabled()
-            and any(t.requires_grad for t in (query, key))
-            and not spec.get("backward")
-        ):
+        if (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key))
+                and not spec.get("backward")):
             raise ValueError(
                 f"specgen {name}: gradients are required and the spec has no backward "
                 "kernels; set backward: true in the spec (or use torch.no_grad())"
             )
         return extra
 
-    def attention_function(
-        layer, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
-    ):
+    def attention_function(layer, query, key, value, attention_mask, scaling=None,
+                           dropout=0.0, **kwargs):
         extra = check(layer, query, key, float(dropout or 0.0), kwargs)
         if attention_mask is not None:
             stats["fallback"] += 1
@@ -218,16 +189,8 @@ def make_attention_function(module: ModuleType) -> Callable:
                 )
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-            return sdpa_attention_forward(
-                layer,
-                query,
-                key,
-                value,
-                attention_mask,
-                dropout=dropout,
-                scaling=scaling,
-                **kwargs,
-            )
+            return sdpa_attention_forward(layer, query, key, value, attention_mask,
+                                          dropout=dropout, scaling=scaling, **kwargs)
         q_len, kv_len = query.shape[2], key.shape[2]
         q_offset = 0
         if causal_spec:
@@ -238,9 +201,7 @@ def make_attention_function(module: ModuleType) -> Callable:
                 # after a prefill from position 0 (transformers' sdpa path slices
                 # it off the same way).
                 key, value = key[:, :, :q_len], value[:, :, :q_len]
-        scale = (
-            float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        )
+        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)
         stats["kernel"] += 1
         return out.transpose(1, 2).contiguous(), None
@@ -251,9 +212,7 @@ def make_attention_function(module: ModuleType) -> Callable:
     return attention_function
 
 
-def register(
-    module_or_spec: Union[ModuleType, str, Path], name: str = "specgen"
-) -> Callable:
+def register(module_or_spec: Union[ModuleType, str, Path], name: str = "specgen") -> Callable:
     """Register a generated kernel as transformers attention backend ``name``;
     ``from_pretrained``/``from_config(..., attn_implementation=name)`` then uses it.
 
@@ -265,13 +224,8 @@ def register(
             tensors), or ``name`` is not a new identifier.
         ImportError: transformers is not installed.
     """
-    if (
-        not isinstance(name, str)
-        or not name.replace("_", "").replace("-", "").isalnum()
-    ):
-        raise ValueError(
-            f"register: name must be letters, digits, '_' or '-', got {name!r}"
-        )
+    if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"register: name must be letters, digits, '_' or '-', got {name!r}")
     if name in BUILTIN_NAMES:
         raise ValueError(
             f"register: {name!r} is one of transformers' own backends "

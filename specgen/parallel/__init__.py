@@ -13,10 +13,7 @@ modules as they are. See docs/context-parallel.md.
 - :mod:`.kernels` the generated module (or a float64 reference) behind one interface.
 """
 
-from specgen.parallel.attention import (
-    ContextParallelAttention,
-    context_parallel_attention,
-)
+from specgen.parallel.attention import ContextParallelAttention, context_parallel_attention
 from specgen.parallel.kernels import ReferenceKernel, SpecKernel
 from specgen.parallel.layout import LAYOUTS, gather, shard, unshard
 

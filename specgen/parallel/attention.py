@@ -40,16 +40,8 @@ def _resolve_group(group):
 def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
     """What is wrong with this rank's tensors, or None."""
     dims = 3 if varlen else 4
-    what = (
-        "[total, heads, head_dim] (packed)"
-        if varlen
-        else "[batch, heads, seq, head_dim]"
-    )
-    for name, t, width in (
-        ("q", q, kernel.head_dim),
-        ("k", k, kernel.head_dim),
-        ("v", v, kernel.v_head_dim),
-    ):
+    what = "[total, heads, head_dim] (packed)" if varlen else "[batch, heads, seq, head_dim]"
+    for name, t, width in (("q", q, kernel.head_dim), ("k", k, kernel.head_dim), ("v", v, kernel.v_head_dim)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.dim() != dims:
@@ -65,27 +57,18 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
     if k.shape[:-1] != v.shape[:-1]:
         return f"k and v must agree in all but head_dim, got {tuple(k.shape)} and {tuple(v.shape)}"
     if q.shape[seq] != k.shape[seq] or (not varlen and q.shape[0] != k.shape[0]):
-        return (
-            f"q, k and v shards must hold the same positions, got q {tuple(q.shape)} and "
-            f"k {tuple(k.shape)}"
-        )
+        return (f"q, k and v shards must hold the same positions, got q {tuple(q.shape)} and "
+                f"k {tuple(k.shape)}")
     if q.shape[heads] != kernel.group_size * k.shape[heads]:
-        return (
-            f"q has {q.shape[heads]} heads and k/v have {k.shape[heads]}; the kernel needs "
-            f"q heads == {kernel.group_size} * kv heads"
-        )
+        return (f"q has {q.shape[heads]} heads and k/v have {k.shape[heads]}; the kernel needs "
+                f"q heads == {kernel.group_size} * kv heads")
     if kernel.needs_cuda and not q.is_cuda:
         return f"q, k and v must be CUDA tensors, got {q.device}"
     return None
 
 
 def _signature(q, k, v) -> list[int]:
-    return [
-        *q.shape,
-        *k.shape,
-        *v.shape,
-        _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
-    ]
+    return [*q.shape, *k.shape, *v.shape, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1]
 
 
 def agree(group, problem: str | None, signature: list[int]) -> None:
@@ -96,20 +79,12 @@ def agree(group, problem: str | None, signature: list[int]) -> None:
         if problem:
             raise ValueError(problem)
         return
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend(group) == "nccl"
-        else torch.device("cpu")
-    )
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     width = 16
     mine = torch.full((width + 1,), -1, dtype=torch.int64)
     mine[0] = 1 if problem else 0
-    mine[1 : 1 + min(width, len(signature))] = torch.tensor(
-        signature[:width], dtype=torch.int64
-    )
-    parts = [
-        torch.empty(width + 1, dtype=torch.int64, device=device) for _ in range(world)
-    ]
+    mine[1:1 + min(width, len(signature))] = torch.tensor(signature[:width], dtype=torch.int64)
+    parts = [torch.empty(width + 1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(parts, mine.to(device), group=group)
     everyone = torch.stack(parts).cpu()
     rank = dist.get_rank(group)
@@ -117,16 +92,13 @@ def agree(group, problem: str | None, signature: list[int]) -> None:
         raise ValueError(f"rank {rank}: {problem}")
     bad = [r for r in range(world) if everyone[r, 0]]
     if bad:
-        raise ValueError(
-            f"rank {bad[0]}'s inputs are invalid (its error names the problem); "
-            "no rank starts the attention"
-        )
+        raise ValueError(f"rank {bad[0]}'s inputs are invalid (its error names the problem); "
+                         "no rank starts the attention")
     for r in range(world):
         if not torch.equal(everyone[r], everyone[0]):
             raise ValueError(
                 "every rank must hold an equal shard of the same shapes and dtype: rank 0 has "
-                f"q/k/v shapes {_describe(everyone[0])}, rank {r} has {_describe(everyone[r])}"
-            )
+                f"q/k/v shapes {_describe(everyone[0])}, rank {r} has {_describe(everyone[r])}")
 
 
 def _describe(row) -> str:
@@ -151,46 +123,28 @@ class ContextParallelAttention:
             (balanced under a causal mask, the default) or "contiguous".
     """
 
-    def __init__(
-        self, module, group=None, *, mode: str | None = None, layout: str = "zigzag"
-    ):
+    def __init__(self, module, group=None, *, mode: str | None = None, layout: str = "zigzag"):
         if mode is None:  # the spec's context_parallel field, else ring
-            mode = (getattr(module, "SPEC", None) or {}).get(
-                "context_parallel"
-            ) or "ring"
+            mode = (getattr(module, "SPEC", None) or {}).get("context_parallel") or "ring"
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         layouts.check_layout(layout)
-        self.kernel = (
-            module if isinstance(module, ReferenceKernel) else SpecKernel(module, mode)
-        )
+        self.kernel = module if isinstance(module, ReferenceKernel) else SpecKernel(module, mode)
         if self.kernel.varlen and mode == "ulysses" and layout != "contiguous":
             raise ValueError(
                 "all-to-all mode takes a packed (varlen) batch sharded contiguously, sequence by "
-                f"sequence: use layout='contiguous' (rank r holds the r-th 1/W of every sequence), got {layout!r}"
-            )
-        if (
-            self.kernel.varlen
-            and mode == "ring"
-            and (
-                self.kernel.mask.left is not None or self.kernel.mask.right is not None
-            )
-        ):
-            raise ValueError(
-                f"{self.kernel.name}: ring mode splits packed batches without windows; "
-                "use mode='ulysses'"
-            )
+                f"sequence: use layout='contiguous' (rank r holds the r-th 1/W of every sequence), got {layout!r}")
+        if self.kernel.varlen and mode == "ring" and (self.kernel.mask.left is not None
+                                                      or self.kernel.mask.right is not None):
+            raise ValueError(f"{self.kernel.name}: ring mode splits packed batches without windows; "
+                             "use mode='ulysses'")
         self.group = _resolve_group(group)
         self.mode, self.layout = mode, layout
-        self.world_size = (
-            dist.get_world_size(self.group) if self.group is not None else 1
-        )
+        self.world_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.ring = rings.Ring(self.group) if mode == "ring" else None
 
-    def __call__(
-        self, q, k, v, *, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None
-    ):
+    def __call__(self, q, k, v, *, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None):
         """This rank's output shard ([B, Hq, L, Dv], or [T, Hq, Dv] packed), in q's
         dtype; differentiable in q, k and v when the spec has a backward.
 
@@ -212,12 +166,8 @@ class ContextParallelAttention:
         problem = _local_problem(kernel, q, k, v, kernel.varlen)
         if problem is None:
             problem = self._shape_problem(q, k, seq_len, cu_seqlens)
-        if (
-            problem is None
-            and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (q, k, v))
-            and not kernel.has_backward
-        ):
+        if problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) \
+                and not kernel.has_backward:
             problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
         signature = _signature(q, k, v) if problem is None else []
         agree(self.group, problem, signature)
@@ -225,55 +175,38 @@ class ContextParallelAttention:
             return self._ulysses(q, k, v, scale, cu_seqlens, max_seqlen)
         if kernel.varlen:
             lengths = tuple(n // self.world_size for n in cu_seqlens.diff().tolist())
-            plans = packed.packed_plans(
-                kernel.mask, self.layout, self.world_size, self.rank, lengths
-            )
-            out, _ = packed.PackedRingAttention.apply(
-                q, k, v, kernel, self.ring, plans, self.layout, lengths, scale
-            )
+            plans = packed.packed_plans(kernel.mask, self.layout, self.world_size, self.rank, lengths)
+            out, _ = packed.PackedRingAttention.apply(q, k, v, kernel, self.ring, plans, self.layout,
+                                                      lengths, scale)
             return out
-        plans = rings.step_plans(
-            kernel.mask, self.layout, self.world_size, self.rank, q.shape[2]
-        )
+        plans = rings.step_plans(kernel.mask, self.layout, self.world_size, self.rank, q.shape[2])
         out, _ = rings.RingAttention.apply(q, k, v, kernel, self.ring, plans, scale)
         return out
 
     def _shape_problem(self, q, k, seq_len, cu_seqlens) -> str | None:
         world = self.world_size
         if self.kernel.varlen:
-            if (
-                not isinstance(cu_seqlens, torch.Tensor)
-                or cu_seqlens.dim() != 1
-                or cu_seqlens.dtype != torch.int32
-            ):
+            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
                 return "cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative lengths"
             lengths = cu_seqlens.diff().tolist()
             uneven = [n for n in lengths if n % world or n < 0]
             if uneven:
-                return (
-                    f"every packed sequence's length must divide by the world size ({world}) "
-                    f"so that each rank holds an equal shard of it; got {uneven[0]}"
-                )
+                return (f"every packed sequence's length must divide by the world size ({world}) "
+                        f"so that each rank holds an equal shard of it; got {uneven[0]}")
             if int(cu_seqlens[-1]) != q.shape[0] * world:
-                return (
-                    f"cu_seqlens ends at {int(cu_seqlens[-1])}, but {world} shards of {q.shape[0]} "
-                    f"rows hold {q.shape[0] * world}"
-                )
+                return (f"cu_seqlens ends at {int(cu_seqlens[-1])}, but {world} shards of {q.shape[0]} "
+                        f"rows hold {q.shape[0] * world}")
             return None
         if cu_seqlens is not None:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
         if seq_len is not None and seq_len != q.shape[2] * world:
-            return (
-                f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
-                f"got {q.shape[2]}"
-            )
+            return (f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
+                    f"got {q.shape[2]}")
         if self.mode == "ulysses":
             for name, heads in (("query", q.shape[1]), ("kv", k.shape[1])):
                 if heads % world:
-                    return (
-                        f"all-to-all mode scatters heads over the ranks: the {name} heads ({heads}) "
-                        f"must divide by the world size ({world}); use mode='ring'"
-                    )
+                    return (f"all-to-all mode scatters heads over the ranks: the {name} heads ({heads}) "
+                            f"must divide by the world size ({world}); use mode='ring'")
         return None
 
     def _ulysses(self, q, k, v, scale, cu_seqlens, max_seqlen):
@@ -282,35 +215,19 @@ class ContextParallelAttention:
             if world > 1:
                 total = q.shape[0] * world
                 index = ulysses.packed_order(cu_seqlens, world, total)
-                q, k, v = (
-                    ulysses.SeqToHeads.apply(t, group, 0).index_select(0, index)
-                    for t in (q, k, v)
-                )
+                q, k, v = (ulysses.SeqToHeads.apply(t, group, 0).index_select(0, index) for t in (q, k, v))
             if max_seqlen is None:
                 max_seqlen = int(cu_seqlens.diff().max())
-            out = self.kernel.attention(
-                q,
-                k,
-                v,
-                scale,
-                cu_seqlens_q=cu_seqlens,
-                cu_seqlens_k=cu_seqlens,
-                max_seqlen_q=max_seqlen,
-                max_seqlen_k=max_seqlen,
-            )
+            out = self.kernel.attention(q, k, v, scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                        max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
             out = out[0] if isinstance(out, tuple) else out
             if world > 1:
                 out = _unpermute(out, index, 0)
                 out = ulysses.HeadsToSeq.apply(out, group, 0)
             return out
         if world > 1:
-            natural = torch.argsort(layouts.order(self.layout, world, q.shape[2])).to(
-                q.device
-            )
-            q, k, v = (
-                ulysses.SeqToHeads.apply(t, group, 2).index_select(2, natural)
-                for t in (q, k, v)
-            )
+            natural = torch.argsort(layouts.order(self.layout, world, q.shape[2])).to(q.device)
+            q, k, v = (ulysses.SeqToHeads.apply(t, group, 2).index_select(2, natural) for t in (q, k, v))
         out = self.kernel.attention(q, k, v, scale)
         out = out[0] if isinstance(out, tuple) else out
         if world > 1:
@@ -324,10 +241,6 @@ def _unpermute(x, index, dim):
     return x.index_select(dim, torch.argsort(index))
 
 
-def context_parallel_attention(
-    module, q, k, v, *, group=None, mode=None, layout="zigzag", **kwargs
-):
+def context_parallel_attention(module, q, k, v, *, group=None, mode=None, layout="zigzag", **kwargs):
     """One call of ContextParallelAttention(module, group, mode=, layout=)."""
-    return ContextParallelAttention(module, group, mode=mode, layout=layout)(
-        q, k, v, **kwargs
-    )
+    return ContextParallelAttention(module, group, mode=mode, layout=layout)(q, k, v, **kwargs)

@@ -86,9 +86,7 @@ def _groupings(pieces: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     return [whole] if len(pieces) == 1 else [whole, pieces]
 
 
-def plan_step(
-    mask: Mask, q_pos: torch.Tensor, q_pieces, k_pos: torch.Tensor, k_pieces
-) -> list[Call]:
+def plan_step(mask: Mask, q_pos: torch.Tensor, q_pieces, k_pos: torch.Tensor, k_pieces) -> list[Call]:
     """The calls of one ring step, fewest first: local query rows at global
     positions ``q_pos`` (cut into contiguous ``q_pieces`` of (start, stop) rows)
     against a K/V shard at ``k_pos`` (``k_pieces``). Positions must ascend within

@@ -78,36 +78,19 @@ class SpecKernel:
 
     def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int):
         if not self.has_backward:
-            raise ValueError(
-                f"{self.name} has no backward kernels (the spec needs backward: true)"
-            )
+            raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
         return self.module._backward(q, k, v, out, lse, dout, scale, q_offset)
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, q_shift, scale):
         """(out [T, Hq, Dv], lse [Hq, T]) of a packed batch, queries moved by q_shift."""
         call = self.module._forward if self.has_backward else self.module.attention
-        return call(
-            q,
-            k,
-            v,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            q_shift=q_shift,
-            scale=scale,
-        )
+        return call(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                    max_seqlen_k=max_k, q_shift=q_shift, scale=scale)
 
-    def backward_varlen(
-        self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale
-    ):
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale):
         if not self.has_backward:
-            raise ValueError(
-                f"{self.name} has no backward kernels (the spec needs backward: true)"
-            )
-        return self.module._backward(
-            q, k, v, out, lse, dout, scale, cu_q, cu_k, max_q, max_k, q_shift
-        )
+            raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
+        return self.module._backward(q, k, v, out, lse, dout, scale, cu_q, cu_k, max_q, max_k, q_shift)
 
     def attention(self, q, k, v, scale: float, **kwargs):
         """The whole-sequence call (all-to-all mode), differentiable where the spec
@@ -119,18 +102,9 @@ class ReferenceKernel:
     """The same interface computed in float64 by torch (any device): a spec's
     position rule, soft-cap and GQA group, without a GPU."""
 
-    def __init__(
-        self,
-        *,
-        causal: bool,
-        window: tuple | None = None,
-        softcap: float | None = None,
-        dtype=torch.bfloat16,
-        head_dim: int = 64,
-        v_head_dim: int | None = None,
-        group_size: int = 1,
-        varlen: bool = False,
-    ):
+    def __init__(self, *, causal: bool, window: tuple | None = None, softcap: float | None = None,
+                 dtype=torch.bfloat16, head_dim: int = 64, v_head_dim: int | None = None,
+                 group_size: int = 1, varlen: bool = False):
         left, right = window or (None, None)
         self.mask = Mask(causal, left, right)
         self.softcap = softcap
@@ -160,11 +134,7 @@ class ReferenceKernel:
         _, scores, visible = self._scores(q, k, scale, q_offset)
         scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
-        p = torch.where(
-            visible,
-            torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None]),
-            0.0,
-        )
+        p = torch.where(visible, torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse)[..., None]), 0.0)
         v64 = v.double().repeat_interleave(self.group_size, dim=1)
         return torch.matmul(p, v64).to(self.dtype), lse.float()
 
@@ -174,11 +144,7 @@ class ReferenceKernel:
         raw, scores, visible = self._scores(q, k, scale, q_offset)
         lse64 = lse.double()[..., None]
         live = visible & torch.isfinite(lse64)
-        p = torch.where(
-            live,
-            torch.exp(scores - torch.where(torch.isfinite(lse64), lse64, 0.0)),
-            0.0,
-        )
+        p = torch.where(live, torch.exp(scores - torch.where(torch.isfinite(lse64), lse64, 0.0)), 0.0)
         g = self.group_size
         v64 = v.double().repeat_interleave(g, dim=1)
         k64 = k.double().repeat_interleave(g, dim=1)
@@ -196,11 +162,7 @@ class ReferenceKernel:
             b, h, s, d = t.shape
             return t.view(b, h // g, g, s, d).sum(2)
 
-        return (
-            dq.to(self.dtype),
-            per_kv_head(dk).to(self.dtype),
-            per_kv_head(dv).to(self.dtype),
-        )
+        return dq.to(self.dtype), per_kv_head(dk).to(self.dtype), per_kv_head(dv).to(self.dtype)
 
     @staticmethod
     def _sequences(cu_q, cu_k):
@@ -214,50 +176,29 @@ class ReferenceKernel:
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, q_shift, scale):
         """The varlen kernels' contract: sequence b's query i sees keys
         j <= (seq_k - seq_q + q_shift) + i."""
-        out = torch.zeros(
-            (q.shape[0], q.shape[1], self.v_head_dim), dtype=self.dtype, device=q.device
-        )
-        lse = torch.full(
-            (q.shape[1], q.shape[0]),
-            float("-inf"),
-            dtype=torch.float32,
-            device=q.device,
-        )
+        out = torch.zeros((q.shape[0], q.shape[1], self.v_head_dim), dtype=self.dtype, device=q.device)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         for qa, qb, ka, kb in self._sequences(cu_q, cu_k):
             if qb == qa:
                 continue
-            o, l = self.forward(
-                *(self._heads_first(t) for t in (q[qa:qb], k[ka:kb], v[ka:kb])),
-                scale,
-                (kb - ka) - (qb - qa) + q_shift,
-            )
+            o, l = self.forward(*(self._heads_first(t) for t in (q[qa:qb], k[ka:kb], v[ka:kb])), scale,
+                                (kb - ka) - (qb - qa) + q_shift)
             out[qa:qb] = o[0].transpose(0, 1)
             lse[:, qa:qb] = l[0]
         return out, lse
 
-    def backward_varlen(
-        self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale
-    ):
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for qa, qb, ka, kb in self._sequences(cu_q, cu_k):
             if qb == qa or kb == ka:
                 continue
-            parts = [
-                self._heads_first(t) for t in (q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb])
-            ]
-            g = self.backward(
-                *parts,
-                lse[:, qa:qb].unsqueeze(0),
-                self._heads_first(dout[qa:qb]),
-                scale,
-                (kb - ka) - (qb - qa) + q_shift,
-            )
+            parts = [self._heads_first(t) for t in (q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb])]
+            g = self.backward(*parts, lse[:, qa:qb].unsqueeze(0), self._heads_first(dout[qa:qb]), scale,
+                              (kb - ka) - (qb - qa) + q_shift)
             dq[qa:qb], dk[ka:kb], dv[ka:kb] = (t[0].transpose(0, 1) for t in g)
         return dq, dk, dv
 
-    def attention(
-        self, q, k, v, scale: float, *, cu_seqlens_q=None, cu_seqlens_k=None, **_
-    ):
+    def attention(self, q, k, v, scale: float, *, cu_seqlens_q=None, cu_seqlens_k=None, **_):
         """The whole sequence, differentiable; packed [T, H, D] with cu_seqlens
         where the kernel is varlen (sequence by sequence, equal q and k lengths)."""
         if not self.varlen:
@@ -265,9 +206,7 @@ class ReferenceKernel:
         bounds = cu_seqlens_q.tolist()
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            one = [
-                t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)
-            ]  # [1, H, L, D]
+            one = [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, H, L, D]
             outs.append(_ReferenceAttention.apply(*one, self, scale)[0].transpose(0, 1))
         return torch.cat(outs, dim=0)
 

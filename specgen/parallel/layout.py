@@ -26,9 +26,7 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
 
 
-def chunks(
-    layout: str, world_size: int, rank: int, shard_len: int
-) -> list[tuple[int, int]]:
+def chunks(layout: str, world_size: int, rank: int, shard_len: int) -> list[tuple[int, int]]:
     """The (global start, length) of each contiguous piece of rank ``rank``'s shard,
     in the order the shard stores them; shards are ``shard_len`` long."""
     check_layout(layout)
@@ -41,9 +39,7 @@ def chunks(
     return [(rank * head, head), (world_size * head + (late - world_size) * tail, tail)]
 
 
-def pieces(
-    layout: str, world_size: int, rank: int, shard_len: int
-) -> list[tuple[int, int]]:
+def pieces(layout: str, world_size: int, rank: int, shard_len: int) -> list[tuple[int, int]]:
     """The (start, stop) local rows of each contiguous piece of rank ``rank``'s shard."""
     out, start = [], 0
     for _, n in chunks(layout, world_size, rank, shard_len):
@@ -54,24 +50,17 @@ def pieces(
 
 def positions(layout: str, world_size: int, rank: int, shard_len: int) -> torch.Tensor:
     """[shard_len] int64: the global position of each row of rank ``rank``'s shard."""
-    parts = [
-        torch.arange(start, start + n)
-        for start, n in chunks(layout, world_size, rank, shard_len)
-    ]
+    parts = [torch.arange(start, start + n) for start, n in chunks(layout, world_size, rank, shard_len)]
     return torch.cat(parts)
 
 
 def order(layout: str, world_size: int, shard_len: int) -> torch.Tensor:
     """[world_size * shard_len] int64: the global position of each row of the
     concatenation of every rank's shard (rank 0's first)."""
-    return torch.cat(
-        [positions(layout, world_size, r, shard_len) for r in range(world_size)]
-    )
+    return torch.cat([positions(layout, world_size, r, shard_len) for r in range(world_size)])
 
 
-def shard(
-    x: torch.Tensor, layout: str, world_size: int, rank: int, dim: int = 2
-) -> torch.Tensor:
+def shard(x: torch.Tensor, layout: str, world_size: int, rank: int, dim: int = 2) -> torch.Tensor:
     """Rank ``rank``'s shard of the full-sequence tensor ``x`` (sequence axis
     ``dim``), a contiguous copy. The sequence length must divide by world_size."""
     check_layout(layout)

@@ -55,36 +55,26 @@ def _step_structure(mask: Mask, layout, world, rank, src, length) -> list[Packed
     """The calls of a ring step for a sequence of shard length ``length``."""
     q_pos = layouts.positions(layout, world, rank, length)
     k_pos = layouts.positions(layout, world, src, length)
-    q_pieces, k_pieces = layouts.pieces(layout, world, rank, length), layouts.pieces(
-        layout, world, src, length
-    )
+    q_pieces, k_pieces = layouts.pieces(layout, world, rank, length), layouts.pieces(layout, world, src, length)
     calls = []
     for c in plan_step(mask, q_pos, q_pieces, k_pos, k_pieces):
         q_len, k_len = c.q_stop - c.q_start, c.k_stop - c.k_start
-        qp, kp = q_pos[c.q_start : c.q_stop], k_pos[c.k_start : c.k_stop]
+        qp, kp = q_pos[c.q_start:c.q_stop], k_pos[c.k_start:c.k_stop]
         # In varlen terms the query offset is k_len - q_len + q_shift; a block every
         # query sees whole gets FULL, so one shift serves every sequence.
         every = _exact(mask, qp, kp, FULL)
         shift = FULL if every else c.q_offset - (k_len - q_len)
-        calls.append(
-            PackedCall(
-                _as_piece((c.q_start, c.q_stop), q_pieces, length),
-                _as_piece((c.k_start, c.k_stop), k_pieces, length),
-                shift,
-            )
-        )
+        calls.append(PackedCall(_as_piece((c.q_start, c.q_stop), q_pieces, length),
+                                _as_piece((c.k_start, c.k_stop), k_pieces, length), shift))
     return calls
 
 
 def _fits(mask, layout, world, rank, src, length, calls) -> bool:
     """Whether ``calls`` compute exactly the step's pairs for a sequence of shard
-    length ``length``: each call exact (or empty), and every pair no call covers hidden.
-    """
+    length ``length``: each call exact (or empty), and every pair no call covers hidden."""
     q_pos = layouts.positions(layout, world, rank, length)
     k_pos = layouts.positions(layout, world, src, length)
-    q_pieces, k_pieces = layouts.pieces(layout, world, rank, length), layouts.pieces(
-        layout, world, src, length
-    )
+    q_pieces, k_pieces = layouts.pieces(layout, world, rank, length), layouts.pieces(layout, world, src, length)
     covered = set()
     for call in calls:
         qa, qb = _rows(q_pieces, call.q_piece, length)
@@ -94,31 +84,17 @@ def _fits(mask, layout, world, rank, src, length, calls) -> bool:
         offset = (kb - ka) - (qb - qa) + call.q_shift
         if not _exact(mask, q_pos[qa:qb], k_pos[ka:kb], offset):
             return False
-        covered |= {
-            (i, j)
-            for i in range(len(q_pieces))
-            for j in range(len(k_pieces))
-            if qa <= q_pieces[i][0]
-            and q_pieces[i][1] <= qb
-            and ka <= k_pieces[j][0]
-            and k_pieces[j][1] <= kb
-        }
+        covered |= {(i, j) for i in range(len(q_pieces)) for j in range(len(k_pieces))
+                    if qa <= q_pieces[i][0] and q_pieces[i][1] <= qb and ka <= k_pieces[j][0] and k_pieces[j][1] <= kb}
     for i, (qa, qb) in enumerate(q_pieces):
         for j, (ka, kb) in enumerate(k_pieces):
-            if (
-                (i, j) not in covered
-                and qb > qa
-                and kb > ka
-                and not _hidden(mask, q_pos[qa:qb], k_pos[ka:kb])
-            ):
+            if (i, j) not in covered and qb > qa and kb > ka and not _hidden(mask, q_pos[qa:qb], k_pos[ka:kb]):
                 return False
     return True
 
 
 @functools.lru_cache(maxsize=64)
-def packed_plans(
-    mask: Mask, layout: str, world: int, rank: int, lengths: tuple
-) -> tuple:
+def packed_plans(mask: Mask, layout: str, world: int, rank: int, lengths: tuple) -> tuple:
     """Per ring step, the varlen calls of rank ``rank`` for sequences whose shards
     are ``lengths`` long. ValueError if no common structure fits every sequence."""
     representative = 2 * max(4, max(lengths))
@@ -130,8 +106,7 @@ def packed_plans(
             if not _fits(mask, layout, world, rank, src, length, calls):
                 raise ValueError(
                     f"ring mode cannot split a packed sequence with {length * world} positions "
-                    f"exactly over {world} ranks ({layout} layout); use mode='ulysses'"
-                )
+                    f"exactly over {world} ranks ({layout} layout); use mode='ulysses'")
         plans.append(tuple(calls))
     return tuple(plans)
 
@@ -146,18 +121,11 @@ class _Selection:
             starts.append(base + a)
             sizes.append(b - a)
         self.all = which is None
-        self.cu = torch.tensor(
-            [0] + list(itertools.accumulate(sizes)), dtype=torch.int32, device=device
-        )
+        self.cu = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
         self.longest = max(sizes) if sizes else 0
         if not self.all:
-            self.index = (
-                torch.cat([torch.arange(s, s + n) for s, n in zip(starts, sizes)]).to(
-                    device
-                )
-                if sum(sizes)
-                else torch.zeros(0, dtype=torch.int64, device=device)
-            )
+            self.index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, sizes)]).to(device) \
+                if sum(sizes) else torch.zeros(0, dtype=torch.int64, device=device)
 
     def take(self, x):
         return x if self.all else x.index_select(0, self.index)
@@ -170,9 +138,7 @@ def _selections(layout, world, rank, lengths, device):
     def get(which, owner):
         key = (which, owner)
         if key not in cache:
-            cache[key] = _Selection(
-                layout, world, owner, lengths, local_cu, which, device
-            )
+            cache[key] = _Selection(layout, world, owner, lengths, local_cu, which, device)
         return cache[key]
 
     return get
@@ -183,44 +149,28 @@ def packed_forward(kernel, ring, plans, layout, lengths, q, k, v, scale):
     queries against its keys on every rank."""
     world, rank = ring.world_size, ring.rank
     total, heads = q.shape[:2]
-    out = torch.zeros(
-        (total, heads, kernel.v_head_dim), dtype=torch.float32, device=q.device
-    )
-    lse = torch.full(
-        (total, heads), float("-inf"), dtype=torch.float32, device=q.device
-    )
+    out = torch.zeros((total, heads, kernel.v_head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((total, heads), float("-inf"), dtype=torch.float32, device=q.device)
     select = _selections(layout, world, rank, lengths, q.device)
     for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
         src = (rank - step) % world
         for call in plans[step]:
             qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
             block_out, block_lse = kernel.forward_varlen(
-                qs.take(q),
-                ks.take(k_cur),
-                ks.take(v_cur),
-                qs.cu,
-                ks.cu,
-                qs.longest,
-                ks.longest,
-                call.q_shift,
-                scale,
-            )
+                qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.cu, ks.cu, qs.longest, ks.longest,
+                call.q_shift, scale)
             block_lse = block_lse.t()  # [rows, heads], the accumulator's layout
             if qs.all:
                 merge_into(out, lse, block_out, block_lse)
             else:
-                rows_out, rows_lse = out.index_select(0, qs.index), lse.index_select(
-                    0, qs.index
-                )
+                rows_out, rows_lse = out.index_select(0, qs.index), lse.index_select(0, qs.index)
                 merge_into(rows_out, rows_lse, block_out, block_lse)
                 out.index_copy_(0, qs.index, rows_out)
                 lse.index_copy_(0, qs.index, rows_lse)
     return out.to(q.dtype), lse
 
 
-def packed_backward(
-    kernel, ring, plans, layout, lengths, q, k, v, out, lse, dout, scale
-):
+def packed_backward(kernel, ring, plans, layout, lengths, q, k, v, out, lse, dout, scale):
     """(dq, dk, dv) of a packed shard, as ring_backward computes them."""
     world, rank = ring.world_size, ring.rank
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -234,19 +184,8 @@ def packed_backward(
             qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
             call_lse = lse_rows if qs.all else lse_rows.index_select(1, qs.index)
             dq_c, dk_c, dv_c = kernel.backward_varlen(
-                qs.take(q),
-                ks.take(k_cur),
-                ks.take(v_cur),
-                qs.take(out),
-                call_lse.contiguous(),
-                qs.take(dout),
-                qs.cu,
-                ks.cu,
-                qs.longest,
-                ks.longest,
-                call.q_shift,
-                scale,
-            )
+                qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.take(out), call_lse.contiguous(), qs.take(dout),
+                qs.cu, ks.cu, qs.longest, ks.longest, call.q_shift, scale)
             if qs.all:
                 dq += dq_c
             else:
@@ -277,18 +216,6 @@ class PackedRingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         kernel, ring, plans, layout, lengths, scale = ctx.args
-        dq, dk, dv = packed_backward(
-            kernel,
-            ring,
-            plans,
-            layout,
-            lengths,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            dout.contiguous(),
-            scale,
-        )
+        dq, dk, dv = packed_backward(kernel, ring, plans, layout, lengths, q, k, v, out, lse,
+                                     dout.contiguous(), scale)
         return dq, dk, dv, None, None, None, None, None, None

@@ -51,9 +51,7 @@ def _wait(works) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def step_plans(
-    mask: Mask, layout: str, world_size: int, rank: int, shard_len: int
-) -> tuple[tuple[Call, ...], ...]:
+def step_plans(mask: Mask, layout: str, world_size: int, rank: int, shard_len: int) -> tuple[tuple[Call, ...], ...]:
     """The kernel calls of every ring step of rank ``rank`` (step s: the K/V shard
     of rank - s)."""
     q_pos = layouts.positions(layout, world_size, rank, shard_len)
@@ -61,17 +59,8 @@ def step_plans(
     for step in range(world_size):
         src = (rank - step) % world_size
         k_pos = layouts.positions(layout, world_size, src, shard_len)
-        plans.append(
-            tuple(
-                plan_step(
-                    mask,
-                    q_pos,
-                    layouts.pieces(layout, world_size, rank, shard_len),
-                    k_pos,
-                    layouts.pieces(layout, world_size, src, shard_len),
-                )
-            )
-        )
+        plans.append(tuple(plan_step(mask, q_pos, layouts.pieces(layout, world_size, rank, shard_len),
+                                     k_pos, layouts.pieces(layout, world_size, src, shard_len))))
     return tuple(plans)
 
 
@@ -97,9 +86,7 @@ class _Packed:
         return buf
 
     def views(self, buf):
-        return buf[: self.split].view(self.k_shape), buf[self.split :].view(
-            self.v_shape
-        )
+        return buf[: self.split].view(self.k_shape), buf[self.split:].view(self.v_shape)
 
 
 def rotate(ring: Ring, k, v, steps: int):
@@ -166,40 +153,24 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
     """(out in q's dtype, lse float32) of q against every rank's K/V."""
     only = _single_call(plans)
     if only is not None and (only.q_start, only.q_stop) == (0, q.shape[2]):
-        return kernel.forward(
-            q,
-            k[:, :, only.k_start : only.k_stop],
-            v[:, :, only.k_start : only.k_stop],
-            scale,
-            only.q_offset,
-        )
+        return kernel.forward(q, k[:, :, only.k_start:only.k_stop], v[:, :, only.k_start:only.k_stop],
+                              scale, only.q_offset)
     batch, heads, rows = q.shape[:3]
-    out = torch.zeros(
-        (batch, heads, rows, kernel.v_head_dim), dtype=torch.float32, device=q.device
-    )
-    lse = torch.full(
-        (batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device
-    )
+    out = torch.zeros((batch, heads, rows, kernel.v_head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
     touched = [False] * rows  # rows that hold a block's result already
     for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
         for c in plans[step]:
             block_out, block_lse = kernel.forward(
-                q[:, :, c.q_start : c.q_stop],
-                k_cur[:, :, c.k_start : c.k_stop],
-                v_cur[:, :, c.k_start : c.k_stop],
-                scale,
-                c.q_offset,
-            )
-            rows_out, rows_lse = (
-                out[:, :, c.q_start : c.q_stop],
-                lse[:, :, c.q_start : c.q_stop],
-            )
-            if any(touched[c.q_start : c.q_stop]):
+                q[:, :, c.q_start:c.q_stop], k_cur[:, :, c.k_start:c.k_stop],
+                v_cur[:, :, c.k_start:c.k_stop], scale, c.q_offset)
+            rows_out, rows_lse = out[:, :, c.q_start:c.q_stop], lse[:, :, c.q_start:c.q_stop]
+            if any(touched[c.q_start:c.q_stop]):
                 merge_into(rows_out, rows_lse, block_out, block_lse)
             else:  # the first block these rows see: nothing to merge with
                 rows_out.copy_(block_out)
                 rows_lse.copy_(block_lse)
-                touched[c.q_start : c.q_stop] = [True] * (c.q_stop - c.q_start)
+                touched[c.q_start:c.q_stop] = [True] * (c.q_stop - c.q_start)
     return out.to(q.dtype), lse
 
 
@@ -207,12 +178,7 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
     """(dq, dk, dv) in the inputs' dtypes: dq from this rank's queries against every
     shard; dk, dv of this rank's shard summed over every rank's queries."""
     only = _single_call(plans)
-    if only is not None and (only.q_start, only.q_stop, only.k_start, only.k_stop) == (
-        0,
-        q.shape[2],
-        0,
-        k.shape[2],
-    ):
+    if only is not None and (only.q_start, only.q_stop, only.k_start, only.k_stop) == (0, q.shape[2], 0, k.shape[2]):
         return kernel.backward(q, k, v, out, lse, dout, scale, only.q_offset)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
@@ -222,15 +188,8 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
         for c in plans[step]:
             rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
             dq_c, dk_c, dv_c = kernel.backward(
-                q[:, :, rows],
-                k_cur[:, :, keys],
-                v_cur[:, :, keys],
-                out[:, :, rows],
-                lse[:, :, rows].contiguous(),
-                dout[:, :, rows],
-                scale,
-                c.q_offset,
-            )
+                q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], out[:, :, rows],
+                lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)
             dq[:, :, rows] += dq_c
             dk_part[:, :, keys] += dk_c
             dv_part[:, :, keys] += dv_c
@@ -253,7 +212,5 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(
-            ctx.kernel, ctx.ring, ctx.plans, q, k, v, out, lse, dout, ctx.scale
-        )
+        dq, dk, dv = ring_backward(ctx.kernel, ctx.ring, ctx.plans, q, k, v, out, lse, dout, ctx.scale)
         return dq, dk, dv, None, None, None, None

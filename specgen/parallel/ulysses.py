@@ -44,9 +44,7 @@ def heads_to_seq(y: torch.Tensor, group, seq_dim: int) -> torch.Tensor:
     y = y.movedim(head_dim, 0)  # [H / W, ...]
     seq_axis = seq_dim if seq_dim > head_dim else seq_dim + 1
     shard = y.shape[seq_axis] // world
-    parts = torch.stack(
-        y.split(shard, dim=seq_axis), dim=0
-    ).contiguous()  # [W(dest), H / W, ...]
+    parts = torch.stack(y.split(shard, dim=seq_axis), dim=0).contiguous()  # [W(dest), H / W, ...]
     got = _all_to_all(parts, group)  # [W(source head group), H / W, ...]
     got = got.reshape(-1, *got.shape[2:])  # [H, ...]
     return got.movedim(0, head_dim)

@@ -56,12 +56,7 @@ class TensorGrad:
     @property
     def index(self) -> str:
         """The indices as the tuple ct.atomic_add takes: "(head,)"."""
-        return (
-            "("
-            + ", ".join(self.indices)
-            + ("," if len(self.indices) == 1 else "")
-            + ")"
-        )
+        return "(" + ", ".join(self.indices) + ("," if len(self.indices) == 1 else "") + ")"
 
 
 @dataclass(frozen=True)
@@ -85,24 +80,16 @@ class ConfigPlan:
 
     def describe(self) -> str:
         """'64x64, occupancy 2, num_ctas 2 (seq_k <= 2048)'."""
-        text = ", ".join(
-            [f"{self.tile_m}x{self.tile_n}"]
-            + [
-                f"{k.replace('_', ' ') if k == 'opt_level' else k} {v}"
-                for k, v in self.hints.items()
-            ]
-            + (["global tile order"] if self.tiles_outer else [])
-            + (["V transposed"] if self.v_transposed else [])
-            + (["persistent"] if self.persistent else [])
-        )
+        text = ", ".join([f"{self.tile_m}x{self.tile_n}"]
+                         + [f"{k.replace('_', ' ') if k == 'opt_level' else k} {v}"
+                            for k, v in self.hints.items()]
+                         + (["global tile order"] if self.tiles_outer else [])
+                         + (["V transposed"] if self.v_transposed else [])
+                         + (["persistent"] if self.persistent else []))
         return text + (f" (seq_k <= {self.max_seq_k})" if self.max_seq_k else "")
 
     def as_dict(self) -> dict:
-        data = {
-            "max_seq_k": self.max_seq_k,
-            "tile_m": self.tile_m,
-            "tile_n": self.tile_n,
-        }
+        data = {"max_seq_k": self.max_seq_k, "tile_m": self.tile_m, "tile_n": self.tile_n}
         data.update(self.hints)
         if self.tiles_outer:
             data["tile_order"] = self.tile_order
@@ -211,21 +198,11 @@ class Plan:
     splits: str | int = "auto"
     max_splits: int = 64
     pdl: str | bool = False  # decode: programmatic dependent launch
-    decode_tile_m: int = (
-        16  # rows of the packed query tile (GQA heads x tokens, padded)
-    )
-    kv_dtype: str = (
-        ""  # decode: the KV cache's element type ("float8_e4m3fn", or the dtype)
-    )
-    kv_fp8: bool = (
-        False  # decode: a float8 cache, with k/v descales, cast to float16 for the MMAs
-    )
-    v_cache_transposed: bool = (
-        False  # decode: V cache [B, Hkv, D, L] / pages [P, Hkv, D, page_size]
-    )
-    split_ctas_per_sm: int = (
-        1  # decode: CTAs per SM the auto split count aims for (float8 cache: 2)
-    )
+    decode_tile_m: int = 16  # rows of the packed query tile (GQA heads x tokens, padded)
+    kv_dtype: str = ""  # decode: the KV cache's element type ("float8_e4m3fn", or the dtype)
+    kv_fp8: bool = False  # decode: a float8 cache, with k/v descales, cast to float16 for the MMAs
+    v_cache_transposed: bool = False  # decode: V cache [B, Hkv, D, L] / pages [P, Hkv, D, page_size]
+    split_ctas_per_sm: int = 1  # decode: CTAs per SM the auto split count aims for (float8 cache: 2)
     # Decode: the key tiles after the last one every row sees (keys past the sequence,
     # or after a query token) are at most 1 (q_len 1) or 2 (q_len <= 8 < 16 <= tile_n)
     # per sequence, each masked in its own `if` rather than a loop.
@@ -267,16 +244,13 @@ class Plan:
     @property
     def decode_map_rows(self) -> int:
         """Rows of a decode map kernel's query tile: the split kernel's packed rows
-        where the mask_mod reads h, else one per query token (padded to a power of two).
-        """
+        where the mask_mod reads h, else one per query token (padded to a power of two)."""
         return self.decode_tile_m if self.map_per_head else _pow2_ceil(self.max_q_len)
 
     @property
     def map_list_kernel_name(self) -> str:
         """A decode map's second kernel, which lists the tiles the first classified."""
-        return self.map_kernel_name.replace(
-            "fmha_decode_map", "fmha_decode_map_list", 1
-        )
+        return self.map_kernel_name.replace("fmha_decode_map", "fmha_decode_map_list", 1)
 
     @property
     def bwd_prescale(self) -> str | None:
@@ -291,13 +265,8 @@ class Plan:
     def bwd_masked(self) -> bool:
         """The backward's scores need more than causal/bounds masking and scaling:
         windows, soft-cap, hooks or sinks."""
-        return bool(
-            self.window_left is not None
-            or self.window_right is not None
-            or self.softcap is not None
-            or self.hooks
-            or self.sinks
-        )
+        return bool(self.window_left is not None or self.window_right is not None
+                    or self.softcap is not None or self.hooks or self.sinks)
 
     @property
     def bwd_split_dkdv(self) -> bool:
@@ -305,9 +274,7 @@ class Plan:
         their own with no mask (causal and bounds masks only; not block-sparse), where
         its accumulators are at most [TILE_N, 128]: with the padded-256 head's
         one-CTA-per-SM kernel the three loops ran 21% slower on an H200 than one."""
-        return (
-            self.bwd_split_dq and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
-        )
+        return self.bwd_split_dq and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
 
     @property
     def bwd_split_dq(self) -> bool:
@@ -352,13 +319,8 @@ class Plan:
         or a varlen sequence with more queries than keys) can leave a row with no
         visible key in a tile, or at all: the softmax takes its exponents against 0
         there and the division guards l = 0."""
-        return (
-            self.window_left is not None
-            or self.window_right is not None
-            or self.mask_mod is not None
-            or self.varlen
-            or self.causal
-        )
+        return (self.window_left is not None or self.window_right is not None
+                or self.mask_mod is not None or self.varlen or self.causal)
 
     @property
     def hooks(self) -> tuple[Hook, ...]:
@@ -368,16 +330,11 @@ class Plan:
         """The mask_mod's operands as the map kernel loads them: once per CTA
         ("head"), by the query rows ("rows"), by the keys alone ("keys"), or by
         both ("pair": after both are known, in the loop either way round)."""
-        pair = [
-            g
-            for g in self.mask_mod.gathers
-            if g.where == "keys" and any(re.search(r"\brows\b", i) for i in g.indices)
-        ]
+        pair = [g for g in self.mask_mod.gathers
+                if g.where == "keys" and any(re.search(r"\brows\b", i) for i in g.indices)]
         if where == "pair":
             return tuple(pair)
-        return tuple(
-            g for g in self.mask_mod.gathers if g.where == where and g not in pair
-        )
+        return tuple(g for g in self.mask_mod.gathers if g.where == where and g not in pair)
 
     def gathers(self, where: str) -> tuple[Gather, ...]:
         """Hook operands loaded once per CTA ("head"), per query tile ("rows") or
@@ -392,11 +349,8 @@ class Plan:
     @property
     def needs_rows(self) -> bool:
         """The kernel computes each row's absolute position (masks and hooks)."""
-        return (
-            bool(self.row_mask)
-            or self.dropout
-            or any("q_idx" in h.uses for h in self.hooks)
-        )
+        return (bool(self.row_mask) or self.dropout
+                or any("q_idx" in h.uses for h in self.hooks))
 
     @property
     def keys_every_step(self) -> bool:
@@ -405,11 +359,8 @@ class Plan:
 
     def score_gathers(self, where: str) -> tuple[Gather, ...]:
         """The score_mod's operands only: a block map's full tiles skip the mask_mod."""
-        return tuple(
-            g
-            for g in (self.score_mod.gathers if self.score_mod else ())
-            if g.where == where
-        )
+        return tuple(g for g in (self.score_mod.gathers if self.score_mod else ())
+                     if g.where == where)
 
     @property
     def full_tile_keys(self) -> bool:
@@ -426,9 +377,7 @@ class Plan:
     # [total, H, D] arrays (varlen). Each returns the text of the call's arguments.
     def load_q(self, tile: str) -> str:
         if self.varlen:
-            return (
-                f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
-            )
+            return f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
         return f"Q, index=(batch, head, {tile}, 0), shape=(1, 1, {self.sub_m}, {self.d_tile})"
 
     @property
@@ -444,21 +393,15 @@ class Plan:
 
     def load_k_t(self, tile: str = "j") -> str:
         if self.varlen:
-            return (
-                f"Ks,\n            index=(0, kv_head, {tile}),\n            shape=({self.d_tile}, 1, TILE_N),"
-                f"\n            order=(2, 1, 0)"
-            )
-        return (
-            f"K,\n            index=(batch, kv_head, 0, {tile}),\n            shape=(1, 1, {self.d_tile}, "
-            f"TILE_N),\n            order=(0, 1, 3, 2)"
-        )
+            return (f"Ks,\n            index=(0, kv_head, {tile}),\n            shape=({self.d_tile}, 1, TILE_N),"
+                    f"\n            order=(2, 1, 0)")
+        return (f"K,\n            index=(batch, kv_head, 0, {tile}),\n            shape=(1, 1, {self.d_tile}, "
+                f"TILE_N),\n            order=(0, 1, 3, 2)")
 
     def load_kv(self, array: str, dim: str, tile: str = "j") -> str:
         if self.varlen:
             return f"{array}s, index=({tile}, kv_head, 0), shape=(TILE_N, 1, {dim})"
-        return (
-            f"{array}, index=(batch, kv_head, {tile}, 0), shape=(1, 1, TILE_N, {dim})"
-        )
+        return f"{array}, index=(batch, kv_head, {tile}, 0), shape=(1, 1, TILE_N, {dim})"
 
     def store_out(self, tile: str) -> str:
         if self.varlen:
@@ -494,9 +437,7 @@ def procedural_name(spec: Spec) -> str:
     heads = "mha" if spec.gqa_ratio == 1 else f"gqa{spec.gqa_ratio}"
     if spec.family == "decode":
         name = f"fmha_decode_{heads}_{DTYPE_SHORT[spec.dtype]}"
-        name += (
-            f"_kv{DTYPE_SHORT[spec.kv_dtype]}" if spec.cache_dtype != spec.dtype else ""
-        )
+        name += f"_kv{DTYPE_SHORT[spec.kv_dtype]}" if spec.cache_dtype != spec.dtype else ""
         name += f"_d{spec.head_dim}"
         name += f"_q{spec.max_q_len}" if spec.max_q_len > 1 else ""
         name += f"_paged{spec.paged.page_size}" if spec.paged else ""
@@ -514,67 +455,46 @@ def _kwargs(**values) -> str:
 def default_v_transposed(spec: Spec) -> bool:
     """What v_transposed: null means: float8 prefill reads V transposed (Hopper's
     float8 MMA takes its B operand K-major only)."""
-    return (
-        spec.family == "prefill" and spec.dtype == "float8_e4m3fn" and not spec.varlen
-    )
+    return spec.family == "prefill" and spec.dtype == "float8_e4m3fn" and not spec.varlen
 
 
-def _config_plan(
-    cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict, v_default: bool = False
-) -> ConfigPlan:
+def _config_plan(cfg: LaunchConfig, max_seq_k: int | None, own_hints: dict,
+                 v_default: bool = False) -> ConfigPlan:
     hints = cfg.hints()
     extra = {}
     if hints != own_hints:
         # replace_hints needs every option of the target's own config restated
         # (an option the bucket leaves out is reset to its default).
-        extra = {
-            k: hints.get(k, HINT_DEFAULTS[k])
-            for k in HINT_FIELDS
-            if k in hints or k in own_hints
-        }
+        extra = {k: hints.get(k, HINT_DEFAULTS[k]) for k in HINT_FIELDS
+                 if k in hints or k in own_hints}
     v_transposed = v_default if cfg.v_transposed is None else cfg.v_transposed
-    return ConfigPlan(
-        max_seq_k,
-        cfg.tile_m,
-        cfg.tile_n,
-        hints,
-        extra,
-        cfg.tile_order,
-        v_transposed,
-        bool(cfg.persistent),
-    )
+    return ConfigPlan(max_seq_k, cfg.tile_m, cfg.tile_n, hints, extra, cfg.tile_order,
+                      v_transposed, bool(cfg.persistent))
 
 
-def _target_plans(
-    targets: dict[str, TargetConfig], v_default: bool = False
-) -> tuple[TargetPlan, ...]:
+def _target_plans(targets: dict[str, TargetConfig], v_default: bool = False
+                  ) -> tuple[TargetPlan, ...]:
     ordered = sorted(targets.items(), key=lambda item: _arch_key(item[0]))
     plans = []
     for name, cfg in ordered:
         own = cfg.hints()
         configs = [_config_plan(b, b.max_seq_k, own, v_default) for b in cfg.by_seq_k]
         configs.append(_config_plan(cfg, None, own, v_default))
-        plans.append(
-            TargetPlan(name, cfg.tile_m, cfg.tile_n, cfg.occupancy, tuple(configs))
-        )
+        plans.append(TargetPlan(name, cfg.tile_m, cfg.tile_n, cfg.occupancy, tuple(configs)))
     return tuple(plans)
 
 
 def _measured_defaults(spec: Spec) -> tuple[tuple[str, str], ...]:
     data = spec.model_dump(mode="json")
     page = spec.paged.page_size if spec.paged else None
-    rows = (
-        decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
-    )
+    rows = decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
     if spec_to_dict(spec)["targets"] != defaults.measured_targets(data, rows, page):
         return ()
     notes = []
     for target, entry in defaults.provenance(data).items():
         if entry:
             s = entry["source"]
-            notes.append(
-                (target, f"{s['how']} of {s['spec']} on an {s['device']}, {s['date']}")
-            )
+            notes.append((target, f"{s['how']} of {s['spec']} on an {s['device']}, {s['date']}"))
     return tuple(notes)
 
 
@@ -602,11 +522,7 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
     if fm.exp2:
         lines.append("exp2: the scale is folded by 1/ln2 so ex2 computes the exponent")
     if fm.flush_to_zero:
-        lines.append(
-            "flush-to-zero on "
-            + ("exp2 and " if fm.exp2 else "")
-            + "the final division"
-        )
+        lines.append("flush-to-zero on " + ("exp2 and " if fm.exp2 else "") + "the final division")
     if fm.approx_div:
         lines.append("approximate division in the final normalisation")
     if spec.loop_split:
@@ -614,26 +530,17 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
         lines.append(f"loop split: masks only on the key tiles {where}")
     if block_remap:
         lines.append("block remap: the heaviest (last) query tiles launch first")
-    if any(
-        c.tile_order == "global"
-        for t in spec.targets.values()
-        for c in [t, *t.by_seq_k]
-    ):
-        lines.append(
-            "global tile order (some configs): tile t of every head launches "
-            "before any head's tile t - 1"
-        )
+    if any(c.tile_order == "global" for t in spec.targets.values() for c in [t, *t.by_seq_k]):
+        lines.append("global tile order (some configs): tile t of every head launches "
+                     "before any head's tile t - 1")
     if loads.k_transposed:
         lines.append("K^T loaded directly with order=(0, 1, 3, 2)")
     configs = [c for t in spec.targets.values() for c in [t, *t.by_seq_k]]
     v_default = default_v_transposed(spec)
     v_t = [v_default if c.v_transposed is None else c.v_transposed for c in configs]
     if any(v_t):
-        lines.append(
-            ("V" if all(v_t) else "V (some configs)")
-            + " passed transposed, [B, Hkv, D, Skv], "
-            "so the P @ V MMA reads it K-major"
-        )
+        lines.append(("V" if all(v_t) else "V (some configs)") + " passed transposed, [B, Hkv, D, Skv], "
+                     "so the P @ V MMA reads it K-major")
     if loads.k_latency is not None or loads.v_latency is not None:
         lines.append(f"latency hints: K={loads.k_latency}, V={loads.v_latency}")
     if loads.check_bounds == "masked":
@@ -643,17 +550,13 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
     if spec.prescale_q:
         lines.append("Q pre-scaled once by the softmax scale, not every S tile")
     if spec.window is not None:
-        lines.append(
-            "sliding window: key tiles wholly outside it are skipped, its edge tiles masked"
-        )
+        lines.append("sliding window: key tiles wholly outside it are skipped, its edge tiles masked")
     if spec.q_subtiles == 2:
         lines.append("two query half-tiles per CTA share each K/V tile (ping-pong)")
     persistent = [bool(c.persistent) for c in configs]
     if any(persistent):
-        lines.append(
-            ("persistent" if all(persistent) else "persistent (some configs)")
-            + ": one wave of CTAs loops over the work items in the tile order"
-        )
+        lines.append(("persistent" if all(persistent) else "persistent (some configs)")
+                     + ": one wave of CTAs loops over the work items in the tile order")
     return tuple(lines) or ("none (baseline)",)
 
 
@@ -689,13 +592,8 @@ def _dims(spec: Spec) -> dict:
     else:
         dv_tile_name = "V_HEAD_DIM" if dv_tile == dv else "V_HEAD_DIM_TILE"
     return dict(
-        head_dim=d,
-        v_head_dim=dv,
-        head_dim_tile=d_tile,
-        v_head_dim_tile=dv_tile,
-        d_tile=d_name,
-        dv_tile=dv_tile_name,
-        dv_name=dv_name,
+        head_dim=d, v_head_dim=dv, head_dim_tile=d_tile, v_head_dim_tile=dv_tile,
+        d_tile=d_name, dv_tile=dv_tile_name, dv_name=dv_name,
         qk_pad_kwargs=", padding_mode=ct.PaddingMode.ZERO" if d_tile != d else "",
     )
 
@@ -705,45 +603,25 @@ def tensor_param(name: str) -> str:
     return name.title().replace("_", "")
 
 
-_DIM_EXPRS = {
-    "batch": "batch",
-    "heads": "num_heads",
-    "kv_heads": "num_kv_heads",
-    "seq_q": "seq_q",
-    "seq_k": "seq_k",
-}
+_DIM_EXPRS = {"batch": "batch", "heads": "num_heads", "kv_heads": "num_kv_heads",
+              "seq_q": "seq_q", "seq_k": "seq_k"}
 
 
 def _hooks(spec: Spec) -> dict:
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
     counter: dict = {}  # one numbering for both hooks: gathered locals stay distinct
-    hooks = {
-        which: (
-            compile_hook(getattr(spec, which), which, tensors, counter)
-            if getattr(spec, which)
-            else None
-        )
-        for which in ("score_mod", "mask_mod")
-    }
+    hooks = {which: compile_hook(getattr(spec, which), which, tensors, counter)
+             if getattr(spec, which) else None for which in ("score_mod", "mask_mod")}
     extra = tuple(
-        (
-            name,
-            tensor_param(name),
-            t.dtype,
-            tuple(_DIM_EXPRS.get(d, str(d)) for d in t.shape),
-        )
+        (name, tensor_param(name), t.dtype,
+         tuple(_DIM_EXPRS.get(d, str(d)) for d in t.shape))
         for name, t in spec.tensors.items()
     )
     return dict(**hooks, extra_tensors=extra)
 
 
-def make_plan(
-    spec: Spec,
-    *,
-    tile_order_param: bool | None = None,
-    v_layout_param: bool | None = None,
-    persistent_loop: bool | None = None,
-) -> Plan:
+def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
+              v_layout_param: bool | None = None, persistent_loop: bool | None = None) -> Plan:
     """The plan of ``spec``. ``tile_order_param`` forces the TILES_OUTER kernel
     argument on or off (``specgen tune`` searches both orders with one kernel);
     None: present where a config of the spec uses tile_order "global".
@@ -772,37 +650,21 @@ def make_plan(
         block_remap=block_remap,
         # (varlen: seq_k differs per sequence, so the masked tiles always bound-check)
         # (decode masks its tail tiles itself: no EVEN_N)
-        even_n_param=(
-            spec.family == "prefill"
-            and bool(row_mask)
-            and spec.loop_split
-            and not spec.varlen
-            and not spec.block_sparse
-        ),
-        tile_order_param=(
-            any(c.tiles_outer for t in targets for c in t.configs)
-            if tile_order_param is None
-            else tile_order_param
-        ),
-        v_layout_param=(
-            any(c.v_transposed for t in targets for c in t.configs)
-            if v_layout_param is None
-            else v_layout_param
-        ),
-        persistent_loop=(
-            any(c.persistent for t in targets for c in t.configs)
-            if persistent_loop is None
-            else persistent_loop
-        ),
+        even_n_param=(spec.family == "prefill" and bool(row_mask) and spec.loop_split
+                      and not spec.varlen and not spec.block_sparse),
+        tile_order_param=(any(c.tiles_outer for t in targets for c in t.configs)
+                          if tile_order_param is None else tile_order_param),
+        v_layout_param=(any(c.v_transposed for t in targets for c in t.configs)
+                        if v_layout_param is None else v_layout_param),
+        persistent_loop=(any(c.persistent for t in targets for c in t.configs)
+                         if persistent_loop is None else persistent_loop),
         k_transposed=spec.loads.k_transposed,
         exp2=fm.exp2,
         flush_to_zero=fm.flush_to_zero,
         approx_div=fm.approx_div,
         exp_fn="ct.exp2" if fm.exp2 else "ct.exp",
         # ct.exp has no flush_to_zero option; FTZ then applies to the division only.
-        exp_kwargs=_kwargs(
-            flush_to_zero=True if fm.exp2 and fm.flush_to_zero else None
-        ),
+        exp_kwargs=_kwargs(flush_to_zero=True if fm.exp2 and fm.flush_to_zero else None),
         div_kwargs=_kwargs(
             flush_to_zero=True if fm.flush_to_zero else None,
             rounding_mode="ct.RoundingMode.APPROX" if fm.approx_div else None,
@@ -824,13 +686,9 @@ def make_plan(
         varlen=spec.varlen,
         **hooks,
         skip_masked_tiles=spec.skip_masked_tiles and spec.mask_mod is not None,
-        scores_scaled=spec.prescale_q
-        or spec.softcap is not None
-        or spec.score_mod is not None,
+        scores_scaled=spec.prescale_q or spec.softcap is not None or spec.score_mod is not None,
         # score_mod sees natural-log units: 1/ln2 is applied after it, not folded in.
-        scale_expr=(
-            "qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale"
-        ),
+        scale_expr="qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale",
         row_mask=row_mask,
         q_subtiles=spec.q_subtiles,
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
@@ -858,20 +716,11 @@ def _block_sparse(spec: Spec, mask: Hook | None) -> dict:
         # that some row of the kernel's packed query tile sees. Few rows, many tiles: a
         # row's tiles are classified by many CTAs, then listed by one per row (one CTA
         # stepping through a row took 60-280 µs on an H100, 4-20x the decode call).
-        return dict(
-            block_sparse=True,
-            map_per_head="h" in mask.uses,
-            map_kernel_name=procedural_name(spec).replace(
-                "fmha_decode", "fmha_decode_map", 1
-            ),
-        )
+        return dict(block_sparse=True, map_per_head="h" in mask.uses,
+                    map_kernel_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_map", 1))
     blocks = block_quotients(spec.mask_mod)
-    if (
-        spec.causal
-        or spec.window
-        or blocks is None
-        or any(d is not None and d & (d - 1) for d in blocks)
-    ):
+    if (spec.causal or spec.window or blocks is None
+            or any(d is not None and d & (d - 1) for d in blocks)):
         blocks = None  # pairs, or blocks of a size the kernel cannot step by
     # A mask of per-position tensors (document or segment ids) passes the bound test
     # on the few tiles near the query's document: a step by query tile then
@@ -885,30 +734,19 @@ def _block_sparse(spec: Spec, mask: Hook | None) -> dict:
     # a time won for documents too: the backward's two maps took 118 / 106 / 123 µs
     # against 162 / 261 / 439 µs (docs/experiments.md, section 34).
     steps = blocks is None and any(g.where in ("rows", "keys") for g in mask.gathers)
-    return dict(
-        block_sparse=True,
-        map_per_head="h" in mask.uses,
-        map_span=_map_span(spec.mask_mod, tensors, mask, "keys", rename=not steps),
-        map_span_by_keys=_map_span(spec.mask_mod, tensors, mask, "rows", rename=True),
-        map_blocks=blocks,
-        map_steps=steps,
-        map_kernel_name=procedural_name(spec).replace(
-            "fmha_prefill", "fmha_block_map", 1
-        ),
-    )
+    return dict(block_sparse=True, map_per_head="h" in mask.uses,
+                map_span=_map_span(spec.mask_mod, tensors, mask, "keys", rename=not steps),
+                map_span_by_keys=_map_span(spec.mask_mod, tensors, mask, "rows", rename=True),
+                map_blocks=blocks, map_steps=steps,
+                map_kernel_name=procedural_name(spec).replace("fmha_prefill", "fmha_block_map", 1))
 
 
-def _map_span(
-    text: str, tensors: dict, mask: Hook, inner: str, rename: bool
-) -> MapSpan | None:
+def _map_span(text: str, tensors: dict, mask: Hook, inner: str, rename: bool) -> MapSpan | None:
     """The bound test of a map step over CHUNK tiles of ``inner`` positions ("keys":
     key tiles, "rows": query tiles), or None where the mask_mod has none.
     ``rename``: the step's positions and operands are the span_* names (its tiles
     are then evaluated one at a time under the plain names); else the plain ones."""
-    variable, shape = {
-        "keys": ("kv_idx", "(CHUNK, TILE_N)"),
-        "rows": ("q_idx", "(CHUNK, TILE_M)"),
-    }[inner]
+    variable, shape = {"keys": ("kv_idx", "(CHUNK, TILE_N)"), "rows": ("q_idx", "(CHUNK, TILE_M)")}[inner]
     test = tile_pretest(text, tensors, mask.gathers, per_tile=(variable, shape))
     if test is None:
         return None
@@ -922,23 +760,15 @@ def _map_span(
     # The operands the test reads by the inner positions alone (a side reading both
     # has no bounds), and any the mask_mod itself does not gather.
     side = [g for g in mask.gathers if g.where == inner and not reads(g, other)]
-    names = {
-        inner: f"span_{inner}",
-        **{
-            g.local: f"span_{g.local}"
-            for g in side + list(test.gathers)
-            if reads(g, inner)
-        },
-    }
+    names = {inner: f"span_{inner}", **{g.local: f"span_{g.local}" for g in side + list(test.gathers)
+                                        if reads(g, inner)}}
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
 
     def renamed(expr: str) -> str:
         return pattern.sub(lambda m: names[m.group(1)], expr)
 
-    gathers = tuple(
-        replace(g, local=renamed(g.local), indices=tuple(map(renamed, g.indices)))
-        for g in side + list(test.gathers)
-    )
+    gathers = tuple(replace(g, local=renamed(g.local), indices=tuple(map(renamed, g.indices)))
+                    for g in side + list(test.gathers))
     return MapSpan(gathers, renamed(test.expr))
 
 
@@ -955,32 +785,18 @@ def _backward_hooks(spec: Spec) -> dict:
         if getattr(spec, which):
             compile_hook(getattr(spec, which), which, tensors, counter)
     text = score_derivative(spec.score_mod)
-    score_mod_grad = (
-        None
-        if text == "1.0"
-        else compile_hook(text, "score_mod", tensors, counter, check_size=False)
-    )
+    score_mod_grad = (None if text == "1.0" else
+                      compile_hook(text, "score_mod", tensors, counter, check_size=False))
     learnable = [n for n, t in spec.tensors.items() if t.learnable]
     grads = []
-    for number, (source, text) in enumerate(
-        tensor_derivatives(spec.score_mod, learnable)
-    ):
+    for number, (source, text) in enumerate(tensor_derivatives(spec.score_mod, learnable)):
         subscript = compile_hook(source, "score_mod", tensors, {}, check_size=False)
         gather = subscript.gathers[0]
-        grads.append(
-            TensorGrad(
-                tensor=gather.tensor,
-                param="D" + tensor_param(gather.tensor),
-                local=f"dsum_{number}",
-                indices=gather.indices,
-                where=gather.where,
-                uses_rows="q_idx" in subscript.uses,
-                derivative=compile_hook(
-                    text, "score_mod", tensors, counter, check_size=False
-                ),
-                source=source,
-            )
-        )
+        grads.append(TensorGrad(
+            tensor=gather.tensor, param="D" + tensor_param(gather.tensor), local=f"dsum_{number}",
+            indices=gather.indices, where=gather.where, uses_rows="q_idx" in subscript.uses,
+            derivative=compile_hook(text, "score_mod", tensors, counter, check_size=False),
+            source=source))
     return dict(score_mod_grad=score_mod_grad, tensor_grads=tuple(grads))
 
 
@@ -988,47 +804,31 @@ def _backward(spec: Spec) -> dict:
     if not spec.backward:
         return {}
     name = procedural_name(spec).replace("fmha_prefill", "fmha_bwd", 1)
-    names = dict(
-        bwd_names=(
-            name.replace("fmha_bwd", "fmha_bwd_delta", 1),
-            name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
-            name.replace("fmha_bwd", "fmha_bwd_dq", 1),
-        )
-    )
+    names = dict(bwd_names=(name.replace("fmha_bwd", "fmha_bwd_delta", 1),
+                            name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
+                            name.replace("fmha_bwd", "fmha_bwd_dq", 1)))
     widest = max(_pow2_ceil(spec.head_dim), _pow2_ceil(spec.dv))
     if widest >= 256:
         # Tiles 256 wide: the dK/dV kernel's two [TILE_N, 256] float32 accumulators
         # need the registers of two warp groups at one CTA per SM, and the dQ kernel
         # takes 64 rows. H200, B4 Hq32 Hkv8 D256 causal, S 2048 / 8192: 258 / 303
         # TFLOPS, against 51 / 56 with the D128 tiles (experiments, section 32).
-        return dict(
-            backward=True,
-            **names,
-            bwd_tile=(64, 64),
-            bwd_dq_tile=(64, 64),
-            bwd_dkdv_options="occupancy=ct.ByTarget(sm_90=1), "
-            "num_worker_warps=ct.ByTarget(sm_90=8)",
-        )
+        return dict(backward=True, **names, bwd_tile=(64, 64), bwd_dq_tile=(64, 64),
+                    bwd_dkdv_options="occupancy=ct.ByTarget(sm_90=1), "
+                                     "num_worker_warps=ct.ByTarget(sm_90=8)")
     return dict(backward=True, **names)
+
 
 
 def _decode(spec: Spec) -> dict:
     if spec.family != "decode":
         return {}
     rows = decode_rows(spec.gqa_ratio, spec.max_q_len)
-    return dict(
-        max_q_len=spec.max_q_len,
-        page_size=spec.paged.page_size if spec.paged else None,
-        splits=spec.splits,
-        pdl=spec.pdl,
-        decode_tile_m=rows,
-        kv_dtype=spec.cache_dtype,
-        kv_fp8=spec.cache_dtype == "float8_e4m3fn",
-        v_cache_transposed=spec.v_cache_transposed,
-        split_ctas_per_sm=2 if spec.cache_dtype == "float8_e4m3fn" else 1,
-        # (max_q_len - 1) < 16 <= tile_n keys: the masked keys span at most 2 tiles.
-        tail_tiles=1 if spec.max_q_len == 1 else 2,
-        combine_name=procedural_name(spec).replace(
-            "fmha_decode", "fmha_decode_combine", 1
-        ),
-    )
+    return dict(max_q_len=spec.max_q_len, page_size=spec.paged.page_size if spec.paged else None,
+                splits=spec.splits, pdl=spec.pdl, decode_tile_m=rows,
+                kv_dtype=spec.cache_dtype, kv_fp8=spec.cache_dtype == "float8_e4m3fn",
+                v_cache_transposed=spec.v_cache_transposed,
+                split_ctas_per_sm=2 if spec.cache_dtype == "float8_e4m3fn" else 1,
+                # (max_q_len - 1) < 16 <= tile_n keys: the masked keys span at most 2 tiles.
+                tail_tiles=1 if spec.max_q_len == 1 else 2,
+                combine_name=procedural_name(spec).replace("fmha_decode", "fmha_decode_combine", 1))

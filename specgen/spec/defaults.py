@@ -51,10 +51,7 @@ def key_of(data: dict[str, Any]) -> dict[str, Any]:
     dtype = data.get("dtype", "float16")
     if family == "decode":
         dtype = data.get("kv_dtype") or dtype
-    extras = any(
-        data.get(name)
-        for name in ("softcap", "score_mod", "mask_mod", "dropout", "sinks")
-    )
+    extras = any(data.get(name) for name in ("softcap", "score_mod", "mask_mod", "dropout", "sinks"))
     return {
         "family": family,
         "dtype": "float8_e4m3fn" if dtype == "float8_e4m3fn" else "16-bit",
@@ -78,9 +75,8 @@ def lookup(key: dict[str, Any], target: str) -> dict | None:
     return None
 
 
-def measured_targets(
-    data: dict[str, Any], decode_rows: int | None = None, page_size: int | None = None
-) -> dict[str, dict]:
+def measured_targets(data: dict[str, Any], decode_rows: int | None = None,
+                     page_size: int | None = None) -> dict[str, dict]:
     """``targets:`` for a spec that wrote none, as plain dicts a spec would hold.
 
     Decode configs take ``tile_m`` from the packed query tile (``decode_rows``) and
@@ -92,9 +88,7 @@ def measured_targets(
     configs: dict[str, dict] = {"default": dict(PORTABLE)}
     if key["family"] == "decode":
         configs["default"]["tile_n"] = DEFAULT_DECODE_TILE_N
-    configs.update(
-        {t: json.loads(json.dumps(e["config"])) for t, e in found.items() if e}
-    )
+    configs.update({t: json.loads(json.dumps(e["config"])) for t, e in found.items() if e})
     if key["family"] == "decode":
         for config in configs.values():
             config["tile_m"] = decode_rows

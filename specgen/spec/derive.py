@@ -23,20 +23,10 @@ from specgen.spec.hooks import ExprError
 
 _SCORE = sp.Symbol("score", real=True)
 _FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs}
-_ARITH = {
-    ast.Add: lambda a, b: a + b,
-    ast.Sub: lambda a, b: a - b,
-    ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b,
-}
-_REL = {
-    ast.Lt: sp.Lt,
-    ast.LtE: sp.Le,
-    ast.Gt: sp.Gt,
-    ast.GtE: sp.Ge,
-    ast.Eq: sp.Eq,
-    ast.NotEq: sp.Ne,
-}
+_ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+          ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_REL = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp.Eq,
+        ast.NotEq: sp.Ne}
 
 
 class _ToSympy:
@@ -50,17 +40,12 @@ class _ToSympy:
         self.variables: dict[str, sp.Symbol] = {}
 
     def is_variable(self, node: ast.AST) -> bool:
-        return (
-            isinstance(node, ast.Subscript)
-            and isinstance(node.value, ast.Name)
-            and node.value.id in self.learnable
-        )
+        return (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+                and node.value.id in self.learnable)
 
     def uses_variable(self, node: ast.AST) -> bool:
-        return any(
-            (isinstance(n, ast.Name) and n.id == "score") or self.is_variable(n)
-            for n in ast.walk(node)
-        )
+        return any((isinstance(n, ast.Name) and n.id == "score") or self.is_variable(n)
+                   for n in ast.walk(node))
 
     def variable(self, node: ast.AST):
         text = ast.unparse(node)
@@ -75,21 +60,13 @@ class _ToSympy:
         for symbol, source in self.opaque.items():
             if source == text:
                 return symbol
-        symbol = (
-            sp.Symbol(f"_o{len(self.opaque)}")
-            if boolean
-            else sp.Symbol(f"_o{len(self.opaque)}", real=True)
-        )
+        symbol = sp.Symbol(f"_o{len(self.opaque)}") if boolean else sp.Symbol(f"_o{len(self.opaque)}", real=True)
         self.opaque[symbol] = text
         return symbol
 
     def convert(self, node: ast.AST):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return (
-                sp.Integer(node.value)
-                if isinstance(node.value, int)
-                else sp.Float(node.value)
-            )
+            return sp.Integer(node.value) if isinstance(node.value, int) else sp.Float(node.value)
         if not self.uses_variable(node):
             return self.leaf(node, boolean=_is_condition(node))
         if self.is_variable(node):
@@ -101,13 +78,9 @@ class _ToSympy:
             return (sp.And if isinstance(node.op, ast.BitAnd) else sp.Or)(*parts)
         if isinstance(node, ast.BinOp):
             if type(node.op) not in _ARITH:
-                raise ExprError(
-                    f"{ast.unparse(node)}: '//' and '%' of the score or of a "
-                    "learnable tensor have no derivative (a backward needs one)"
-                )
-            return _ARITH[type(node.op)](
-                self.convert(node.left), self.convert(node.right)
-            )
+                raise ExprError(f"{ast.unparse(node)}: '//' and '%' of the score or of a "
+                                "learnable tensor have no derivative (a backward needs one)")
+            return _ARITH[type(node.op)](self.convert(node.left), self.convert(node.right))
         if isinstance(node, ast.UnaryOp):
             operand = self.convert(node.operand)
             if isinstance(node.op, ast.USub):
@@ -124,10 +97,8 @@ class _ToSympy:
                 return (sp.Min if name == "min" else sp.Max)(*args)
             return _FUNCS[name](*args)
         if isinstance(node, ast.IfExp):
-            return sp.Piecewise(
-                (self.convert(node.body), self.convert(node.test)),
-                (self.convert(node.orelse), True),
-            )
+            return sp.Piecewise((self.convert(node.body), self.convert(node.test)),
+                                (self.convert(node.orelse), True))
         if isinstance(node, ast.Compare):
             terms, left = [], self.convert(node.left)
             for op, right_node in zip(node.ops, node.comparators):
@@ -201,23 +172,15 @@ class _Printer:
                 text = f"where({self(cond)}, {self(value)}, {text})"
             return text
         if isinstance(e, sp.core.relational.Relational):
-            op = {
-                sp.StrictLessThan: "<",
-                sp.LessThan: "<=",
-                sp.StrictGreaterThan: ">",
-                sp.GreaterThan: ">=",
-                sp.Equality: "==",
-                sp.Unequality: "!=",
-            }[type(e)]
+            op = {sp.StrictLessThan: "<", sp.LessThan: "<=", sp.StrictGreaterThan: ">",
+                  sp.GreaterThan: ">=", sp.Equality: "==", sp.Unequality: "!="}[type(e)]
             return f"({self(e.lhs)} {op} {self(e.rhs)})"
         if isinstance(e, (sp.And, sp.Or)):
             op = " & " if isinstance(e, sp.And) else " | "
             return "(" + op.join(self(a) for a in e.args) + ")"
         if isinstance(e, sp.Not):
             return f"(~{self(e.args[0])})"
-        raise ExprError(
-            f"the derivative has {type(e).__name__}, which no hook can express"
-        )
+        raise ExprError(f"the derivative has {type(e).__name__}, which no hook can express")
 
     def power(self, base, exponent) -> str:
         b = self(base)
@@ -257,8 +220,6 @@ def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
     for source, symbol in converter.variables.items():
         derivative = sp.diff(expr, symbol)
         if derivative.has(sp.Subs, sp.Derivative):
-            raise ExprError(
-                f"{text}: sympy left an unevaluated derivative in {source} ({derivative})"
-            )
+            raise ExprError(f"{text}: sympy left an unevaluated derivative in {source} ({derivative})")
         result.append((source, printer(derivative)))
     return result

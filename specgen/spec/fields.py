@@ -17,7 +17,6 @@ from pydantic import (
     model_validator,
 )
 
-
 class Problems(ValueError):
     """Several problems of one spec found by one check, each (field path, message):
     reported one per line, like the errors of single fields."""
@@ -58,9 +57,7 @@ def _target_name(value: str) -> str:
 def _power_of_two(low: int, high: int):
     def check(value: Optional[int]) -> Optional[int]:
         if value is not None and (value < low or value > high or value & (value - 1)):
-            raise ValueError(
-                f"must be a power of two in [{low}, {high}] or null (auto)"
-            )
+            raise ValueError(f"must be a power of two in [{low}, {high}] or null (auto)")
         return value
 
     return check
@@ -150,15 +147,11 @@ class Window(_Strict):
     """A sliding window around each query's absolute position p = q_offset + i."""
 
     left: Optional[int] = Field(
-        None,
-        ge=0,
-        le=2**31 - 1,
+        None, ge=0, le=2**31 - 1,
         description="Keys j >= p - left are visible; null: unbounded to the left.",
     )
     right: Optional[int] = Field(
-        None,
-        ge=0,
-        le=2**31 - 1,
+        None, ge=0, le=2**31 - 1,
         description="Keys j <= p + right are visible; null: unbounded to the right. "
         "A causal kernel takes null or 0.",
     )
@@ -174,56 +167,13 @@ DIM_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k")
 TENSOR_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 # Names a tensor may not take: the launcher's own arguments and locals, the hook
 # variables and functions, and module-level names of a generated module.
-RESERVED_NAMES = frozenset(
-    {
-        "q",
-        "k",
-        "v",
-        "out",
-        "scale",
-        "q_offset",
-        "sinks",
-        "lse",
-        "score",
-        "b",
-        "h",
-        "q_idx",
-        "kv_idx",
-        "batch",
-        "num_heads",
-        "num_kv_heads",
-        "seq_q",
-        "seq_k",
-        "name",
-        "t",
-        "want",
-        "config",
-        "kernel",
-        "tile_m",
-        "tile_n",
-        "num_tiles",
-        "tiles_outer",
-        "grid",
-        "what",
-        "args",
-        "ct",
-        "torch",
-        "math",
-        "where",
-        "abs",
-        "exp",
-        "log",
-        "sqrt",
-        "tanh",
-        "min",
-        "max",
-        "expected",
-        "dims",
-        "tensors",
-        "got",
-        "dtype",
-    }
-)
+RESERVED_NAMES = frozenset({
+    "q", "k", "v", "out", "scale", "q_offset", "sinks", "lse", "score", "b", "h", "q_idx",
+    "kv_idx", "batch", "num_heads", "num_kv_heads", "seq_q", "seq_k", "name", "t", "want",
+    "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
+    "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
+    "expected", "dims", "tensors", "got", "dtype",
+})
 
 
 def _dim_size(value, handler):
@@ -247,8 +197,7 @@ class ExtraTensor(_Strict):
 
     dtype: Literal["float32", "int32"] = Field(description="Element type.")
     shape: list[DimSize] = Field(
-        min_length=1,
-        max_length=4,
+        min_length=1, max_length=4,
         description="Sizes: batch, heads, kv_heads, seq_q, seq_k or a number each; the "
         "launcher checks them before the launch.",
     )
@@ -281,12 +230,7 @@ TileOrder = Literal["per_head", "global"]
 
 HINT_FIELDS = ("occupancy", "num_ctas", "num_worker_warps", "opt_level")
 # What each kernel option is when left out (replace_hints resets to these).
-HINT_DEFAULTS = {
-    "occupancy": None,
-    "num_ctas": None,
-    "num_worker_warps": None,
-    "opt_level": 3,
-}
+HINT_DEFAULTS = {"occupancy": None, "num_ctas": None, "num_worker_warps": None, "opt_level": 3}
 
 
 class LaunchConfig(_Strict):
@@ -303,9 +247,7 @@ class LaunchConfig(_Strict):
         description="Warps of the compute warp groups of a warp-specialised kernel, "
         "a power of two 1..32; null: auto.",
     )
-    opt_level: OptLevel = Field(
-        None, description="tileiras optimisation level 0..3; null: 3."
-    )
+    opt_level: OptLevel = Field(None, description="tileiras optimisation level 0..3; null: 3.")
     tile_order: TileOrder = Field(
         "per_head",
         description="Launch order of the query tiles. per_head: one (batch, head)'s "
@@ -330,17 +272,14 @@ class LaunchConfig(_Strict):
 
     def hints(self) -> dict[str, int]:
         """The kernel options this config sets (the ones left null are auto)."""
-        return {
-            k: getattr(self, k) for k in HINT_FIELDS if getattr(self, k) is not None
-        }
+        return {k: getattr(self, k) for k in HINT_FIELDS if getattr(self, k) is not None}
 
 
 class SeqBucket(LaunchConfig):
     """A launch config for key lengths up to ``max_seq_k``."""
 
     max_seq_k: int = Field(
-        ge=1,
-        le=2**31 - 1,
+        ge=1, le=2**31 - 1,
         description="This config applies while seq_k <= max_seq_k (the first match wins).",
     )
 
@@ -368,15 +307,8 @@ class TargetConfig(LaunchConfig):
 
 
 TUNABLE_FIELDS = (
-    "tile_m",
-    "tile_n",
-    "occupancy",
-    "num_ctas",
-    "num_worker_warps",
-    "opt_level",
-    "tile_order",
-    "v_transposed",
-    "persistent",
+    "tile_m", "tile_n", "occupancy", "num_ctas", "num_worker_warps", "opt_level", "tile_order",
+    "v_transposed", "persistent",
 )
 
 
@@ -393,14 +325,24 @@ def _choices(item):
 class AutotuneSpace(_Strict):
     """The values `specgen tune` tries for one target: every combination is timed."""
 
-    tile_m: _choices(TileSize) = Field(default_factory=lambda: [64, 128], min_length=1)
-    tile_n: _choices(TileSize) = Field(default_factory=lambda: [64, 128], min_length=1)
-    occupancy: _choices(Occupancy) = Field(default_factory=lambda: [1, 2], min_length=1)
-    num_ctas: _choices(NumCtas) = Field(default_factory=lambda: [None], min_length=1)
-    num_worker_warps: _choices(WorkerWarps) = Field(
+    tile_m: _choices(TileSize) = Field(
+        default_factory=lambda: [64, 128], min_length=1
+    )
+    tile_n: _choices(TileSize) = Field(
+        default_factory=lambda: [64, 128], min_length=1
+    )
+    occupancy: _choices(Occupancy) = Field(
+        default_factory=lambda: [1, 2], min_length=1
+    )
+    num_ctas: _choices(NumCtas) = Field(
         default_factory=lambda: [None], min_length=1
     )
-    opt_level: _choices(OptLevel) = Field(default_factory=lambda: [None], min_length=1)
+    num_worker_warps: _choices(WorkerWarps) = (
+        Field(default_factory=lambda: [None], min_length=1)
+    )
+    opt_level: _choices(OptLevel) = Field(
+        default_factory=lambda: [None], min_length=1
+    )
     tile_order: _choices(TileOrder) = Field(
         default_factory=lambda: ["per_head"], min_length=1
     )
@@ -416,9 +358,7 @@ class AutotuneSpace(_Strict):
         "winners differ (written as by_seq_k); false keeps one config for all.",
     )
     min_gain: float = Field(
-        0.02,
-        ge=0.0,
-        le=1.0,
+        0.02, ge=0.0, le=1.0,
         description="A bucket keeps its own config only if it beats the long-sequence "
         "winner by at least this fraction.",
     )
@@ -437,3 +377,5 @@ def decode_rows(gqa_ratio: int, max_q_len: int) -> int:
     """Rows of a decode kernel's packed query tile: gqa_ratio heads x max_q_len
     tokens, rounded up to a power of two, at least 16 (the MMA's minimum)."""
     return max(16, 1 << (gqa_ratio * max_q_len - 1).bit_length())
+
+

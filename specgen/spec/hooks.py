@@ -26,13 +26,7 @@ from dataclasses import dataclass
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 # The kernel's name of each variable.
-KERNEL_NAMES = {
-    "score": "s",
-    "b": "batch",
-    "h": "head",
-    "q_idx": "rows",
-    "kv_idx": "keys",
-}
+KERNEL_NAMES = {"score": "s", "b": "batch", "h": "head", "q_idx": "rows", "kv_idx": "keys"}
 MAX_LENGTH = 500
 MAX_NODES = 200
 
@@ -49,48 +43,19 @@ FUNCTIONS = {
     "where": (3, "ct.where", "where", "same"),
 }
 
-_ARITH = {
-    ast.Add: "+",
-    ast.Sub: "-",
-    ast.Mult: "*",
-    ast.Div: "/",
-    ast.FloorDiv: "//",
-    ast.Mod: "%",
-}
-_COMPARE = {
-    ast.Eq: "==",
-    ast.NotEq: "!=",
-    ast.Lt: "<",
-    ast.LtE: "<=",
-    ast.Gt: ">",
-    ast.GtE: ">=",
-}
+_ARITH = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//",
+          ast.Mod: "%"}
+_COMPARE = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">",
+            ast.GtE: ">="}
 _DESCRIBE = {
-    ast.Attribute: "attribute access",
-    ast.Lambda: "a lambda",
-    ast.ListComp: "a comprehension",
-    ast.SetComp: "a comprehension",
-    ast.DictComp: "a comprehension",
-    ast.GeneratorExp: "a generator",
-    ast.NamedExpr: "assignment (:=)",
-    ast.Starred: "a starred argument",
-    ast.JoinedStr: "an f-string",
-    ast.List: "a list",
-    ast.Tuple: "a tuple",
-    ast.Dict: "a dict",
-    ast.Set: "a set",
-    ast.Await: "await",
-    ast.Yield: "yield",
-    ast.Slice: "a slice",
-    ast.Pow: "'**'",
-    ast.MatMult: "'@'",
-    ast.LShift: "'<<'",
-    ast.RShift: "'>>'",
-    ast.BitXor: "'^'",
-    ast.Is: "'is'",
-    ast.IsNot: "'is not'",
-    ast.In: "'in'",
-    ast.NotIn: "'not in'",
+    ast.Attribute: "attribute access", ast.Lambda: "a lambda", ast.ListComp: "a comprehension",
+    ast.SetComp: "a comprehension", ast.DictComp: "a comprehension",
+    ast.GeneratorExp: "a generator", ast.NamedExpr: "assignment (:=)",
+    ast.Starred: "a starred argument", ast.JoinedStr: "an f-string", ast.List: "a list",
+    ast.Tuple: "a tuple", ast.Dict: "a dict", ast.Set: "a set", ast.Await: "await",
+    ast.Yield: "yield", ast.Slice: "a slice", ast.Pow: "'**'", ast.MatMult: "'@'",
+    ast.LShift: "'<<'", ast.RShift: "'>>'", ast.BitXor: "'^'", ast.Is: "'is'",
+    ast.IsNot: "'is not'", ast.In: "'in'", ast.NotIn: "'not in'",
 }
 
 TENSOR_KINDS = {"float32": "float", "int32": "int"}
@@ -171,11 +136,8 @@ class _Compiler:
             return KERNEL_NAMES[name], "int"
         if name in self.tensors:
             self.fail(f"tensor '{name}' must be indexed, e.g. {name}[h]")
-        allowed = ", ".join(
-            (("score",) if self.which == "score_mod" else ())
-            + INDEX_VARS
-            + tuple(self.tensors)
-        )
+        allowed = ", ".join((("score",) if self.which == "score_mod" else ()) + INDEX_VARS
+                            + tuple(self.tensors))
         self.fail(f"unknown name '{name}'; allowed: {allowed}")
 
     def _number(self, node, text, kind, what):
@@ -230,9 +192,7 @@ class _Compiler:
         for value in node.values:
             text, kind = self.compile(value)
             if kind != "bool":
-                self.fail(
-                    f"'and' and 'or' combine conditions, got {ast.unparse(value)}"
-                )
+                self.fail(f"'and' and 'or' combine conditions, got {ast.unparse(value)}")
             parts.append(text)
         symbol = " & " if isinstance(node.op, ast.And) else " | "
         return "(" + symbol.join(parts) + ")", "bool"
@@ -245,12 +205,8 @@ class _Compiler:
             if type(op) not in _COMPARE:
                 self.fail(f"{_node_name(op)} is not allowed")
             right, rk = self.compile(right_node)
-            if (lk == "bool") != (rk == "bool") or (
-                lk == "bool" and type(op) not in (ast.Eq, ast.NotEq)
-            ):
-                self.fail(
-                    f"cannot compare {ast.unparse(left_node)} with {ast.unparse(right_node)}"
-                )
+            if (lk == "bool") != (rk == "bool") or (lk == "bool" and type(op) not in (ast.Eq, ast.NotEq)):
+                self.fail(f"cannot compare {ast.unparse(left_node)} with {ast.unparse(right_node)}")
             terms.append(f"({left} {_COMPARE[type(op)]} {right})")
             left_node, left, lk = right_node, right, rk
         return (terms[0] if len(terms) == 1 else "(" + " & ".join(terms) + ")"), "bool"
@@ -272,15 +228,11 @@ class _Compiler:
     def _Call(self, node):
         if not isinstance(node.func, ast.Name) or node.func.id not in FUNCTIONS:
             what = ast.unparse(node.func)
-            self.fail(
-                f"calling {what} is not allowed; functions: {', '.join(FUNCTIONS)}"
-            )
+            self.fail(f"calling {what} is not allowed; functions: {', '.join(FUNCTIONS)}")
         name = node.func.id
         count, ct_fn, _, result = FUNCTIONS[name]
         if node.keywords or len(node.args) != count:
-            self.fail(
-                f"{name}() takes {count} positional argument{'s' if count > 1 else ''}"
-            )
+            self.fail(f"{name}() takes {count} positional argument{'s' if count > 1 else ''}")
         if name == "where":
             return self._where(node.args, ast.unparse(node))
         args = [self.compile(a) for a in node.args]
@@ -289,10 +241,8 @@ class _Compiler:
         kinds = {k for _, k in args}
         texts = [t for t, _ in args]
         if result == "float":
-            texts = [
-                self._to_float(a, t) if k == "int" else t
-                for (t, k), a in zip(args, node.args)
-            ]
+            texts = [self._to_float(a, t) if k == "int" else t
+                     for (t, k), a in zip(args, node.args)]
             kind = "float"
         else:
             kind = "float" if "float" in kinds else "int"
@@ -301,48 +251,33 @@ class _Compiler:
     def _Subscript(self, node):
         if not isinstance(node.value, ast.Name) or node.value.id not in self.tensors:
             known = ", ".join(self.tensors) or "none declared under tensors"
-            self.fail(
-                f"only declared tensors can be indexed ({known}), got {ast.unparse(node.value)}"
-            )
+            self.fail(f"only declared tensors can be indexed ({known}), got {ast.unparse(node.value)}")
         name = node.value.id
         dtype, ndim = self.tensors[name]
-        index_nodes = (
-            node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        )
+        index_nodes = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if len(index_nodes) != ndim:
-            self.fail(
-                f"{name} has {ndim} dimension{'s' if ndim > 1 else ''}, "
-                f"indexed with {len(index_nodes)}: {ast.unparse(node)}"
-            )
+            self.fail(f"{name} has {ndim} dimension{'s' if ndim > 1 else ''}, "
+                      f"indexed with {len(index_nodes)}: {ast.unparse(node)}")
         before = set(self.uses)
         self.uses.clear()
         indices = []
         for index in index_nodes:
             text, kind = self.compile(index)
             if kind != "int":
-                self.fail(
-                    f"indices must be integers, got {ast.unparse(index)} in {ast.unparse(node)}"
-                )
+                self.fail(f"indices must be integers, got {ast.unparse(index)} in {ast.unparse(node)}")
             indices.append(text)
         inner = set(self.uses)
         self.uses |= before
         where = "keys" if "kv_idx" in inner else "rows" if "q_idx" in inner else "head"
         number = self.counter.get(name, 0)
         self.counter[name] = number + 1
-        gather = Gather(
-            f"{name}_{number}", name, tuple(indices), where, ast.unparse(node)
-        )
+        gather = Gather(f"{name}_{number}", name, tuple(indices), where, ast.unparse(node))
         self.gathers.append(gather)
         return gather.local, TENSOR_KINDS[dtype]
 
 
-def compile_hook(
-    text: str,
-    which: str,
-    tensors: dict,
-    counter: dict | None = None,
-    check_size: bool = True,
-) -> Hook:
+def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = None,
+                 check_size: bool = True) -> Hook:
     """Check ``text`` (a score_mod or mask_mod) and print it for the kernel.
 
     ``tensors`` maps each declared tensor to (dtype, ndim). ``check_size`` False
@@ -361,21 +296,14 @@ def compile_hook(
     compiler = _Compiler(which, tensors, {} if counter is None else counter)
     kernel, kind = compiler.compile(tree.body)
     if which == "mask_mod" and kind != "bool":
-        raise ExprError(
-            "must be a condition (a comparison, or conditions combined "
-            "with & | ~ and/or/not)"
-        )
+        raise ExprError("must be a condition (a comparison, or conditions combined "
+                        "with & | ~ and/or/not)")
     if which == "score_mod" and kind == "bool":
         raise ExprError("must be a number (the new score), got a condition")
     if kind == "int":
         kernel = f"ct.astype({kernel}, ct.float32)"
-    return Hook(
-        ast.unparse(tree.body),
-        kernel,
-        kind,
-        frozenset(compiler.uses),
-        tuple(compiler.gathers),
-    )
+    return Hook(ast.unparse(tree.body), kernel, kind, frozenset(compiler.uses),
+                tuple(compiler.gathers))
 
 
 # --- evaluation with torch (reference and FlexAttention) -----------------------
@@ -410,23 +338,13 @@ def torch_fn(text: str):
         values = table[tuple(clamped)]
         return torch.where(inside, values, torch.zeros_like(values))
 
-    arith = {
-        ast.Add: lambda a, b: a + b,
-        ast.Sub: lambda a, b: a - b,
-        ast.Mult: lambda a, b: a * b,
-        ast.FloorDiv: lambda a, b: a // b,
-        ast.Mod: lambda a, b: a % b,
-        ast.BitAnd: lambda a, b: a & b,
-        ast.BitOr: lambda a, b: a | b,
-    }
-    compare = {
-        ast.Eq: lambda a, b: a == b,
-        ast.NotEq: lambda a, b: a != b,
-        ast.Lt: lambda a, b: a < b,
-        ast.LtE: lambda a, b: a <= b,
-        ast.Gt: lambda a, b: a > b,
-        ast.GtE: lambda a, b: a >= b,
-    }
+    arith = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+             ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b,
+             ast.Mod: lambda a, b: a % b, ast.BitAnd: lambda a, b: a & b,
+             ast.BitOr: lambda a, b: a | b}
+    compare = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
+               ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
+               ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
 
     def build(node):
         if isinstance(node, ast.Constant):
@@ -457,7 +375,6 @@ def torch_fn(text: str):
                 for part in parts[1:]:
                     out = fn(out, part(env, t))
                 return out
-
             return combine
         if isinstance(node, ast.Compare):
             operands = [build(node.left)] + [build(c) for c in node.comparators]
@@ -469,13 +386,10 @@ def torch_fn(text: str):
                 for i, fn in enumerate(fns[1:], 1):
                     out = out & fn(values[i], values[i + 1])
                 return out
-
             return chain
         if isinstance(node, ast.IfExp):
             test, body, orelse = build(node.test), build(node.body), build(node.orelse)
-            return lambda env, t: _where3(
-                where, test(env, t), body(env, t), orelse(env, t)
-            )
+            return lambda env, t: _where3(where, test(env, t), body(env, t), orelse(env, t))
         if isinstance(node, ast.Call):
             name = node.func.id
             args = [build(a) for a in node.args]
@@ -490,28 +404,20 @@ def torch_fn(text: str):
                 if cast:
                     values = [float_of(v) for v in values]
                 return fn(*values)
-
             return call
         if isinstance(node, ast.Subscript):
             tensor = node.value.id
-            index_nodes = (
-                node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            )
+            index_nodes = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             indices = [build(i) for i in index_nodes]
 
             def subscript(env, t):
                 table = t[tensor]
                 values = [i(env, t) for i in indices]
-                values = [
-                    v if torch.is_tensor(v) else torch.tensor(v, device=table.device)
-                    for v in values
-                ]
+                values = [v if torch.is_tensor(v) else torch.tensor(v, device=table.device)
+                          for v in values]
                 return gather(table, values)
-
             return subscript
-        raise ExprError(
-            f"{type(node).__name__} is not allowed"
-        )  # unreachable once checked
+        raise ExprError(f"{type(node).__name__} is not allowed")  # unreachable once checked
 
     return build(ast.parse(text.strip(), mode="eval").body)
 
@@ -543,12 +449,8 @@ class TilePretest:
     gathers: tuple[Gather, ...]
 
 
-def tile_pretest(
-    text: str,
-    tensors: dict,
-    mask_gathers: tuple[Gather, ...] = (),
-    per_tile: tuple[str, str] | None = None,
-) -> TilePretest | None:
+def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = (),
+                 per_tile: tuple[str, str] | None = None) -> TilePretest | None:
     """The pretest of mask_mod ``text``, or None where no comparison of it has
     sides that each depend on the rows or on the keys alone (the test would be
     always true). A comparison ``L op R`` can hold in a tile only if the sides'
@@ -607,18 +509,11 @@ def tile_pretest(
         if isinstance(node, ast.BoolOp):
             return combine([walk(v) for v in node.values], isinstance(node.op, ast.And))
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
-            return combine(
-                [walk(node.left), walk(node.right)], isinstance(node.op, ast.BitAnd)
-            )
+            return combine([walk(node.left), walk(node.right)], isinstance(node.op, ast.BitAnd))
         if isinstance(node, ast.Compare):
             lefts = [node.left] + list(node.comparators[:-1])
-            return combine(
-                [
-                    compare(op, a, b)
-                    for op, a, b in zip(node.ops, lefts, node.comparators)
-                ],
-                True,
-            )
+            return combine([compare(op, a, b) for op, a, b in zip(node.ops, lefts, node.comparators)],
+                           True)
         return None
 
     expr = walk(tree.body)
@@ -638,22 +533,13 @@ def block_quotients(text: str) -> tuple[int | None, int | None] | None:
     divisors: dict[str, list[int]] = {"q_idx": [], "kv_idx": []}
     quotients = set()
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.BinOp)
-            and isinstance(node.op, ast.FloorDiv)
-            and isinstance(node.left, ast.Name)
-            and node.left.id in divisors
-            and isinstance(node.right, ast.Constant)
-            and type(node.right.value) is int
-            and node.right.value > 0
-        ):
+        if (isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv)
+                and isinstance(node.left, ast.Name) and node.left.id in divisors
+                and isinstance(node.right, ast.Constant) and type(node.right.value) is int
+                and node.right.value > 0):
             divisors[node.left.id].append(node.right.value)
             quotients.add(id(node.left))
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Name)
-            and node.id in divisors
-            and id(node) not in quotients
-        ):
+        if isinstance(node, ast.Name) and node.id in divisors and id(node) not in quotients:
             return None  # read as itself, not as a quotient
     return tuple(math.gcd(*found) if found else None for found in divisors.values())

@@ -16,7 +16,6 @@ from specgen.errors import SpecError
 from specgen.spec.fields import MAX_SPEC_BYTES, Problems, TargetConfig
 from specgen.spec.model import Spec
 
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last one, and
     aliases: a spec is short, and nested aliases expand exponentially (a few
@@ -26,8 +25,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if self.check_event(yaml.events.AliasEvent):
             event = self.peek_event()
             raise yaml.composer.ComposerError(
-                None,
-                None,
+                None, None,
                 f"alias *{event.anchor}: YAML aliases are not allowed in a spec; write the value out",
                 event.start_mark,
             )
@@ -89,11 +87,8 @@ def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
         field = model.model_fields.get(item) if isinstance(item, str) else None
         annotation = getattr(field, "annotation", None)
         # Optional[Model]: the model inside.
-        inner = [
-            a
-            for a in typing.get_args(annotation)
-            if isinstance(a, type) and issubclass(a, BaseModel)
-        ]
+        inner = [a for a in typing.get_args(annotation)
+                 if isinstance(a, type) and issubclass(a, BaseModel)]
         if inner:
             annotation = inner[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
@@ -105,15 +100,10 @@ def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
 def _problems(error: dict) -> list[tuple[str, str]]:
     """One pydantic error as (field path, message) lines: a cross-field check may
     report several."""
-    cause = (
-        error.get("ctx", {}).get("error") if error["type"] == "value_error" else None
-    )
+    cause = error.get("ctx", {}).get("error") if error["type"] == "value_error" else None
     if isinstance(cause, Problems):
         prefix = _field_path(tuple(error["loc"]))
-        return [
-            (f"{prefix}.{path}" if prefix else path, message)
-            for path, message in cause.items
-        ]
+        return [(f"{prefix}.{path}" if prefix else path, message) for path, message in cause.items]
     return [_problem(error)]
 
 
@@ -144,11 +134,7 @@ def _problem(error: dict) -> tuple[str, str]:
         message = "must be a finite number"
     elif kind in ("greater_than_equal", "less_than_equal", "greater_than"):
         owner = _model_at(loc[:-1])
-        ctx = (
-            owner.model_fields.get(loc[-1])
-            if owner and isinstance(loc[-1], str)
-            else None
-        )
+        ctx = owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
         bounds = {type(m).__name__: m for m in getattr(ctx, "metadata", [])}
         low, high, above = bounds.get("Ge"), bounds.get("Le"), bounds.get("Gt")
         if low is not None and high is not None:
@@ -177,9 +163,7 @@ def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:
     try:
         return Spec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(
-            path, [line for e in exc.errors() for line in _problems(e)]
-        ) from None
+        raise SpecError(path, [line for e in exc.errors() for line in _problems(e)]) from None
 
 
 def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
@@ -195,16 +179,8 @@ def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
     except RecursionError:
         raise SpecError(path, [("", "invalid YAML: nested too deeply")]) from None
     except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits
-        raise SpecError(
-            path,
-            [
-                (
-                    "",
-                    "invalid YAML: a number too long to read (more than "
-                    f"{sys.get_int_max_str_digits()} digits)",
-                )
-            ],
-        ) from None
+        raise SpecError(path, [("", "invalid YAML: a number too long to read (more than "
+                                    f"{sys.get_int_max_str_digits()} digits)")]) from None
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -226,11 +202,8 @@ def load_spec(path: str | Path) -> Spec:
 def compact_config(data: dict) -> dict:
     """A launch config as a spec writes it: null hints, an empty bucket list and
     the default tile order left out."""
-    return {
-        k: v
-        for k, v in data.items()
-        if v is not None and v != [] and not (k == "tile_order" and v == "per_head")
-    }
+    return {k: v for k, v in data.items()
+            if v is not None and v != [] and not (k == "tile_order" and v == "per_head")}
 
 
 def _target_dict(cfg: TargetConfig) -> dict:

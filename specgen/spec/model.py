@@ -11,13 +11,7 @@ import keyword
 import re
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from specgen.spec.defaults import measured_targets
 from specgen.spec.fields import (
@@ -93,15 +87,12 @@ class Spec(_Strict):
         1, ge=1, le=128, description="Query heads per KV head; 1 means MHA."
     )
     max_q_len: int = Field(
-        1,
-        ge=1,
-        le=8,
+        1, ge=1, le=8,
         description="decode: new tokens per sequence and call (speculative decoding: "
         "more than 1); the query tile packs gqa_ratio heads x max_q_len tokens.",
     )
     paged: Optional[Paged] = Field(
-        None,
-        description="decode: a paged KV cache; null: contiguous [B, max_len, Hkv, D].",
+        None, description="decode: a paged KV cache; null: contiguous [B, max_len, Hkv, D].",
     )
     causal: bool = Field(
         False,
@@ -113,9 +104,7 @@ class Spec(_Strict):
         "edge tiles masked (Mistral: causal with left 4095). null: no window.",
     )
     softcap: Optional[float] = Field(
-        None,
-        gt=0,
-        le=1e6,
+        None, gt=0, le=1e6,
         description="Logit soft-cap c: score = c * tanh(score / c) (Gemma 2: 50). "
         "null: none.",
     )
@@ -271,11 +260,7 @@ class Spec(_Strict):
         if not isinstance(data, dict) or data.get("targets"):
             return handler(data)
         spec = handler(data)
-        rows = (
-            decode_rows(spec.gqa_ratio, spec.max_q_len)
-            if spec.family == "decode"
-            else None
-        )
+        rows = decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
         page = spec.paged.page_size if spec.paged else None
         targets = measured_targets(spec.model_dump(mode="json"), rows, page)
         return handler({**data, "targets": targets})
@@ -287,10 +272,7 @@ class Spec(_Strict):
         try:
             return handler(value)
         except ValidationError:
-            allowed = {
-                "splits": "'auto' or an integer in [1, 64]",
-                "pdl": "'auto', true or false",
-            }
+            allowed = {"splits": "'auto' or an integer in [1, 64]", "pdl": "'auto', true or false"}
             raise ValueError(f"must be {allowed[info.field_name]}") from None
 
     @field_validator("name")
@@ -316,9 +298,7 @@ class Spec(_Strict):
         if "default" not in value:
             default = DEFAULT_TARGET
             if info.data.get("family") == "decode":  # the packed query tile's rows
-                rows = decode_rows(
-                    info.data.get("gqa_ratio", 1), info.data.get("max_q_len", 1)
-                )
+                rows = decode_rows(info.data.get("gqa_ratio", 1), info.data.get("max_q_len", 1))
                 paged = info.data.get("paged")
                 tile_n = min(64, paged.page_size) if paged else 64
                 default = TargetConfig(tile_m=rows, tile_n=tile_n, occupancy=2)
@@ -339,11 +319,7 @@ class Spec(_Strict):
     @classmethod
     def _tensor_names(cls, value: dict) -> dict:
         for name in value:
-            if (
-                not TENSOR_NAME_RE.match(name)
-                or keyword.iskeyword(name)
-                or name in RESERVED_NAMES
-            ):
+            if not TENSOR_NAME_RE.match(name) or keyword.iskeyword(name) or name in RESERVED_NAMES:
                 raise ValueError(
                     f"tensor name {name!r} must be a lowercase identifier (a-z, 0-9, _; at most "
                     "31 characters) that is not a keyword nor one of the launcher's names "
@@ -358,10 +334,7 @@ class Spec(_Strict):
             return value
         from specgen.spec.hooks import ExprError, compile_hook
 
-        tensors = {
-            n: (t.dtype, len(t.shape))
-            for n, t in (info.data.get("tensors") or {}).items()
-        }
+        tensors = {n: (t.dtype, len(t.shape)) for n, t in (info.data.get("tensors") or {}).items()}
         try:
             compile_hook(value, info.field_name, tensors)
         except ExprError as exc:
@@ -371,187 +344,94 @@ class Spec(_Strict):
     @model_validator(mode="after")
     def _cross_field(self):
         """The checks that relate fields of the whole spec, all reported together."""
-        problems = (
-            self._family_problems()
-            + self._tensor_problems()
-            + self._learnable_problems()
-            + self._block_sparse_problems()
-            + self._context_parallel_problems()
-            + self._qk_ahead_problems()
-        )
+        problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
+                    + self._block_sparse_problems() + self._context_parallel_problems()
+                    + self._qk_ahead_problems())
         if problems:
             raise Problems(problems)
         return self
 
     def _family_problems(self) -> list[tuple[str, str]]:
         """Each family takes only its own fields (a field another family owns is an error)."""
-        decode_only = (
-            "max_q_len",
-            "paged",
-            "splits",
-            "pdl",
-            "kv_dtype",
-            "v_cache_transposed",
-        )
-        prefill_only = (
-            "v_head_dim",
-            "out_dtype",
-            "softcap",
-            "score_mod",
-            "skip_masked_tiles",
-            "dropout",
-            "varlen",
-            "return_lse",
-            "block_remap",
-            "loop_split",
-            "prescale_q",
-            "q_subtiles",
-            "qk_ahead",
-            "backward",
-            "deterministic",
-            "context_parallel",
-        )
-
+        decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
+        prefill_only = ("v_head_dim", "out_dtype", "softcap", "score_mod",
+                        "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
+                        "loop_split", "prescale_q", "q_subtiles", "qk_ahead", "backward", "deterministic",
+                        "context_parallel")
         def changed(name: str) -> bool:  # set to something other than its default
-            default = (
-                type(self).model_fields[name].get_default(call_default_factory=True)
-            )
+            default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default
 
         other = "prefill" if self.family == "decode" else "decode"
         owned = decode_only if self.family == "prefill" else prefill_only
-        problems = [
-            (n, f"a {other} field, not supported by family {self.family}")
-            for n in owned
-            if changed(n)
-        ]
+        problems = [(n, f"a {other} field, not supported by family {self.family}")
+                    for n in owned if changed(n)]
         if self.family == "decode":
             if self.dtype == "float8_e4m3fn":
-                problems.append(
-                    (
-                        "dtype",
-                        "float8_e4m3fn is not supported by family decode "
-                        "(a float8 cache is kv_dtype: float8_e4m3fn)",
-                    )
-                )
+                problems.append(("dtype", "float8_e4m3fn is not supported by family decode "
+                                          "(a float8 cache is kv_dtype: float8_e4m3fn)"))
             if self.window is not None and self.window.right not in (None, 0):
-                problems.append(
-                    (
-                        "window.right",
-                        f"family decode takes null or 0, got {self.window.right}",
-                    )
-                )
+                problems.append(("window.right", f"family decode takes null or 0, got {self.window.right}"))
             # A decode query sits at a cache position: tables along positions are seq_k long.
-            problems += [
-                (
-                    f"tensors.{name}.shape[{i}]",
-                    "family decode has no seq_q (its queries "
-                    "sit at cache positions): use seq_k, the "
-                    "cache's length",
-                )
-                for name, t in self.tensors.items()
-                for i, d in enumerate(t.shape)
-                if d == "seq_q"
-            ]
+            problems += [(f"tensors.{name}.shape[{i}]", "family decode has no seq_q (its queries "
+                                                         "sit at cache positions): use seq_k, the "
+                                                         "cache's length")
+                         for name, t in self.tensors.items() for i, d in enumerate(t.shape)
+                         if d == "seq_q"]
         if self.family == "decode" or self.varlen:
             what = "family decode" if self.family == "decode" else "varlen"
             for name, cfg in self.targets.items():
                 for where, bucket in [(f"targets.{name}", cfg)] + [
-                    (f"targets.{name}.by_seq_k[{i}]", b)
-                    for i, b in enumerate(cfg.by_seq_k)
-                ]:
+                        (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
                     if bucket.v_transposed:
-                        problems.append(
-                            (
-                                f"{where}.v_transposed",
-                                f"{what} reads V as given; use null or false, got true",
-                            )
-                        )
+                        problems.append((f"{where}.v_transposed",
+                                         f"{what} reads V as given; use null or false, got true"))
                     if bucket.persistent:
-                        problems.append(
-                            (
-                                f"{where}.persistent",
-                                f"{what} launches one CTA per work item; use null or "
-                                "false, got true",
-                            )
-                        )
+                        problems.append((f"{where}.persistent",
+                                         f"{what} launches one CTA per work item; use null or "
+                                         "false, got true"))
         if self.family != "decode":
             return problems
         if self.cache_dtype == "float8_e4m3fn" and self.head_dim % 16:
-            problems.append(
-                (
-                    "kv_dtype",
-                    f"float8_e4m3fn needs head_dim a multiple of 16 (16-byte "
-                    f"aligned cache rows), got head_dim {self.head_dim}",
-                )
-            )
+            problems.append(("kv_dtype", f"float8_e4m3fn needs head_dim a multiple of 16 (16-byte "
+                                         f"aligned cache rows), got head_dim {self.head_dim}"))
         rows = decode_rows(self.gqa_ratio, self.max_q_len)
         for name, cfg in self.targets.items():
             if cfg.tile_m != rows:
-                problems.append(
-                    (
-                        f"targets.{name}.tile_m",
-                        f"a decode tile packs gqa_ratio x max_q_len = {self.gqa_ratio * self.max_q_len} "
-                        f"query rows, padded to {rows}; set tile_m: {rows} (or leave targets out), "
-                        f"got {cfg.tile_m}",
-                    )
-                )
+                problems.append((f"targets.{name}.tile_m",
+                                 f"a decode tile packs gqa_ratio x max_q_len = {self.gqa_ratio * self.max_q_len} "
+                                 f"query rows, padded to {rows}; set tile_m: {rows} (or leave targets out), "
+                                 f"got {cfg.tile_m}"))
             if self.paged and cfg.tile_n > self.paged.page_size:
-                problems.append(
-                    (
-                        f"targets.{name}.tile_n",
-                        f"must be at most paged.page_size {self.paged.page_size} (a key tile "
-                        f"must lie in one page), got {cfg.tile_n}",
-                    )
-                )
+                problems.append((f"targets.{name}.tile_n",
+                                 f"must be at most paged.page_size {self.paged.page_size} (a key tile "
+                                 f"must lie in one page), got {cfg.tile_n}"))
             if cfg.by_seq_k:
-                problems.append(
-                    (
-                        f"targets.{name}.by_seq_k",
-                        "decode specs take one config per target",
-                    )
-                )
+                problems.append((f"targets.{name}.by_seq_k", "decode specs take one config per target"))
         return problems
 
     def _tensor_problems(self) -> list[tuple[str, str]]:
         used = " ".join(filter(None, (self.score_mod, self.mask_mod)))
-        return [
-            (f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
-            for name in self.tensors
-            if not _indexes(used, name)
-        ]
+        return [(f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
+                for name in self.tensors if not _indexes(used, name)]
 
     def _block_sparse_problems(self) -> list[tuple[str, str]]:
         if not self.block_sparse:
             return []
         problems = []
         if self.mask_mod is None:
-            problems.append(
-                (
-                    "block_sparse",
-                    "true needs a mask_mod (the block map is built " "from it)",
-                )
-            )
+            problems.append(("block_sparse", "true needs a mask_mod (the block map is built "
+                                             "from it)"))
         if self.skip_masked_tiles:
-            problems.append(
-                (
-                    "skip_masked_tiles",
-                    "true cannot be combined with block_sparse: "
-                    "true (the map already skips the hidden tiles)",
-                )
-            )
+            problems.append(("skip_masked_tiles", "true cannot be combined with block_sparse: "
+                                                  "true (the map already skips the hidden tiles)"))
         for name, cfg in self.targets.items():
             for where, bucket in [(f"targets.{name}", cfg)] + [
-                (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)
-            ]:
+                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
                 if bucket.persistent:
-                    problems.append(
-                        (
-                            f"{where}.persistent",
-                            "block_sparse launches one CTA per query tile; use null "
-                            "or false, got true",
-                        )
-                    )
+                    problems.append((f"{where}.persistent",
+                                     "block_sparse launches one CTA per query tile; use null "
+                                     "or false, got true"))
         return problems
 
     def _qk_ahead_problems(self) -> list[tuple[str, str]]:
@@ -559,23 +439,12 @@ class Spec(_Strict):
         visit consecutive tiles with one query tile."""
         if not self.qk_ahead:
             return []
-        used = [
-            name
-            for name, on in (
-                ("q_subtiles 2", self.q_subtiles > 1),
-                ("skip_masked_tiles", self.skip_masked_tiles),
-                ("block_sparse", self.block_sparse),
-            )
-            if on
-        ]
+        used = [name for name, on in (("q_subtiles 2", self.q_subtiles > 1),
+                                      ("skip_masked_tiles", self.skip_masked_tiles),
+                                      ("block_sparse", self.block_sparse)) if on]
         if used:
-            return [
-                (
-                    "qk_ahead",
-                    f"true cannot be combined with {', '.join(used)} (their key loops "
-                    "skip tiles or split the query tile); use false",
-                )
-            ]
+            return [("qk_ahead", f"true cannot be combined with {', '.join(used)} (their key loops "
+                                 "skip tiles or split the query tile); use false")]
         return []
 
     def _context_parallel_problems(self) -> list[tuple[str, str]]:
@@ -584,35 +453,17 @@ class Spec(_Strict):
         if mode is None or self.family != "prefill":
             return []
         where = "context_parallel"
-        refused = [
-            ("score_mod", self.score_mod is not None),
-            ("mask_mod", self.mask_mod is not None),
-            ("sinks", self.sinks),
-            ("dropout", self.dropout),
-            ("block_sparse", self.block_sparse),
-            ("dtype float8_e4m3fn", self.dtype == "float8_e4m3fn"),
-        ]
-        problems = [
-            (
-                where,
-                f"{mode} cannot split a spec with {name} (it depends on absolute "
-                f"positions, per-row state or descales), got {mode!r}",
-            )
-            for name, on in refused
-            if on
-        ]
+        refused = [("score_mod", self.score_mod is not None), ("mask_mod", self.mask_mod is not None),
+                   ("sinks", self.sinks), ("dropout", self.dropout), ("block_sparse", self.block_sparse),
+                   ("dtype float8_e4m3fn", self.dtype == "float8_e4m3fn")]
+        problems = [(where, f"{mode} cannot split a spec with {name} (it depends on absolute "
+                            f"positions, per-row state or descales), got {mode!r}")
+                    for name, on in refused if on]
         if mode == "ring" and not (self.return_lse or self.backward):
-            problems.append(
-                (
-                    where,
-                    "'ring' merges partial results through their LSE: it needs "
-                    "return_lse: true or backward: true",
-                )
-            )
+            problems.append((where, "'ring' merges partial results through their LSE: it needs "
+                                    "return_lse: true or backward: true"))
         if mode == "ring" and self.varlen and self.window is not None:
-            problems.append(
-                (where, "'ring' splits packed batches without windows; use 'ulysses'")
-            )
+            problems.append((where, "'ring' splits packed batches without windows; use 'ulysses'"))
         return problems
 
     def _learnable_problems(self) -> list[tuple[str, str]]:
@@ -622,37 +473,17 @@ class Spec(_Strict):
                 continue
             where = f"tensors.{name}.learnable"
             if not self.backward:
-                problems.append(
-                    (
-                        where,
-                        "true needs backward: true (a gradient comes from the "
-                        "backward kernels)",
-                    )
-                )
+                problems.append((where, "true needs backward: true (a gradient comes from the "
+                                        "backward kernels)"))
             elif t.dtype != "float32":
-                problems.append(
-                    (
-                        where,
-                        f"true needs dtype float32 (an {t.dtype} tensor has no "
-                        "gradient)",
-                    )
-                )
+                problems.append((where, f"true needs dtype float32 (an {t.dtype} tensor has no "
+                                        "gradient)"))
             elif not _indexes(self.score_mod or "", name):
-                problems.append(
-                    (
-                        where,
-                        "true needs the tensor in score_mod (a mask_mod "
-                        "gives it no gradient)",
-                    )
-                )
+                problems.append((where, "true needs the tensor in score_mod (a mask_mod "
+                                        "gives it no gradient)"))
             elif self.deterministic:
-                problems.append(
-                    (
-                        where,
-                        "true cannot be combined with deterministic: true (its "
-                        "gradient is accumulated with atomic adds)",
-                    )
-                )
+                problems.append((where, "true cannot be combined with deterministic: true (its "
+                                        "gradient is accumulated with atomic adds)"))
         if self.deterministic and not self.backward and self.family == "prefill":
             problems.append(("deterministic", "true needs backward: true"))
         return problems
@@ -668,11 +499,9 @@ class Spec(_Strict):
         if info.data.get("q_subtiles", 1) > 1:
             used.append("q_subtiles 2")
         if used:
-            raise ValueError(
-                f"true does not support {', '.join(used)} yet; the backward kernels "
-                "cover causal/non-causal, windows, soft-cap, score_mod/mask_mod "
-                "hooks, sinks, dropout, varlen, GQA, any head_dim and v_head_dim"
-            )
+            raise ValueError(f"true does not support {', '.join(used)} yet; the backward kernels "
+                             "cover causal/non-causal, windows, soft-cap, score_mod/mask_mod "
+                             "hooks, sinks, dropout, varlen, GQA, any head_dim and v_head_dim")
         score_mod = info.data.get("score_mod")
         if score_mod:
             from specgen.spec.derive import score_derivative
@@ -681,9 +510,7 @@ class Spec(_Strict):
             try:
                 score_derivative(score_mod)
             except ExprError as exc:
-                raise ValueError(
-                    f"true needs a score_mod with a derivative in score: {exc}"
-                ) from None
+                raise ValueError(f"true needs a score_mod with a derivative in score: {exc}") from None
         return value
 
     @field_validator("varlen")
@@ -709,11 +536,7 @@ class Spec(_Strict):
     @field_validator("window")
     @classmethod
     def _causal_window(cls, value: Optional[Window], info) -> Optional[Window]:
-        if (
-            value is not None
-            and info.data.get("causal")
-            and value.right not in (None, 0)
-        ):
+        if value is not None and info.data.get("causal") and value.right not in (None, 0):
             raise ValueError(
                 f"right {value.right} needs causal: false (a causal kernel never sees "
                 "keys after the query); use null or 0"
@@ -757,11 +580,7 @@ class Spec(_Strict):
     @field_validator("head_dim", "v_head_dim")
     @classmethod
     def _fp8_alignment(cls, value: Optional[int], info) -> Optional[int]:
-        if (
-            value is not None
-            and info.data.get("dtype") == "float8_e4m3fn"
-            and value % 16
-        ):
+        if value is not None and info.data.get("dtype") == "float8_e4m3fn" and value % 16:
             raise ValueError(
                 "must be a multiple of 16 with dtype float8_e4m3fn (16-byte aligned rows of "
                 "1-byte elements)"
@@ -772,10 +591,8 @@ class Spec(_Strict):
     @classmethod
     def _prescale_16_bit(cls, value: bool, info) -> bool:
         if value and info.data.get("dtype") == "float8_e4m3fn":
-            raise ValueError(
-                "true needs a 16-bit dtype (a pre-scaled Q would be rounded back "
-                "to float8); use false"
-            )
+            raise ValueError("true needs a 16-bit dtype (a pre-scaled Q would be rounded back "
+                             "to float8); use false")
         return value
 
     @property
@@ -806,26 +623,13 @@ class Spec(_Strict):
     @classmethod
     def _subtiles_fit(cls, value: int, info) -> int:
         if value > 1:
-            used = [
-                name
-                for name in (
-                    "window",
-                    "softcap",
-                    "score_mod",
-                    "mask_mod",
-                    "varlen",
-                    "dropout",
-                    "sinks",
-                    "return_lse",
-                )
-                if info.data.get(name)
-            ]
+            used = [name for name in ("window", "softcap", "score_mod", "mask_mod", "varlen",
+                                      "dropout", "sinks", "return_lse")
+                    if info.data.get(name)]
             if info.data.get("dtype") == "float8_e4m3fn":
                 used.append("dtype float8_e4m3fn")
             if used:
-                raise ValueError(
-                    f"{value} does not support {', '.join(used)} yet; use 1"
-                )
+                raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")
         for name, cfg in (info.data.get("targets") or {}).items():
             for bucket in [cfg, *cfg.by_seq_k]:
                 if bucket.tile_m // value < 16:
@@ -846,3 +650,5 @@ class Spec(_Strict):
 
 
 # --- loading ---------------------------------------------------------------
+
+

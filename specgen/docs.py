@@ -703,6 +703,22 @@ def _cell_error(timing: dict | None) -> str:
     return "n/a: " + reason.replace("|", "/")
 
 
+def _devices_named_in(paths: list[Path]) -> list[str]:
+    """The GPUs that result files other than bench results name (the bench scripts'
+    ``{"device": "<name>", ...}``), for a folder that holds only such files."""
+    names = set()
+    for path in paths:
+        if path.suffix != ".json":
+            continue
+        try:
+            device = json.loads(path.read_text()).get("device")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(device, str):
+            names.add(device)
+    return sorted(names)
+
+
 def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     """(bench results with their paths, other JSON files), in path order. A bench
     result of an unknown suite or schema version raises DocsError."""
@@ -965,7 +981,8 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> st
     folders = sorted({p.parent for p, _ in bench} | {p.parent for p in other})
     for folder in folders:
         runs = [(p, d) for p, d in bench if p.parent == folder]
-        names = sorted({d["device"].get("name", "?") for _, d in runs}) or [folder.name]
+        names = (sorted({d["device"].get("name", "?") for _, d in runs})
+                 or _devices_named_in([p for p in other if p.parent == folder]) or [folder.name])
         rel = Path(os.path.relpath(folder, link_base)).as_posix()
         shown = folder.relative_to(results_dir.parent.parent).as_posix()
         lines += [f"## {', '.join(names)} ([`{shown}/`]({rel}/))", ""]

@@ -201,3 +201,16 @@ def test_flex_ratios_of_dynamic_shape_runs_are_marked(tmp_path):
     ratio = source["rows"][0]["speedup"]["flex"]
     assert f"{ratio:.2f}× Flex{DYNAMIC_MARK})" in page  # the summary
     assert f"{ratio:.2f}×{DYNAMIC_MARK} |" in page  # the run's table
+
+
+def test_a_folder_of_script_results_is_titled_by_the_gpu_they_name(tmp_path):
+    from specgen.docs import _devices_named_in
+
+    (tmp_path / "a.json").write_text('{"device": "NVIDIA H100 80GB HBM3", "rows": []}')
+    (tmp_path / "b.json").write_text('{"rows": []}')
+    (tmp_path / "c.json").write_text("[1, 2]")
+    (tmp_path / "d.json").write_text("not json")
+    (tmp_path / "e.log").write_text('{"device": "elsewhere"}')
+    paths = sorted(tmp_path.iterdir())
+    assert _devices_named_in(paths) == ["NVIDIA H100 80GB HBM3"]
+    assert _devices_named_in([tmp_path / "b.json"]) == []

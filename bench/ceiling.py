@@ -39,11 +39,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import cuda.tile as ct
 import torch
 from results_json import write_rows
 from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specgen.bench.core import graph_time_ms  # noqa: E402
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -244,26 +249,13 @@ def ceiling_loop(
     )
 
 
-GRAPHS = False  # --graphs: time CUDA-graph replays of one call
-
-
-def time_ms(fn) -> float:
+def time_ms(fn, graphs: bool) -> float:
     """The median ms of ``fn``: eager do_bench, or (``--graphs``) a CUDA graph of one
     call replayed, which leaves out the host's launch path (FA3's eager calls at S=1k
     are bound by it)."""
-    if not GRAPHS:
-        return do_bench(fn, warmup=50, rep=300, return_mode="median")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    if graphs:
+        return graph_time_ms(torch, fn, do_bench)
+    return do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
 def _kernel(occupancy: int, warps):
@@ -283,8 +275,6 @@ def main() -> None:
     parser.add_argument("--gqa", type=int, default=1)
     parser.add_argument("--json")
     args = parser.parse_args()
-    global GRAPHS
-    GRAPHS = args.graphs
     if args.gqa < 1 or 32 % args.gqa:
         parser.error(f"--gqa: {args.gqa} does not divide the 32 query heads")
     if args.causal and set(args.kinds.split(",")) - {"mma", "exp", "softmax"}:
@@ -355,7 +345,8 @@ def main() -> None:
                         ms = time_ms(
                             lambda: ct.launch(
                                 torch.cuda.current_stream(), grid, kern, call
-                            )
+                            ),
+                            args.graphs,
                         )
                     except (
                         Exception
@@ -391,7 +382,8 @@ def main() -> None:
                     )
                     kw = dict(q_descale=ones, k_descale=ones, v_descale=ones)
                 ms = time_ms(
-                    lambda: fa3.flash_attn_func(qs, ks, vs, causal=args.causal, **kw)
+                    lambda: fa3.flash_attn_func(qs, ks, vs, causal=args.causal, **kw),
+                    args.graphs,
                 )
                 rows.append(
                     {
@@ -410,7 +402,8 @@ def main() -> None:
             ms = time_ms(
                 lambda: torch.nn.functional.scaled_dot_product_attention(
                     base, kb, vb, is_causal=args.causal, enable_gqa=args.gqa > 1
-                )
+                ),
+                args.graphs,
             )
         rows.append(
             {
@@ -424,7 +417,7 @@ def main() -> None:
         )
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        timing = "CUDA graph of one call" if GRAPHS else "do_bench median"
+        timing = "CUDA graph of one call" if args.graphs else "do_bench median"
         write_rows(
             args.json,
             rows,

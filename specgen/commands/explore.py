@@ -33,6 +33,7 @@ from typing import Callable, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specgen.bench.baselines import label as baseline_label
 from specgen.errors import SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import render
@@ -148,26 +149,22 @@ def format_markdown(result: VariantsResult) -> str:
                 cells.append(row.error if row and row.error else "–")
             else:
                 cell = f"{row.tflops:.0f} ({row.vs_cudnn:.2f}×)" if row.vs_cudnn else f"{row.tflops:.0f}"
-                others = [f"{row.speedup[n]:.2f}× {label_of(n)}" for n in result.baselines if n in row.speedup]
+                others = [f"{row.speedup[n]:.2f}× {baseline_label(n)}"
+                          for n in result.baselines if n in row.speedup]
                 cells.append(cell + (" " + ", ".join(others) if others else ""))
         lines.append(f"| {label} | {'–' if err is None else f'{err:.1e}'} | " + " | ".join(cells) + " |")
     lines.append("| cuDNN (same run) | | " + " | ".join(f"{cudnn[s]:.0f}" if cudnn[s] else "–" for s in seqs) + " |")
     for name in result.baselines:
         if name in result.skipped:
-            lines.append(f"| {label_of(name)} | | " + " | ".join(result.skipped[name] for _ in seqs) + " |")
+            reason = result.skipped[name]
+            lines.append(f"| {baseline_label(name)} | | " + " | ".join(reason for _ in seqs) + " |")
             continue
         cells = []
         for s in seqs:
             row = next((r for r in result.rows if r.seq == s and name in r.baseline_tflops), None)
             cells.append(f"{row.baseline_tflops[name]:.0f}" if row else "–")
-        lines.append(f"| {label_of(name)} (same run) | | " + " | ".join(cells) + " |")
+        lines.append(f"| {baseline_label(name)} (same run) | | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def label_of(name: str) -> str:
-    from specgen.bench.baselines import label
-
-    return label(name)
 
 
 def run_variants(
@@ -258,7 +255,8 @@ def run_variants(
                 runner(inputs)  # its one-time copies and JIT outside the timing
                 other_ms[name] = measure(lambda: runner(inputs))
             except Exception as exc:  # noqa: BLE001 - reported, the variants still run
-                log(f"[{name}] S={seq} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                first_line = str(exc).splitlines()[0] if str(exc) else ""
+                log(f"[{name}] S={seq} failed: {type(exc).__name__}: {first_line}")
         for name, ms in other_ms.items():
             log(f"[{name}] S={seq}: {tflops(flops, ms):.0f} TFLOPS")
         for label, module in modules.items():

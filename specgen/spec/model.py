@@ -195,7 +195,8 @@ class Spec(_Strict):
     qk_ahead: bool = Field(
         False,
         description="Form the next key tile's S = Q K^T before this tile's softmax, so the "
-        "tensor cores compute it while the exponentials run.",
+        "tensor cores may compute it while the exponentials run (measured slower on an H100 "
+        "for every shipped prefill case; off by default).",
     )
     splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
         "auto",

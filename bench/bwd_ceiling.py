@@ -13,28 +13,41 @@ accumulation remain:
     the FlashAttention-2 layout, without a dQ kernel);
   - ``atomic_dq_only``: the atomic adds of ``dkdv_atomic_dq`` alone, with a dQ^T
     tile made by one MMA, to price the atomics.
-``dkdv + dq`` is an upper bound on any backward built as specgen's two kernels;
-``dkdv_atomic_dq`` on one built with atomics. Next to them, in the same process:
-cuDNN's whole backward (torch SDPA) and, if importable, specgen's generated
-backward of ``generated/fmha_train_gqa_causal`` on MHA-shaped inputs.
-TFLOPS use FlashAttention's count: 2.5x the forward's FLOPs.
+``dkdv+dq`` is an upper bound on any backward built as specgen's two kernels;
+``dkdv_atomic_dq`` on one built with atomics. These run MHA-shaped (H query and
+key heads: the same matrix products as any GQA ratio).
+
+Next to them, in the same process and on the same GQA inputs (Hq = H, Hkv = H / 4,
+the shipped training specs' ratio): the shipped backward of the training spec at
+that head dim (``specs/fmha_train_gqa_causal.yaml`` at D128,
+``bench/train/fmha_train_d{64,256}.yaml``) and the baselines of
+``specgen bench --suite backward`` (``--baselines cudnn,flex,tilegym``; cuDNN gets
+K/V expanded to the query heads outside the timing, as the suite does). TileGym is
+timed last: importing it patches ``ct.launch``. ``--graphs`` also times every row
+as a CUDA graph of one call (no host launch path). TFLOPS use FlashAttention's
+count: 2.5x the forward's FLOPs.
 
 Tiles as the generated backward takes them: D64 and D128 dK/dV 64x64 at occupancy 2
 and dQ 128x64 with two warp groups; D256 both 64x64 at one CTA per SM with two warp
-groups (``--head-dims 64,128,256``; the generated backward's row is D128 only).
+groups.
 
-Usage:  python bench/bwd_ceiling.py [--seqs 2048,8192] [--head-dims 128] [--json out.json]
+Usage:  python bench/bwd_ceiling.py [--seqs 2048,8192] [--head-dims 128]
+            [--baselines cudnn,flex,tilegym] [--graphs] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import cuda.tile as ct
 import torch
 from results_json import write_rows
 from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ConstInt = ct.Constant[int]
 KINDS = ("dkdv", "dq", "dkdv_atomic_dq", "atomic_dq_only")
@@ -134,21 +147,104 @@ def dq_kernel(Q, K, V, dO, dQ, TILE_M: ConstInt, TILE_N: ConstInt, D: ConstInt):
     )
 
 
+ROOT = Path(__file__).resolve().parent.parent
+# The shipped training spec at each head dim (causal bf16, GQA 4:1).
+TRAIN_SPECS = {
+    64: ROOT / "bench/train/fmha_train_d64.yaml",
+    128: ROOT / "specs/fmha_train_gqa_causal.yaml",
+    256: ROOT / "bench/train/fmha_train_d256.yaml",
+}
+# The ceiling rows and the compared rows of the summary.
+OURS = ("dkdv+dq", "specgen")
+
+
+def _shipped(head_dim: int):
+    """The plan and the module rendered from the training spec at ``head_dim``."""
+    from specgen.compile.export import load_module_from_source
+    from specgen.compile.jobs import load_jobs
+
+    job = load_jobs([TRAIN_SPECS[head_dim]], ROOT / "generated")[0]
+    return job.plan, load_module_from_source(
+        job.plan.module_name, job.rendered.text, str(job.out_path)
+    )
+
+
+def _inputs(seq: int, D: int, ratio: int, B: int, H: int):
+    """q [B, H, S, D], k/v [B, H / ratio, S, D] and dO, the same for every run of
+    this (seq, D)."""
+    gen = torch.Generator(device="cuda").manual_seed(seq * 1000 + D)
+    q = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (
+        torch.randn(
+            B, H // ratio, seq, D, device="cuda", dtype=torch.bfloat16, generator=gen
+        )
+        for _ in range(2)
+    )
+    do = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v, do
+
+
+def _baseline_call(baseline, fn, q, k, v, ratio):
+    """(forward callable, leaves) of one baseline on fresh leaves of q, k, v."""
+    from specgen.bench.baselines import Inputs
+
+    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    k_full, v_full = (
+        t.detach().repeat_interleave(ratio, 1).requires_grad_() for t in (k, v)
+    )
+    inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full)
+    leaves = (qb, k_full, v_full) if baseline.expands_kv else (qb, kb, vb)
+    return (lambda: fn(inputs)), leaves
+
+
+def _summary(rows: list[dict], graphs: bool) -> list[str]:
+    """Speed ratios (baseline ms / ours) of the ceiling and the shipped backward
+    against each baseline, per head dim and length."""
+    key = "ms_graph" if graphs else "ms"
+    ms = {(r["head_dim"], r["seq"], r["kind"]): r.get(key) for r in rows}
+    bases = [b for b in ("cudnn", "tilegym", "flex") if any(k[2] == b for k in ms)]
+    lines = [
+        f"speed ratios ({'one-call CUDA graphs' if graphs else 'eager'}): "
+        "baseline ms / ms of the two-kernel MMAs alone (dkdv+dq) and of the shipped "
+        "backward (specgen)",
+        "| D | S | " + " | ".join(f"{o} vs {b}" for b in bases for o in OURS) + " |",
+        "|" + "---:|" * (2 + 2 * len(bases)),
+    ]
+    for D, seq in sorted({(k[0], k[1]) for k in ms}):
+        cells = []
+        for b in bases:
+            for o in OURS:
+                base, ours = ms.get((D, seq, b)), ms.get((D, seq, o))
+                cells.append(f"{base / ours:.2f}" if base and ours else "n/a")
+        lines.append(f"| {D} | {seq} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="2048,8192")
     parser.add_argument("--head-dims", default="128")
+    parser.add_argument("--baselines", default="cudnn")
+    parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
+    from specgen.bench.backward import grad_graph_ms
+    from specgen.bench.baselines import REGISTRY, parse_baselines
+    from specgen.bench.core import graph_time_ms
+
     torch.manual_seed(0)
     B, H = 4, 32
     head_dims = [int(d) for d in args.head_dims.split(",")]
-    if any(d not in (64, 128, 256) for d in head_dims):
+    if any(d not in TRAIN_SPECS for d in head_dims):
         parser.error(f"--head-dims: {head_dims}: each of 64, 128, 256")
+    seqs = [int(s) for s in args.seqs.split(",")]
+    baselines = parse_baselines(args.baselines)
     stream = torch.cuda.current_stream()
     rows = []
 
-    def row(seq, kind, fn):
+    def row(seq, kind, fn, graph=None):
+        """Time fn; with --graphs also a one-call graph (``graph``: a callable giving
+        its ms, for autograd rows)."""
         flops = 2.5 * 4 * B * H * seq * seq * D / 2
         ms = do_bench(fn, warmup=30, rep=200, return_mode="median")
         rows.append(
@@ -160,9 +256,26 @@ def main() -> None:
                 "tflops": flops / ms / 1e9,
             }
         )
+        if args.graphs:
+            ms_graph = graph() if graph else graph_time_ms(torch, fn, do_bench)
+            if ms_graph:
+                rows[-1].update(ms_graph=ms_graph, tflops_graph=flops / ms_graph / 1e9)
         print(json.dumps(rows[-1]), flush=True)
 
-    for D, seq in [(d, int(s)) for d in head_dims for s in args.seqs.split(",")]:
+    def grad_row(seq, kind, forward, leaves, do):
+        out = forward()
+        out = out[0] if isinstance(out, tuple) else out
+        torch.autograd.grad(out, leaves, do, retain_graph=True)  # compile, warm up
+        row(
+            seq,
+            kind,
+            lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
+            lambda: grad_graph_ms(torch, do_bench, forward, leaves, do),
+        )
+
+    shipped = {D: _shipped(D) for D in head_dims}
+    late = [b for b in baselines if REGISTRY[b].late]
+    for D, seq in [(d, s) for d in head_dims for s in seqs]:
         if D == 256:  # one CTA per SM, two warp groups, 64x64 in both kernels
             dkdv = ct.kernel(dkdv_kernel, occupancy=1, num_worker_warps=8)
             dq = ct.kernel(dq_kernel, occupancy=1, num_worker_warps=8)
@@ -171,10 +284,10 @@ def main() -> None:
             dkdv = ct.kernel(dkdv_kernel, occupancy=2)
             dq = ct.kernel(dq_kernel, occupancy=1, num_worker_warps=8)
             dq_m = 128
-        q, k, v, do = (
-            torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16)
-            for _ in range(4)
-        )
+        plan, module = shipped[D]
+        q, kg, vg, do = _inputs(seq, D, plan.group_size, B, H)
+        # The ceiling kernels read every query head's own K/V (MHA): the same MMAs.
+        k, v = (t.repeat_interleave(plan.group_size, 1) for t in (kg, vg))
         dk, dv, dqo = (torch.empty_like(q) for _ in range(3))
         dqacc = torch.zeros(B, H, D, seq, device="cuda", dtype=torch.float32)
         for kind_id, kind in enumerate(KINDS):
@@ -195,47 +308,44 @@ def main() -> None:
             ct.launch(stream, (seq // dq_m, B * H, 1), dq, dq_call)
 
         row(seq, "dkdv+dq", both)
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qg, kg, vg, is_causal=True
-            )
-            row(
-                seq,
-                "cudnn_backward",
-                lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True),
-            )
-        try:
-            if D != 128:
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, kg, vg))
+        grad_row(seq, "specgen", lambda: module.attention(qs, ks, vs), (qs, ks, vs), do)
+        for name in baselines:
+            if name in late:
                 continue
-            import generated.fmha_train_gqa_causal as m
-
-            # The shipped spec is GQA 4:1; give it the same work with Hkv = H / 4.
-            kq, vq = k[:, : H // 4].contiguous(), v[:, : H // 4].contiguous()
-            qs, ks, vs = (t.clone().requires_grad_() for t in (q, kq, vq))
-            o = m.attention(qs, ks, vs)
-            row(
-                seq,
-                "specgen_backward_gqa4",
-                lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True),
+            fn = REGISTRY[name].make(torch, "backward", plan)
+            if isinstance(fn, str):
+                print(f"{name}: {fn}")
+                continue
+            forward, leaves = _baseline_call(
+                REGISTRY[name], fn, q, kg, vg, plan.group_size
             )
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                o2 = torch.nn.functional.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, enable_gqa=True
-                )
-                row(
-                    seq,
-                    "cudnn_backward_gqa4",
-                    lambda: torch.autograd.grad(
-                        o2, (qs, ks, vs), do, retain_graph=True
-                    ),
-                )
-        except Exception as exc:  # noqa: BLE001 - reported, the rest still stands
-            print(f"specgen backward: {type(exc).__name__}: {exc}")
+            grad_row(seq, name, forward, leaves, do)
+    for name in late:  # after every cuTile kernel above: the import patches ct.launch
+        for D, seq in [(d, s) for d in head_dims for s in seqs]:
+            plan = shipped[D][0]
+            fn = REGISTRY[name].make(torch, "backward", plan)
+            if isinstance(fn, str):
+                print(f"{name}: {fn}")
+                break
+            q, kg, vg, do = _inputs(seq, D, plan.group_size, B, H)
+            forward, leaves = _baseline_call(
+                REGISTRY[name], fn, q, kg, vg, plan.group_size
+            )
+            grad_row(seq, name, forward, leaves, do)
+    print("\n".join(_summary(rows, graphs=False)))
+    if args.graphs:
+        print("\n".join(_summary(rows, graphs=True)))
     if args.json:
-        write_rows(args.json, rows, batch=B, heads=H, head_dims=head_dims)
+        write_rows(
+            args.json,
+            rows,
+            batch=B,
+            heads=H,
+            head_dims=head_dims,
+            baselines=list(baselines),
+            gqa_ratio={D: shipped[D][0].group_size for D in head_dims},
+        )
 
 
 if __name__ == "__main__":

@@ -298,6 +298,92 @@ def test_steady_state_rotates_inputs_past_the_l2_cache():
         graph_time_ms(_FakeTorch, lambda: None, do_bench=None, calls=0)
 
 
+class _RecordingTorch:
+    """torch.cuda's stream and graph calls as graph_time_ms makes them, recorded in
+    order, with each call tagged by the stream current at the time."""
+
+    def __init__(self):
+        self.log = []
+        self.current = "default"
+        torch = self
+
+        class Stream:
+            def __init__(self):
+                self.name = "side"
+
+            def wait_stream(self, other):
+                torch.log.append(("wait", self.name))
+
+        class _Default:
+            name = "default"
+
+            def wait_stream(self, other):
+                torch.log.append(("wait", "default"))
+
+        class _StreamContext:
+            def __init__(self, stream):
+                self.stream, self.saved = stream, None
+
+            def __enter__(self):
+                self.saved, torch.current = torch.current, self.stream.name
+
+            def __exit__(self, *exc):
+                torch.current = self.saved
+
+        class CUDAGraph:
+            def replay(self):
+                torch.log.append(("replay", torch.current))
+
+        class _Graph:
+            def __init__(self, graph, stream=None):
+                self.stream = stream
+
+            def __enter__(self):
+                torch.log.append(("capture", self.stream.name if self.stream else "private"))
+                self.saved, torch.current = torch.current, self.stream.name if self.stream else "private"
+
+            def __exit__(self, *exc):
+                torch.current = self.saved
+
+        class cuda:  # noqa: N801 - torch's name
+            pass
+
+        cuda.Stream, cuda.CUDAGraph = Stream, CUDAGraph
+        cuda.current_stream = staticmethod(lambda: _Default())
+        cuda.stream = staticmethod(_StreamContext)
+        cuda.graph = staticmethod(_Graph)
+        cuda.synchronize = staticmethod(lambda: None)
+        self.cuda = cuda
+
+
+def test_a_graph_is_captured_on_the_stream_that_ran_the_prepare_step_and_the_warm_up():
+    torch = _RecordingTorch()
+
+    def do_bench(fn, warmup, rep, return_mode):
+        fn()
+        return 2.0
+
+    ms = graph_time_ms(torch, lambda: torch.log.append(("call", torch.current)), do_bench,
+                       prepare=lambda: torch.log.append(("prepare", torch.current)))
+    assert ms == 2.0
+    # The forward of a graphed backward runs first, on the side stream; the capture
+    # happens on that same stream, so autograd's backward ops land in the graph.
+    assert torch.log == [("wait", "side"), ("prepare", "side"), ("call", "side"), ("call", "side"),
+                         ("wait", "default"), ("capture", "side"), ("call", "side"),
+                         ("replay", "default")]
+
+
+def test_a_backward_that_cannot_be_captured_keeps_only_its_eager_time():
+    from specgen.bench.backward import grad_graph_ms
+
+    torch = _RecordingTorch()
+
+    def forward():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert grad_graph_ms(torch, None, forward, (), None) is None
+
+
 def test_a_failed_kernel_is_reported_by_type_and_first_line():
     assert error_line(RuntimeError("no kernel image\n  traceback detail")) == "RuntimeError: no kernel image"
     assert error_line(ImportError()) == "ImportError: "

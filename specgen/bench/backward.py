@@ -5,13 +5,15 @@ S 1024..16384; a spec whose gqa_ratio does not divide 32 is skipped).
 
 What is timed is the backward alone: ``torch.autograd.grad(out, (q, k, v), dout,
 retain_graph=True)`` on a forward graph made once, so the forward is not in the
-figure (a block-sparse spec's map, forward and backward, is built once per
-batch and timed apart, as the prefill suite does). What it counts: 2.5 times
-the forward's FLOPs (the five matmuls of the FA2 backward against the
-forward's two), the usual convention. Baselines that
-expand K/V (SDPA's cuDNN and FA2) get K/V leaves repeated to the query heads,
-made outside the timing; their gradients are those of the expanded K/V (the sum
-over the group, which a GQA model would add, is not timed).
+figure (a block-sparse spec's map, forward and backward, is built once per batch
+and timed apart, as the prefill suite does). Each backward is also timed as a CUDA
+graph of one call (``ms_one_call``, a second table): without the host's launch
+path, which bounds short backward calls. What it counts: 2.5 times the forward's
+FLOPs (the five matmuls of the FA2 backward against the forward's two), the usual
+convention. Baselines that expand K/V (SDPA's cuDNN and FA2) get K/V leaves
+repeated to the query heads, made outside the timing; their gradients are those
+of the expanded K/V (the sum over the group, which a GQA model would add, is not
+timed).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import Optional
 
 from specgen.bench.baselines import Inputs
-from specgen.bench.core import Case, Context, Suite, Timing, matmul_rate, median_ms, timed
+from specgen.bench.core import Case, Context, Suite, Timing, graph_time_ms, matmul_rate, median_ms, timed
 from specgen.bench.flops import forward_flops, mask_mod_flops
 from specgen.bench.prefill import BATCH, HEADS, REPORT, SEQS, checked_shapes
 from specgen.errors import UsageError
@@ -33,14 +35,36 @@ def backward_flops(plan, batch: int, heads: int, seq_q: int, seq_k: int) -> int:
 
 
 def _grad_timer(torch, do_bench, forward, leaves, dout):
-    """(median ms of the backward, the gradients) for one forward callable."""
-    out = forward()
-    out = out[0] if isinstance(out, tuple) else out
+    """(median ms of the backward, the gradients, the median ms of a CUDA graph of
+    one backward or None) for one forward callable."""
+    out = _first(forward())
     grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     torch.cuda.synchronize()
     ms = do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
                   warmup=10, rep=200, return_mode="median")
-    return ms, grads
+    return ms, grads, grad_graph_ms(torch, do_bench, forward, leaves, dout)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def grad_graph_ms(torch, do_bench, forward, leaves, dout) -> Optional[float]:
+    """The backward's time without the host's launch path: a CUDA graph of one
+    ``torch.autograd.grad`` replayed. The graph's forward is made on the capture
+    stream, where autograd then runs the backward's ops. None where the backward
+    cannot be captured (the eager time stands alone)."""
+    made = []
+
+    def prepare():
+        made.append(_first(forward()))
+
+    try:
+        return graph_time_ms(torch, lambda: torch.autograd.grad(made[-1], leaves, dout, retain_graph=True),
+                             do_bench, prepare=prepare)
+    except Exception:  # noqa: BLE001 - a backward that cannot be captured keeps its eager time
+        torch.cuda.synchronize()
+        return None
 
 
 class Backward(Suite):
@@ -110,9 +134,10 @@ class Backward(Suite):
             partial, full, capacity = kwargs["block_map"].tile_counts()
             map_fields = dict(block_map_ms=median_ms(ctx.do_bench, build),
                               tiles_visited=(partial + full) / max(capacity, 1))
-        ms, case.ours = _grad_timer(torch, ctx.do_bench, lambda: module.attention(q, k, v, **kwargs),
-                                    (q, k, v), dout)
-        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], **map_fields)
+        ms, case.ours, ms_graph = _grad_timer(torch, ctx.do_bench,
+                                              lambda: module.attention(q, k, v, **kwargs), (q, k, v), dout)
+        timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], ms_one_call=ms_graph,
+                       **map_fields)
         if not all(torch.isfinite(g).all() for g in case.ours):
             timing.error = "non-finite gradient"
         return timing
@@ -125,12 +150,12 @@ class Backward(Suite):
         kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
         inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full, extra=extra)
         leaves = (qb, k_full, v_full) if baseline.expands_kv else (qb, kb, vb)
-        ms, (dq, dk, dv) = _grad_timer(ctx.torch, ctx.do_bench, lambda: fn(inputs), leaves, dout)
+        ms, (dq, dk, dv), ms_graph = _grad_timer(ctx.torch, ctx.do_bench, lambda: fn(inputs), leaves, dout)
         if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only
             dk, dv = (g.unflatten(1, (k.shape[1], ratio)).sum(2) for g in (dk, dv))
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip((dq, dk, dv), case.ours))
         return timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], max_abs_diff_vs_specgen=diff,
-                     note=baseline.note)
+                     note=baseline.note, ms_one_call=ms_graph)
 
     def layout(self, plan) -> str:
         return ("Sq=Skv; backward only (torch.autograd.grad of a saved forward graph), "

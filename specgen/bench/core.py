@@ -190,10 +190,13 @@ def median_ms(do_bench, fn: Callable[[], Any], warmup: int = 25, rep: int = 200)
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def graph_time_ms(torch, fns, do_bench, calls: int = 1) -> float:
+def graph_time_ms(torch, fns, do_bench, calls: int = 1, prepare=None) -> float:
     """Median ms per call of replaying a CUDA graph that holds ``calls`` calls,
     cycling through ``fns`` (warmed up first on a side stream, as torch.cuda.graphs
-    requires). ``fns`` is one callable or a list of them, one per copy of the inputs.
+    requires, and captured on that stream). ``fns`` is one callable or a list of
+    them, one per copy of the inputs. ``prepare`` runs once on that stream before
+    the warm-up, untimed: a forward whose backward the graph then holds (autograd
+    runs each backward op on the stream of its forward op).
 
     With ``calls=1`` the figure carries the graph's own launch floor (an empty
     kernel replays in 4.6 µs on the H200, docs/experiments.md 18). With many calls
@@ -207,12 +210,14 @@ def graph_time_ms(torch, fns, do_bench, calls: int = 1) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        if prepare is not None:
+            prepare()
         for _ in range(2):
             for fn in fns:
                 fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for i in range(calls):
             fns[i % len(fns)]()
     torch.cuda.synchronize()

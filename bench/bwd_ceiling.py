@@ -14,10 +14,11 @@ accumulation remain:
   - ``atomic_dq_only``: the atomic adds of ``dkdv_atomic_dq`` alone, with a dQ^T
     tile made by one MMA, to price the atomics.
 ``dkdv+dq`` is an upper bound on any backward built as specgen's two kernels;
-``dkdv_atomic_dq`` on one built with atomics. These run MHA-shaped (H query and
-key heads: the same matrix products as any GQA ratio).
+``dkdv_atomic_dq`` on one built with atomics. They are GQA-shaped as the shipped
+kernels: a dK/dV CTA per (batch, KV head, key tile) loops over the query heads
+that read that KV head, a dQ CTA per query head reads its group's K/V.
 
-Next to them, in the same process and on the same GQA inputs (Hq = H, Hkv = H / 4,
+Next to them, in the same process and on the same inputs (Hq = H, Hkv = H / 4,
 the shipped training specs' ratio): the shipped backward of the training spec at
 that head dim (``specs/fmha_train_gqa_causal.yaml`` at D128,
 ``bench/train/fmha_train_d{64,256}.yaml``) and the baselines of
@@ -78,48 +79,55 @@ def dkdv_kernel(
     TILE_N: ConstInt,
     D: ConstInt,
     KIND: ConstInt,
+    RATIO: ConstInt,
 ):
     n_tile, bh = ct.bid(0), ct.bid(1)
-    heads = Q.shape[1]
-    b, h = bh // heads, bh % heads
-    k = _rows(K, b, h, n_tile, TILE_N, D)  # [TILE_N, D]
-    v = _rows(V, b, h, n_tile, TILE_N, D)
-    k_t = _kt(K, b, h, n_tile, TILE_N, D)  # [D, TILE_N]
+    kv_heads = K.shape[1]
+    b, hk = bh // kv_heads, bh % kv_heads
+    k = _rows(K, b, hk, n_tile, TILE_N, D)  # [TILE_N, D]
+    v = _rows(V, b, hk, n_tile, TILE_N, D)
+    k_t = _kt(K, b, hk, n_tile, TILE_N, D)  # [D, TILE_N]
     dk = ct.full((TILE_N, D), 0.0, dtype=ct.float32)
     dv = ct.full((TILE_N, D), 0.0, dtype=ct.float32)
     d_idx = ct.arange(D, dtype=ct.int32)[:, None]  # [D, 1]
     first = n_tile * TILE_N // TILE_M  # causal: rows before the tile see none of it
-    for i in range(first, ct.cdiv(Q.shape[2], TILE_M)):
-        q_t = _kt(Q, b, h, i, TILE_M, D)  # [D, TILE_M]
-        do_t = _kt(dO, b, h, i, TILE_M, D)
-        if KIND == 3:
-            dqt = ct.mma(
-                k_t,
-                ct.full((TILE_N, TILE_M), 0.0, dtype=Q.dtype),
-                ct.full((D, TILE_M), 0.0, dtype=ct.float32),
-            )
-        else:
-            s_t = ct.mma(k, q_t, ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
-            dp_t = ct.mma(v, do_t, ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
-            p_t = s_t.astype(Q.dtype)
-            ds_t = (s_t * dp_t).astype(Q.dtype)  # [TILE_N, TILE_M]
-            dv = ct.mma(p_t, _rows(dO, b, h, i, TILE_M, D), dv)
-            dk = ct.mma(ds_t, _rows(Q, b, h, i, TILE_M, D), dk)
-        if KIND >= 2:
-            if KIND == 2:
-                dqt = ct.mma(k_t, ds_t, ct.full((D, TILE_M), 0.0, dtype=ct.float32))
-            rows = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]
-            ct.atomic_add(
-                dQacc,
-                (b, h, d_idx, rows),
-                dqt,
-                memory_order=ct.MemoryOrder.RELAXED,
-            )
+    for g in range(RATIO):  # the query heads of this KV head, as the shipped kernel
+        h = hk * RATIO + g
+        for i in range(first, ct.cdiv(Q.shape[2], TILE_M)):
+            q_t = _kt(Q, b, h, i, TILE_M, D)  # [D, TILE_M]
+            do_t = _kt(dO, b, h, i, TILE_M, D)
+            if KIND == 3:
+                dqt = ct.mma(
+                    k_t,
+                    ct.full((TILE_N, TILE_M), 0.0, dtype=Q.dtype),
+                    ct.full((D, TILE_M), 0.0, dtype=ct.float32),
+                )
+            else:
+                s_t = ct.mma(k, q_t, ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+                dp_t = ct.mma(v, do_t, ct.full((TILE_N, TILE_M), 0.0, dtype=ct.float32))
+                p_t = s_t.astype(Q.dtype)
+                ds_t = (s_t * dp_t).astype(Q.dtype)  # [TILE_N, TILE_M]
+                dv = ct.mma(p_t, _rows(dO, b, h, i, TILE_M, D), dv)
+                dk = ct.mma(ds_t, _rows(Q, b, h, i, TILE_M, D), dk)
+            if KIND >= 2:
+                if KIND == 2:
+                    dqt = ct.mma(k_t, ds_t, ct.full((D, TILE_M), 0.0, dtype=ct.float32))
+                rows = i * TILE_M + ct.arange(TILE_M, dtype=ct.int32)[None, :]
+                ct.atomic_add(
+                    dQacc,
+                    (b, h, d_idx, rows),
+                    dqt,
+                    memory_order=ct.MemoryOrder.RELAXED,
+                )
     ct.store(
-        dK, index=(b, h, n_tile, 0), tile=dk.reshape((1, 1, TILE_N, D)).astype(dK.dtype)
+        dK,
+        index=(b, hk, n_tile, 0),
+        tile=dk.reshape((1, 1, TILE_N, D)).astype(dK.dtype),
     )
     ct.store(
-        dV, index=(b, h, n_tile, 0), tile=dv.reshape((1, 1, TILE_N, D)).astype(dV.dtype)
+        dV,
+        index=(b, hk, n_tile, 0),
+        tile=dv.reshape((1, 1, TILE_N, D)).astype(dV.dtype),
     )
 
 
@@ -127,21 +135,22 @@ def dq_kernel(Q, K, V, dO, dQ, TILE_M: ConstInt, TILE_N: ConstInt, D: ConstInt):
     m_tile, bh = ct.bid(0), ct.bid(1)
     heads = Q.shape[1]
     b, h = bh // heads, bh % heads
+    hk = h // (heads // K.shape[1])  # the K/V head of this query head
     q = _rows(Q, b, h, m_tile, TILE_M, D)
     do = _rows(dO, b, h, m_tile, TILE_M, D)
     dq = ct.full((TILE_M, D), 0.0, dtype=ct.float32)
     for j in range(ct.cdiv((m_tile + 1) * TILE_M, TILE_N)):
         s = ct.mma(
             q,
-            _kt(K, b, h, j, TILE_N, D),
+            _kt(K, b, hk, j, TILE_N, D),
             ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32),
         )
         dp = ct.mma(
             do,
-            _kt(V, b, h, j, TILE_N, D),
+            _kt(V, b, hk, j, TILE_N, D),
             ct.full((TILE_M, TILE_N), 0.0, dtype=ct.float32),
         )
-        dq = ct.mma((s * dp).astype(Q.dtype), _rows(K, b, h, j, TILE_N, D), dq)
+        dq = ct.mma((s * dp).astype(Q.dtype), _rows(K, b, hk, j, TILE_N, D), dq)
     ct.store(
         dQ, index=(b, h, m_tile, 0), tile=dq.reshape((1, 1, TILE_M, D)).astype(dQ.dtype)
     )
@@ -185,16 +194,21 @@ def _inputs(seq: int, D: int, ratio: int, B: int, H: int):
 
 
 def _baseline_call(baseline, fn, q, k, v, ratio):
-    """(forward callable, leaves) of one baseline on fresh leaves of q, k, v."""
+    """(forward(*leaves), leaves) of one baseline on fresh leaves of q, k, v (K/V
+    expanded to the query heads for a baseline that expands them)."""
     from specgen.bench.baselines import Inputs
 
-    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    k_full, v_full = (
-        t.detach().repeat_interleave(ratio, 1).requires_grad_() for t in (k, v)
-    )
-    inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full)
-    leaves = (qb, k_full, v_full) if baseline.expands_kv else (qb, kb, vb)
-    return (lambda: fn(inputs)), leaves
+    if baseline.expands_kv:
+        k, v = (t.repeat_interleave(ratio, 1) for t in (k, v))
+    leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+    key = "k_full" if baseline.expands_kv else "k"
+    val = "v_full" if baseline.expands_kv else "v"
+    return (lambda q_, k_, v_: fn(Inputs(q=q_, **{key: k_, val: v_}))), leaves
+
+
+def _stream():
+    """The current stream at launch time: a graph capture's stream while capturing."""
+    return torch.cuda.current_stream()
 
 
 def _summary(rows: list[dict], graphs: bool) -> list[str]:
@@ -228,7 +242,7 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from specgen.bench.backward import grad_graph_ms
+    from specgen.bench.backward import grad_timer
     from specgen.bench.baselines import REGISTRY, parse_baselines
     from specgen.bench.core import graph_time_ms
 
@@ -239,14 +253,10 @@ def main() -> None:
         parser.error(f"--head-dims: {head_dims}: each of 64, 128, 256")
     seqs = [int(s) for s in args.seqs.split(",")]
     baselines = parse_baselines(args.baselines)
-    stream = torch.cuda.current_stream()
     rows = []
 
-    def row(seq, kind, fn, graph=None):
-        """Time fn; with --graphs also a one-call graph (``graph``: a callable giving
-        its ms, for autograd rows)."""
+    def record(seq, kind, ms, ms_graph):
         flops = 2.5 * 4 * B * H * seq * seq * D / 2
-        ms = do_bench(fn, warmup=30, rep=200, return_mode="median")
         rows.append(
             {
                 "seq": seq,
@@ -256,22 +266,21 @@ def main() -> None:
                 "tflops": flops / ms / 1e9,
             }
         )
-        if args.graphs:
-            ms_graph = graph() if graph else graph_time_ms(torch, fn, do_bench)
-            if ms_graph:
-                rows[-1].update(ms_graph=ms_graph, tflops_graph=flops / ms_graph / 1e9)
+        if ms_graph:
+            rows[-1].update(ms_graph=ms_graph, tflops_graph=flops / ms_graph / 1e9)
         print(json.dumps(rows[-1]), flush=True)
 
-    def grad_row(seq, kind, forward, leaves, do):
-        out = forward()
-        out = out[0] if isinstance(out, tuple) else out
-        torch.autograd.grad(out, leaves, do, retain_graph=True)  # compile, warm up
-        row(
-            seq,
-            kind,
-            lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
-            lambda: grad_graph_ms(torch, do_bench, forward, leaves, do),
+    def row(seq, kind, fn):
+        """Time a launch callable; with --graphs also as a one-call graph."""
+        ms = do_bench(fn, warmup=30, rep=200, return_mode="median")
+        record(
+            seq, kind, ms, graph_time_ms(torch, fn, do_bench) if args.graphs else None
         )
+
+    def grad_row(seq, kind, forward, leaves, do):
+        """Time torch.autograd.grad of forward(*leaves), as the backward suite does."""
+        ms, _, ms_graph = grad_timer(torch, do_bench, forward, leaves, do)
+        record(seq, kind, ms, ms_graph if args.graphs else None)
 
     shipped = {D: _shipped(D) for D in head_dims}
     late = [b for b in baselines if REGISTRY[b].late]
@@ -285,31 +294,36 @@ def main() -> None:
             dq = ct.kernel(dq_kernel, occupancy=1, num_worker_warps=8)
             dq_m = 128
         plan, module = shipped[D]
-        q, kg, vg, do = _inputs(seq, D, plan.group_size, B, H)
-        # The ceiling kernels read every query head's own K/V (MHA): the same MMAs.
-        k, v = (t.repeat_interleave(plan.group_size, 1) for t in (kg, vg))
-        dk, dv, dqo = (torch.empty_like(q) for _ in range(3))
+        ratio = plan.group_size
+        q, kg, vg, do = _inputs(seq, D, ratio, B, H)
+        dk, dv = torch.empty_like(kg), torch.empty_like(vg)
+        dqo = torch.empty_like(q)
         dqacc = torch.zeros(B, H, D, seq, device="cuda", dtype=torch.float32)
+        kv_grid = (seq // 64, B * H // ratio, 1)  # per (batch, KV head), as shipped
         for kind_id, kind in enumerate(KINDS):
             if kind == "dq" or (D != 128 and "atomic" in kind):
                 continue  # the atomics are priced at D128 (80x the MMAs there)
-            call = (q, k, v, do, dk, dv, dqacc, 64, 64, D, kind_id)
-            row(seq, kind, lambda: ct.launch(stream, (seq // 64, B * H, 1), dkdv, call))
-        dq_call = (q, k, v, do, dqo, dq_m, 64, D)
-        row(seq, "dq", lambda: ct.launch(stream, (seq // dq_m, B * H, 1), dq, dq_call))
+            call = (q, kg, vg, do, dk, dv, dqacc, 64, 64, D, kind_id, ratio)
+            row(seq, kind, lambda: ct.launch(_stream(), kv_grid, dkdv, call))
+        dq_call = (q, kg, vg, do, dqo, dq_m, 64, D)
+        row(
+            seq,
+            "dq",
+            lambda: ct.launch(_stream(), (seq // dq_m, B * H, 1), dq, dq_call),
+        )
 
         def both():
             ct.launch(
-                stream,
-                (seq // 64, B * H, 1),
+                _stream(),
+                kv_grid,
                 dkdv,
-                (q, k, v, do, dk, dv, dqacc, 64, 64, D, 0),
+                (q, kg, vg, do, dk, dv, dqacc, 64, 64, D, 0, ratio),
             )
-            ct.launch(stream, (seq // dq_m, B * H, 1), dq, dq_call)
+            ct.launch(_stream(), (seq // dq_m, B * H, 1), dq, dq_call)
 
         row(seq, "dkdv+dq", both)
         qs, ks, vs = (t.clone().requires_grad_() for t in (q, kg, vg))
-        grad_row(seq, "specgen", lambda: module.attention(qs, ks, vs), (qs, ks, vs), do)
+        grad_row(seq, "specgen", module.attention, (qs, ks, vs), do)
         for name in baselines:
             if name in late:
                 continue

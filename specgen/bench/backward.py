@@ -34,14 +34,15 @@ def backward_flops(plan, batch: int, heads: int, seq_q: int, seq_k: int) -> int:
     return int(BACKWARD_FLOP_FACTOR * forward_flops(plan, batch, heads, seq_q, seq_k))
 
 
-def _grad_timer(torch, do_bench, forward, leaves, dout):
+def grad_timer(torch, do_bench, forward, leaves, dout):
     """(median ms of the backward, the gradients, the median ms of a CUDA graph of
-    one backward or None) for one forward callable."""
-    out = _first(forward())
+    one backward or None) for ``forward(*leaves)``."""
+    out = _first(forward(*leaves))
     grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     torch.cuda.synchronize()
     ms = do_bench(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
                   warmup=10, rep=200, return_mode="median")
+    del out  # the eager graph, before the captured one is made
     return ms, grads, grad_graph_ms(torch, do_bench, forward, leaves, dout)
 
 
@@ -51,17 +52,24 @@ def _first(out):
 
 def grad_graph_ms(torch, do_bench, forward, leaves, dout) -> Optional[float]:
     """The backward's time without the host's launch path: a CUDA graph of one
-    ``torch.autograd.grad`` replayed. The graph's forward is made on the capture
-    stream, where autograd then runs the backward's ops. None where the backward
-    cannot be captured (the eager time stands alone)."""
+    ``torch.autograd.grad`` replayed. The graph's forward, ``forward(*fresh)``, runs
+    on the capture stream on fresh copies of ``leaves`` made there. Autograd runs
+    each backward op on its forward op's stream, and a leaf's gradient node on the
+    stream of the leaf's first use: with leaves first used on the default stream the
+    capture fails (the legacy stream would wait on the capturing one). None where
+    the backward cannot be captured (the eager time stands alone)."""
     made = []
 
     def prepare():
-        made.append(_first(forward()))
+        fresh = tuple(t.detach().clone().requires_grad_() for t in leaves)
+        made.append((fresh, _first(forward(*fresh))))
+
+    def backward():
+        fresh, out = made[-1]
+        return torch.autograd.grad(out, fresh, dout, retain_graph=True)
 
     try:
-        return graph_time_ms(torch, lambda: torch.autograd.grad(made[-1], leaves, dout, retain_graph=True),
-                             do_bench, prepare=prepare)
+        return graph_time_ms(torch, backward, do_bench, prepare=prepare)
     except Exception:  # noqa: BLE001 - a backward that cannot be captured keeps its eager time
         torch.cuda.synchronize()
         return None
@@ -134,8 +142,8 @@ class Backward(Suite):
             partial, full, capacity = kwargs["block_map"].tile_counts()
             map_fields = dict(block_map_ms=median_ms(ctx.do_bench, build),
                               tiles_visited=(partial + full) / max(capacity, 1))
-        ms, case.ours, ms_graph = _grad_timer(torch, ctx.do_bench,
-                                              lambda: module.attention(q, k, v, **kwargs), (q, k, v), dout)
+        ms, case.ours, ms_graph = grad_timer(torch, ctx.do_bench,
+                                              lambda *qkv: module.attention(*qkv, **kwargs), (q, k, v), dout)
         timing = timed(ms, case.row["flops"], ctx.yardstick["matmul_tflops"], ms_one_call=ms_graph,
                        **map_fields)
         if not all(torch.isfinite(g).all() for g in case.ours):
@@ -148,9 +156,18 @@ class Backward(Suite):
         # Fresh leaves per baseline: each builds its own graph on the same values.
         qb = q.detach().clone().requires_grad_()
         kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
-        inputs = Inputs(q=qb, k=kb, v=vb, k_full=k_full, v_full=v_full, extra=extra)
-        leaves = (qb, k_full, v_full) if baseline.expands_kv else (qb, kb, vb)
-        ms, (dq, dk, dv), ms_graph = _grad_timer(ctx.torch, ctx.do_bench, lambda: fn(inputs), leaves, dout)
+        expands = baseline.expands_kv
+        leaves = (qb, k_full, v_full) if expands else (qb, kb, vb)
+        cache: dict = {}  # one per baseline and case, as the prefill suite's Inputs
+
+        def forward(q_, k_, v_):
+            # The leaves given (the timed ones, or the graph's fresh copies) where the
+            # baseline reads them; the other K/V form as made above.
+            return fn(Inputs(q=q_, k=kb if expands else k_, v=vb if expands else v_,
+                             k_full=k_ if expands else k_full, v_full=v_ if expands else v_full,
+                             extra=extra, cache=cache))
+
+        ms, (dq, dk, dv), ms_graph = grad_timer(ctx.torch, ctx.do_bench, forward, leaves, dout)
         if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only
             dk, dv = (g.unflatten(1, (k.shape[1], ratio)).sum(2) for g in (dk, dv))
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip((dq, dk, dv), case.ours))

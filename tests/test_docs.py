@@ -203,6 +203,36 @@ def test_flex_ratios_of_dynamic_shape_runs_are_marked(tmp_path):
     assert f"{ratio:.2f}×{DYNAMIC_MARK} |" in page  # the run's table
 
 
+def test_runs_with_graph_times_get_a_second_table_from_them(tmp_path):
+    """A backward run whose rows carry one-call CUDA-graph times gets a table of
+    TFLOPS and ratios computed from those times, below the eager one; a row where a
+    baseline could not be captured shows n/a there."""
+    import json
+
+    from specgen.docs import performance_markdown
+
+    source = json.loads((ROOT / "bench" / "results" / "h100_80gb_hbm3"
+                         / "fmha_train_gqa_causal-backward.json").read_text())
+    first = source["rows"][0]
+    assert first["timings"]["specgen"]["ms_one_call"] and first["timings"]["cudnn"]["ms_one_call"]
+    first["timings"]["flex"]["ms_one_call"] = None
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "a-backward.json").write_text(json.dumps(source))
+    lines = performance_markdown(tmp_path / "results").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("The same calls, each a CUDA graph"))
+    assert lines[start + 2] == ("| S | specgen | SDPA cuDNN | FlexAttention | vs SDPA cuDNN | "
+                                "vs FlexAttention |")
+    ours, cudnn = (first["timings"][n]["ms_one_call"] for n in ("specgen", "cudnn"))
+    assert lines[start + 4] == (f"| {first['seq_q']} | {first['flops'] / ours / 1e9:.0f} | "
+                                f"{first['flops'] / cudnn / 1e9:.0f} | n/a | {cudnn / ours:.2f}× | – |")
+    for row in source["rows"]:  # no graph times anywhere: no second table
+        for t in row["timings"].values():
+            t["ms_one_call"] = None
+    (folder / "a-backward.json").write_text(json.dumps(source))
+    assert "CUDA graph of one call replayed" not in performance_markdown(tmp_path / "results")
+
+
 def test_a_folder_of_script_results_is_titled_by_the_gpu_they_name(tmp_path):
     from specgen.docs import _devices_named_in
 

@@ -43,6 +43,10 @@ def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
     ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [loop_split]\n", "expected key.path=value"),
     ("spec: specs/fmha_gqa_causal.yaml\nbogus: 1\nvariants:\n  x: []\n", "bogus"),
     ("spec: [\n", "not valid YAML"),
+    ("spec: specs/fmha_document_mask.yaml\nvariants:\n  x: []\n",
+     "variant 'x': the cuDNN baseline of bench --variants cannot run it (SDPA cuDNN has no mask_mod)"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [softcap=30.0]\n",
+     "(SDPA cuDNN has no softcap); time the spec with specgen bench"),
 ])
 def test_bad_variant_files_are_usage_errors(tmp_path, monkeypatch, text, message):
     monkeypatch.chdir(ROOT)

@@ -33,6 +33,7 @@ from typing import Callable, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specgen.bench.baselines import REGISTRY
 from specgen.bench.baselines import label as baseline_label
 from specgen.errors import SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
@@ -118,10 +119,13 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
             plan = make_plan(validate_spec(data, f"{path}: variant {label!r}"))
         except SpecError as exc:
             raise UsageError("\n".join(exc.lines())) from None
-        features = [n for n in ("window", "softcap", "sinks") if getattr(plan.spec, n)]
-        if features:
-            raise UsageError(f"{path}: variant {label!r}: uses {', '.join(features)}, which the "
-                             "cuDNN baseline of bench --variants cannot compute; use specgen bench")
+        # Every variant is timed beside cuDNN: what it cannot compute is refused here,
+        # before any GPU is asked for.
+        why = REGISTRY["cudnn"].limits("prefill", plan)
+        if why:
+            raise UsageError(f"{path}: variant {label!r}: the cuDNN baseline of bench --variants "
+                             f"cannot run it ({why}); time the spec with specgen bench, or search "
+                             "its tiles with specgen tune")
         plans[label] = plan
         sources[label] = render(plan, config.spec).text
     return config, plans, sources
@@ -173,7 +177,7 @@ def run_variants(
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
     baselines: Sequence[str] = ("cudnn",),
 ) -> Path:
-    from specgen.bench.baselines import REGISTRY, Inputs
+    from specgen.bench.baselines import Inputs
     from specgen.bench.core import graph_time_ms, median_ms, tflops, write_report
     from specgen.bench.flops import attention_flops
     from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case

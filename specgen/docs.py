@@ -790,32 +790,12 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         pct = row["timings"]["specgen"].get("pct_of_matmul")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + _graph_table(rows, baselines, varying, shape_head) + ["", _files_line(path, link_base), ""]
+    # The bench's own second table (specgen.bench.prefill.graph_table): rows that carry
+    # one-call CUDA-graph times get TFLOPS and ratios from those too.
+    from specgen.bench.core import BenchResult
+    from specgen.bench.prefill import graph_table
 
-
-def _graph_table(rows: list[dict], baselines: list[str], varying: list[str], shape_head: list[str]) -> list[str]:
-    """Where the rows carry them: TFLOPS from one-call CUDA graphs (no host launch
-    path, which bounds some short eager calls) and specgen's ratios by those times."""
-    names = ["specgen", *baselines]
-
-    def graph_ms(row, name):
-        return (row["timings"].get(name) or {}).get("ms_one_call")
-
-    if not any(graph_ms(row, n) for row in rows for n in names):
-        return []
-    lines = ["", "The same calls, each a CUDA graph of one call replayed: TFLOPS, and baseline time / "
-             "specgen time.", "",
-             "| " + " | ".join(shape_head + [_label(n) for n in names] + [f"vs {_label(n)}" for n in baselines])
-             + " |",
-             "|" + "---:|" * (len(shape_head) + len(names) + len(baselines))]
-    for row in rows:
-        ours = graph_ms(row, "specgen")
-        cells = [str(row[k]) for k in varying]
-        cells += [f"{row['flops'] / graph_ms(row, n) / 1e9:.0f}" if graph_ms(row, n) and row.get("flops")
-                  else "n/a" for n in names]
-        cells += [_ratio(graph_ms(row, n) / ours) if ours and graph_ms(row, n) else "–" for n in baselines]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    return lines + graph_table(BenchResult.model_validate(data)) + ["", _files_line(path, link_base), ""]
 
 
 def _decode_ratio(row: dict, name: str) -> float | None:

@@ -220,17 +220,18 @@ def test_runs_with_graph_times_get_a_second_table_from_them(tmp_path):
     folder.mkdir(parents=True)
     (folder / "a-backward.json").write_text(json.dumps(source))
     lines = performance_markdown(tmp_path / "results").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("The same calls, each a CUDA graph"))
-    assert lines[start + 2] == ("| S | specgen | SDPA cuDNN | FlexAttention | vs SDPA cuDNN | "
+    caption = "CUDA graph of one call per replay (no host launch path), TFLOPS and ratios:"
+    start = lines.index(caption)
+    assert lines[start + 2] == ("| S | specgen (cuTile) | SDPA cuDNN | FlexAttention | vs SDPA cuDNN | "
                                 "vs FlexAttention |")
     ours, cudnn = (first["timings"][n]["ms_one_call"] for n in ("specgen", "cudnn"))
     assert lines[start + 4] == (f"| {first['seq_q']} | {first['flops'] / ours / 1e9:.0f} | "
-                                f"{first['flops'] / cudnn / 1e9:.0f} | n/a | {cudnn / ours:.2f}× | – |")
+                                f"{first['flops'] / cudnn / 1e9:.0f} | n/a | {cudnn / ours:.2f}× | n/a |")
     for row in source["rows"]:  # no graph times anywhere: no second table
         for t in row["timings"].values():
             t["ms_one_call"] = None
     (folder / "a-backward.json").write_text(json.dumps(source))
-    assert "CUDA graph of one call replayed" not in performance_markdown(tmp_path / "results")
+    assert caption not in performance_markdown(tmp_path / "results")
 
 
 def test_a_folder_of_script_results_is_titled_by_the_gpu_they_name(tmp_path):

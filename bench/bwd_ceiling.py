@@ -194,16 +194,11 @@ def _inputs(seq: int, D: int, ratio: int, B: int, H: int):
 
 
 def _baseline_call(baseline, fn, q, k, v, ratio):
-    """(forward(*leaves), leaves) of one baseline on fresh leaves of q, k, v (K/V
-    expanded to the query heads for a baseline that expands them)."""
-    from specgen.bench.baselines import Inputs
+    """(forward(*leaves), leaves) of one baseline, as the backward suite makes them."""
+    from specgen.bench.backward import baseline_backward
 
-    if baseline.expands_kv:
-        k, v = (t.repeat_interleave(ratio, 1) for t in (k, v))
-    leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
-    key = "k_full" if baseline.expands_kv else "k"
-    val = "v_full" if baseline.expands_kv else "v"
-    return (lambda q_, k_, v_: fn(Inputs(q=q_, **{key: k_, val: v_}))), leaves
+    k_full, v_full = (t.repeat_interleave(ratio, 1).requires_grad_() for t in (k, v))
+    return baseline_backward(baseline, fn, q, k, v, k_full, v_full)
 
 
 def _stream():

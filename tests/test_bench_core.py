@@ -384,6 +384,35 @@ def test_a_backward_that_cannot_be_captured_keeps_only_its_eager_time():
     assert grad_graph_ms(torch, None, forward, (), None) is None
 
 
+def test_a_baselines_backward_reads_its_own_leaves_where_it_reads_k_and_v():
+    """Fresh q/k/v leaves per baseline; a baseline that expands K/V gets the
+    repeated leaves given (made once per case) as its k/v leaves instead."""
+    import types
+
+    import torch
+
+    from specgen.bench.backward import baseline_backward
+
+    q, k, v = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    k_full, v_full = (t.repeat_interleave(2, 1).requires_grad_() for t in (k, v))
+    seen = []
+    for expands in (False, True):
+        forward, leaves = baseline_backward(types.SimpleNamespace(expands_kv=expands), seen.append,
+                                            q, k, v, k_full, v_full, {"slopes": 1})
+        assert all(t.requires_grad and t.is_leaf for t in leaves) and torch.equal(leaves[0], q)
+        assert leaves[0] is not q and (leaves[1] is k_full and leaves[2] is v_full) == expands
+        fresh = tuple(t.detach().clone() for t in leaves)
+        forward(*fresh)
+        x = seen[-1]
+        assert x.q is fresh[0] and x.extra == {"slopes": 1}
+        if expands:  # the given leaves in k_full/v_full; k/v the baseline's own copies
+            assert x.k_full is fresh[1] and x.v_full is fresh[2] and torch.equal(x.k, k)
+        else:
+            assert x.k is fresh[1] and x.v is fresh[2] and x.k_full is k_full
+        forward(*leaves)
+        assert seen[-1].cache is x.cache  # one cache per baseline and case
+
+
 def test_a_failed_kernel_is_reported_by_type_and_first_line():
     assert error_line(RuntimeError("no kernel image\n  traceback detail")) == "RuntimeError: no kernel image"
     assert error_line(ImportError()) == "ImportError: "

@@ -75,6 +75,26 @@ def grad_graph_ms(torch, do_bench, forward, leaves, dout) -> Optional[float]:
         return None
 
 
+def baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra=None):
+    """(forward(*leaves), leaves) of one baseline: fresh leaves of q, k, v (each
+    baseline builds its own graph on the same values), with ``k_full``/``v_full``
+    (K/V repeated to the query heads, already leaves) in place of k, v for a baseline
+    that expands K/V. ``forward`` reads the leaves it is given (the timed ones, or a
+    CUDA graph's fresh copies) where the baseline reads them."""
+    qb = q.detach().clone().requires_grad_()
+    kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+    expands = baseline.expands_kv
+    leaves = (qb, k_full, v_full) if expands else (qb, kb, vb)
+    cache: dict = {}  # one per baseline and case, as the prefill suite's Inputs
+
+    def forward(q_, k_, v_):
+        return fn(Inputs(q=q_, k=kb if expands else k_, v=vb if expands else v_,
+                         k_full=k_ if expands else k_full, v_full=v_ if expands else v_full,
+                         extra=extra or {}, cache=cache))
+
+    return forward, leaves
+
+
 class Backward(Suite):
     name = "backward"
     report = REPORT
@@ -153,20 +173,7 @@ class Backward(Suite):
     def time_baseline(self, ctx: Context, case: Case, baseline, fn) -> Timing:
         q, k, v, dout, _ = case.kernel
         k_full, v_full, ratio, extra = case.inputs
-        # Fresh leaves per baseline: each builds its own graph on the same values.
-        qb = q.detach().clone().requires_grad_()
-        kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
-        expands = baseline.expands_kv
-        leaves = (qb, k_full, v_full) if expands else (qb, kb, vb)
-        cache: dict = {}  # one per baseline and case, as the prefill suite's Inputs
-
-        def forward(q_, k_, v_):
-            # The leaves given (the timed ones, or the graph's fresh copies) where the
-            # baseline reads them; the other K/V form as made above.
-            return fn(Inputs(q=q_, k=kb if expands else k_, v=vb if expands else v_,
-                             k_full=k_ if expands else k_full, v_full=v_ if expands else v_full,
-                             extra=extra, cache=cache))
-
+        forward, leaves = baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra)
         ms, (dq, dk, dv), ms_graph = grad_timer(ctx.torch, ctx.do_bench, forward, leaves, dout)
         if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only
             dk, dv = (g.unflatten(1, (k.shape[1], ratio)).sum(2) for g in (dk, dv))

@@ -11,6 +11,7 @@ the model without a test failing.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -709,10 +710,10 @@ def _devices_named_in(paths: list[Path]) -> list[str]:
     ``{"device": "<name>", ...}``), for a folder that holds only such files."""
     names = set()
     for path in paths:
-        if path.suffix != ".json":
+        if not path.name.endswith((".json", ".json.gz")):
             continue
         try:
-            device = json.loads(path.read_text()).get("device")
+            device = json.loads(_read_result_text(path)).get("device")
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(device, str):
@@ -720,12 +721,22 @@ def _devices_named_in(paths: list[Path]) -> list[str]:
     return sorted(names)
 
 
+def _read_result_text(path: Path) -> str:
+    """A result file's text; the experiments' own files may be kept gzipped (.json.gz)."""
+    if path.suffix == ".gz":
+        return gzip.decompress(path.read_bytes()).decode()
+    return path.read_text()
+
+
 def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
     """(bench results with their paths, other JSON files), in path order. A bench
-    result of an unknown suite or schema version raises DocsError."""
+    result of an unknown suite or schema version raises DocsError. The experiments'
+    own JSON files may be gzipped (.json.gz, listed with the other files); bench
+    results are read as .json only."""
     from specgen.bench.core import upgrade
 
     bench, other = [], []
+    other += sorted(results_dir.rglob("*.json.gz"))
     for path in sorted(results_dir.rglob("*.json")):
         data = json.loads(path.read_text())
         if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)
@@ -742,7 +753,7 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path
         if not data["rows"]:
             raise DocsError(f"{path}: a bench result without rows")
         bench.append((path, data))
-    return bench, other
+    return bench, sorted(other)
 
 
 def _run_meta(data: dict) -> str:

@@ -3,6 +3,7 @@ described, the README stays short and starts with what a newcomer needs, and the
 project's history stays in the experiment log."""
 
 import difflib
+import gzip
 import re
 from typing import get_args
 
@@ -245,3 +246,17 @@ def test_a_folder_of_script_results_is_titled_by_the_gpu_they_name(tmp_path):
     paths = sorted(tmp_path.iterdir())
     assert _devices_named_in(paths) == ["NVIDIA H100 80GB HBM3"]
     assert _devices_named_in([tmp_path / "b.json"]) == []
+    # The experiments' files may be kept gzipped.
+    (tmp_path / "f.json.gz").write_bytes(gzip.compress(b'{"device": "NVIDIA H200"}'))
+    assert _devices_named_in([tmp_path / "f.json.gz"]) == ["NVIDIA H200"]
+
+
+def test_gzipped_script_results_are_listed_with_the_other_files(tmp_path):
+    from specgen.docs import performance_markdown
+
+    folder = tmp_path / "results" / "h200"
+    folder.mkdir(parents=True)
+    (folder / "ceiling-run.json.gz").write_bytes(gzip.compress(b'{"device": "NVIDIA H200", "rows": []}'))
+    page = performance_markdown(tmp_path / "results")
+    assert "## NVIDIA H200 ([`results/h200/`]" in page
+    assert "- [`ceiling-run.json.gz`](../results/h200/ceiling-run.json.gz)" in page

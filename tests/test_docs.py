@@ -258,5 +258,5 @@ def test_gzipped_script_results_are_listed_with_the_other_files(tmp_path):
     folder.mkdir(parents=True)
     (folder / "ceiling-run.json.gz").write_bytes(gzip.compress(b'{"device": "NVIDIA H200", "rows": []}'))
     page = performance_markdown(tmp_path / "results")
-    assert "## NVIDIA H200 ([`results/h200/`]" in page
-    assert "- [`ceiling-run.json.gz`](../results/h200/ceiling-run.json.gz)" in page
+    assert "\n## NVIDIA H200 (" in page
+    assert "- [`ceiling-run.json.gz`](" in page and "/results/h200/ceiling-run.json.gz)" in page

@@ -226,6 +226,21 @@ FEATURE_VARIANTS = {
         "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
         "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
         "score_mod": "score - slope[h] * abs(q_idx - kv_idx)"},
+    # Packed GQA: a tile holds tile_m / gqa_ratio positions of each head of a group.
+    "pack_gqa_causal_lse": {"pack_gqa": True, "return_lse": True},
+    "pack_gqa_window_non_causal_softcap": {
+        "pack_gqa": True, "causal": False, "block_remap": None, "window": {"left": 70, "right": 33},
+        "softcap": 20.0, "return_lse": True,
+        "targets": {"default": {"tile_m": 128, "tile_n": 64, "occupancy": 1, "num_worker_warps": 8}}},
+    "pack_gqa_doc_mask_window_global_order": {
+        "pack_gqa": True, "window": {"left": 90},
+        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]",
+        "targets": {"default": {"tile_m": 32, "tile_n": 64, "occupancy": 2, "tile_order": "global"}}},
+    "pack_gqa_block_sparse_lse": {
+        "pack_gqa": True, "block_sparse": True, "return_lse": True,
+        "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
 }
 
 

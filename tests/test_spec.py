@@ -145,7 +145,7 @@ BAD = [
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, block_sparse, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, qk_ahead, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
+     "q_subtiles, qk_ahead, pack_gqa, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, persistent, by_seq_k"),

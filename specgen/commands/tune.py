@@ -321,14 +321,18 @@ def run_tune(
         key = (id(q), q_offset, config["tile_m"], config["tile_n"])
         if key not in maps:
             tensors = {name: extra[name] for name in module.SPEC["tensors"]}
+            rows = config["tile_m"] // spec.gqa_ratio if plan.pack_gqa else config["tile_m"]
             maps[key] = module._block_map(tensors, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q_offset,
-                                          q.device, (config["tile_m"], config["tile_n"]))
+                                          q.device, (rows, config["tile_n"]))
         return maps[key]
 
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def grid(config, seq_q, batch_heads):
-        """As the generated launcher computes it."""
+        """As the generated launcher computes it (pack_gqa: tile_m / gqa_ratio positions
+        of every head of a KV head per tile)."""
+        if plan.pack_gqa:
+            seq_q, batch_heads = seq_q * spec.gqa_ratio, batch_heads // spec.gqa_ratio
         tiles = math.ceil(seq_q / config["tile_m"])
         if plan.persistent_loop:
             work = tiles * batch_heads

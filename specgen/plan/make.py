@@ -185,6 +185,9 @@ class Plan:
     # Terms of the per-row mask of a masked key tile ("keys <= rows", ...).
     row_mask: tuple[str, ...]
     q_subtiles: int  # 1, or 2 for two halves of tile_m with their own softmax state
+    # A CTA's tile_m rows are the group_size query heads of one KV head, TILE_P =
+    # tile_m / group_size positions each (prefill).
+    pack_gqa: bool
     halves: tuple[str, ...]  # name suffixes of the query tiles: ("",) or ("0", "1")
     sub_m: str  # rows of one query tile: "TILE_M" or "SUB_M"
     targets: tuple[TargetPlan, ...]  # "default" first, then by architecture
@@ -375,7 +378,25 @@ class Plan:
 
     # Tile loads and stores: [B, H, S, D] arrays, or per-sequence views of packed
     # [total, H, D] arrays (varlen). Each returns the text of the call's arguments.
+    @property
+    def pos_tile(self) -> str:
+        """The query positions one tile covers: TILE_M, or TILE_P with pack_gqa."""
+        return "TILE_P" if self.pack_gqa else "TILE_M"
+
+    @property
+    def grid_heads(self) -> str:
+        """The launcher's count of (batch, head) CTA rows: KV heads with pack_gqa."""
+        return "batch * num_kv_heads" if self.pack_gqa else "batch * num_heads"
+
+    @property
+    def map_tile(self) -> str:
+        """The forward map's (rows, keys) tile from a launch config ``config``."""
+        rows = 'config["tile_m"] // GROUP_SIZE' if self.pack_gqa else 'config["tile_m"]'
+        return f'({rows}, config["tile_n"])'
+
     def load_q(self, tile: str) -> str:
+        if self.pack_gqa:  # the tile's heads are its KV head's group: tile index kv_head along H
+            return f"Q, index=(batch, kv_head, {tile}, 0), shape=(1, GROUP_SIZE, TILE_P, {self.d_tile})"
         if self.varlen:
             return f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
         return f"Q, index=(batch, head, {tile}, 0), shape=(1, 1, {self.sub_m}, {self.d_tile})"
@@ -404,12 +425,16 @@ class Plan:
         return f"{array}, index=(batch, kv_head, {tile}, 0), shape=(1, 1, TILE_N, {dim})"
 
     def store_out(self, tile: str) -> str:
+        if self.pack_gqa:
+            return f"Out, index=(batch, kv_head, {tile}, 0)"
         if self.varlen:
             return f"Outs, index=({tile}, head, 0)"
         return f"Out, index=(batch, head, {tile}, 0)"
 
     @property
     def out_tile_shape(self) -> str:
+        if self.pack_gqa:
+            return f"(1, GROUP_SIZE, TILE_P, {self.dv_tile})"
         if self.varlen:
             return f"({self.sub_m}, 1, {self.dv_tile})"
         return f"(1, 1, {self.sub_m}, {self.dv_tile})"
@@ -553,6 +578,9 @@ def _optimizations(spec: Spec, block_remap: bool) -> tuple[str, ...]:
         lines.append("sliding window: key tiles wholly outside it are skipped, its edge tiles masked")
     if spec.q_subtiles == 2:
         lines.append("two query half-tiles per CTA share each K/V tile (ping-pong)")
+    if spec.pack_gqa and spec.family == "prefill":
+        lines.append(f"packed GQA: a tile holds tile_m / {spec.gqa_ratio} positions of the {spec.gqa_ratio} "
+                     "query heads of one KV head, which read each K/V tile once")
     persistent = [bool(c.persistent) for c in configs]
     if any(persistent):
         lines.append(("persistent" if all(persistent) else "persistent (some configs)")
@@ -691,6 +719,7 @@ def make_plan(spec: Spec, *, tile_order_param: bool | None = None,
         scale_expr="qk_scale * INV_LN2" if fm.exp2 and not spec.score_mod else "qk_scale",
         row_mask=row_mask,
         q_subtiles=spec.q_subtiles,
+        pack_gqa=spec.pack_gqa and spec.family == "prefill",
         halves=("",) if spec.q_subtiles == 1 else ("0", "1"),
         sub_m="TILE_M" if spec.q_subtiles == 1 else "SUB_M",
         targets=targets,

@@ -198,6 +198,13 @@ class Spec(_Strict):
         "tensor cores may compute it while the exponentials run (measured slower on an H100 "
         "for every shipped prefill case; off by default).",
     )
+    pack_gqa: bool = Field(
+        False,
+        description="Stack the gqa_ratio query heads that share a KV head along each CTA's "
+        "tile: a tile holds tile_m / gqa_ratio positions of every head of the group, so each "
+        "K/V tile is read once per group and a query tile spans fewer positions (fewer keys "
+        "wasted at mask borders). Pays where rows are short: packed documents.",
+    )
     splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
         "auto",
         description="decode: KV splits per (batch, KV head); auto picks them from the SM "
@@ -347,7 +354,7 @@ class Spec(_Strict):
         """The checks that relate fields of the whole spec, all reported together."""
         problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
                     + self._block_sparse_problems() + self._context_parallel_problems()
-                    + self._qk_ahead_problems())
+                    + self._qk_ahead_problems() + self._pack_gqa_problems())
         if problems:
             raise Problems(problems)
         return self
@@ -357,7 +364,8 @@ class Spec(_Strict):
         decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
         prefill_only = ("v_head_dim", "out_dtype", "softcap", "score_mod",
                         "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
-                        "loop_split", "prescale_q", "q_subtiles", "qk_ahead", "backward", "deterministic",
+                        "loop_split", "prescale_q", "q_subtiles", "qk_ahead", "pack_gqa", "backward",
+                        "deterministic",
                         "context_parallel")
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
@@ -447,6 +455,46 @@ class Spec(_Strict):
             return [("qk_ahead", f"true cannot be combined with {', '.join(used)} (their key loops "
                                  "skip tiles or split the query tile); use false")]
         return []
+
+    def _pack_gqa_problems(self) -> list[tuple[str, str]]:
+        """A packed tile holds several query heads' rows: every row must need the same
+        K/V head and nothing per head that the kernel keeps once per CTA."""
+        if not self.pack_gqa or self.family != "prefill":
+            return []
+        from specgen.spec.hooks import ExprError, compile_hook
+
+        ratio = self.gqa_ratio
+        if ratio < 2 or ratio & (ratio - 1):
+            return [("pack_gqa", f"true needs gqa_ratio a power of two >= 2 (tile rows are powers "
+                                 f"of two), got gqa_ratio {ratio}")]
+        tensors = {n: (t.dtype, len(t.shape)) for n, t in self.tensors.items()}
+        reads_h = []
+        for kind in ("score_mod", "mask_mod"):
+            expr = getattr(self, kind)
+            try:
+                if expr is not None and "h" in compile_hook(expr, kind, tensors).uses:
+                    reads_h.append(f"a {kind} that reads h")
+            except ExprError:
+                pass  # reported by the field's own validator
+        used = reads_h + [name for name, on in (
+            ("varlen", self.varlen), ("sinks", self.sinks), ("dropout", self.dropout),
+            ("q_subtiles 2", self.q_subtiles > 1), ("qk_ahead", self.qk_ahead),
+            ("context_parallel", self.context_parallel is not None)) if on]
+        problems = []
+        if used:
+            problems.append(("pack_gqa", f"true cannot be combined with {', '.join(used)} (a packed "
+                                         "tile mixes query heads); use false"))
+        for name, cfg in self.targets.items():
+            for where, bucket in [(f"targets.{name}", cfg)] + [
+                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
+                if bucket.tile_m < ratio:
+                    problems.append((f"{where}.tile_m", f"pack_gqa needs tile_m >= gqa_ratio {ratio} "
+                                                        f"(tile_m / gqa_ratio positions per tile), "
+                                                        f"got {bucket.tile_m}"))
+                if bucket.persistent:
+                    problems.append((f"{where}.persistent", "pack_gqa launches one CTA per query "
+                                                            "tile; use null or false, got true"))
+        return problems
 
     def _context_parallel_problems(self) -> list[tuple[str, str]]:
         """What a sequence shard cannot compute on its own (specgen.parallel)."""

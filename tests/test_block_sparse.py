@@ -260,14 +260,31 @@ class _Tiles:
         return np.zeros(shape, dtype)
 
     @staticmethod
+    def full(shape, value, dtype):
+        return np.full(shape, value, dtype)
+
+    @staticmethod
+    def broadcast_to(x, shape):
+        return np.broadcast_to(x, shape)
+
+    @staticmethod
     def astype(x, dtype):
         return np.asarray(x).astype(dtype)
 
 
+def _row_groups(module) -> tuple:
+    """The ROW_GROUP values to run a map kernel with: (None,) where it takes none."""
+    kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_block_map_"))._pyfunc
+    if "ROW_GROUP" not in kernel.__code__.co_varnames[:kernel.__code__.co_argcount]:
+        return (None,)
+    return (1, module.GROUP_SIZE)
+
+
 def _run_map(module, tensors, batch, map_heads, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys,
-             constants=None):
+             constants=None, row_group=None):
     """(counts, indices) of module's map kernel run CTA by CTA on the CPU;
-    ``constants``: module constants to run it with instead (smaller steps)."""
+    ``constants``: module constants to run it with instead (smaller steps);
+    ``row_group``: the kernel's ROW_GROUP (map rows per CTA by query tile), if it has one."""
     import types
 
     kernel = next(getattr(module, n) for n in dir(module) if n.startswith("fmha_block_map_"))._pyfunc
@@ -275,12 +292,14 @@ def _run_map(module, tensors, batch, map_heads, seq_q, seq_k, q_offset, tile_m, 
     inner = -(-seq_q // tile_m) if by_keys else -(-seq_k // tile_n)
     counts = np.full((batch, map_heads, outer, 3), -2, dtype=np.int32)
     indices = np.full((batch, map_heads, outer, max(inner, 1)), -1, dtype=np.int32)
-    tiles = _Tiles((outer, batch * map_heads, 1))
+    ctas = outer if by_keys or row_group is None else -(-outer // row_group)
+    tiles = _Tiles((ctas, batch * map_heads, 1))
     run = types.FunctionType(kernel.__code__, {**kernel.__globals__, **(constants or {}), "ct": tiles},
                              kernel.__name__)
-    for block in itertools.product(range(outer), range(batch * map_heads)):
+    extra = () if row_group is None else (row_group,)
+    for block in itertools.product(range(ctas), range(batch * map_heads)):
         tiles.block = (*block, 0)
-        run(counts, indices, *tensors, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys)
+        run(counts, indices, *tensors, seq_q, seq_k, q_offset, tile_m, tile_n, by_keys, *extra)
     return counts, indices
 
 
@@ -398,14 +417,15 @@ def test_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
             n: (t["dtype"], len(t["shape"])) for n, t in spec["tensors"].items()}).uses else 1
         pairs = _pairs(spec, tensors, batch, map_heads, seq_q, seq_k, q_offset)
         args = [tensors[n] for n in spec["tensors"]]
-        for (tile_m, tile_n), by_keys, constants in itertools.product(
-                [(64, 128), (128, 128), (64, 64)], (False, True), (None, SMALL_STEPS)):
+        for (tile_m, tile_n), by_keys, constants, row_group in itertools.product(
+                [(64, 128), (128, 128), (64, 64), (16, 64)], (False, True), (None, SMALL_STEPS),
+                _row_groups(module)):
             want = _tile_states(pairs, tile_m, tile_n, by_keys)
             counts, indices = _run_map(module, args, batch, map_heads, seq_q, seq_k, q_offset,
-                                       tile_m, tile_n, by_keys, constants)
+                                       tile_m, tile_n, by_keys, constants, row_group)
             got = _map_states(counts, indices, want.shape[3])
             assert (got == want).all(), (name, (batch, heads, seq_q, seq_k, q_offset), tile_m, tile_n, by_keys,
-                                         constants)
+                                         constants, row_group)
 
 
 def test_training_block_map_is_checked_before_the_op():

@@ -242,9 +242,14 @@ def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
     hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
              for _, _, dtype, dims in plan.extra_tensors]
     scalars = [ScalarConstraint(ct.int32)] * 3  # seq_q, seq_k, q_offset
-    shapes = [(config.tile_m, config.tile_n, False)]
+    # The forward map's rows are the tile's positions (tile_m / gqa_ratio with pack_gqa);
+    # a map_row_group kernel takes ROW_GROUP too (gqa_ratio by query tile, 1 else).
+    rows = config.tile_m // plan.group_size if plan.pack_gqa else config.tile_m
+    group = (plan.group_size,) if plan.map_row_group else ()
+    shapes = [(rows, config.tile_n, False, *group)]
     if plan.backward:
-        shapes += [(*plan.bwd_dq_tile, False), (*plan.bwd_tile, True)]
+        one = (1,) if plan.map_row_group else ()
+        shapes += [(*plan.bwd_dq_tile, False, *one), (*plan.bwd_tile, True, *one)]
     convention = CallingConvention.cutile_python_v1()
     return {plan.map_kernel_name: [KernelSignature(tables + hooks + scalars + list(shape), convention)
                                    for shape in dict.fromkeys(shapes)]}

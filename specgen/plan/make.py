@@ -384,6 +384,13 @@ class Plan:
         return "TILE_P" if self.pack_gqa else "TILE_M"
 
     @property
+    def map_row_group(self) -> bool:
+        """The forward map kernel lists ROW_GROUP consecutive query tiles per CTA,
+        sharing one scan of the keys (packed GQA's tiles hold few positions; the
+        steps form of per-position masks)."""
+        return self.pack_gqa and self.map_steps
+
+    @property
     def grid_heads(self) -> str:
         """The launcher's count of (batch, head) CTA rows: KV heads with pack_gqa."""
         return "batch * num_kv_heads" if self.pack_gqa else "batch * num_heads"

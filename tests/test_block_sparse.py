@@ -386,7 +386,7 @@ MAP_VARIANTS = {  # masks the shipped specs do not cover: other blocks, windows,
                        "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
 }
 # Steps of two to four tiles, so that rows cross many step boundaries.
-SMALL_STEPS = {"MAP_SPAN": 256, "MAP_STEP_PAIRS": 16384, "MAP_STEP_BLOCKS": 16}
+SMALL_STEPS = {"MAP_SPAN": 256, "MAP_STEP_PAIRS": 16384, "MAP_STEP_BLOCKS": 16, "MAP_GROUP_STEP_PAIRS": 4096}
 MAP_SHAPES = [(2, 4, 1000, 1000, 0), (1, 4, 300, 1100, 800), (1, 4, 517, 300, -217), (1, 4, 700, 2100, 1400)]
 
 

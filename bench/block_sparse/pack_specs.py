@@ -35,6 +35,8 @@ PACKED = {
     "pack 64x128 o2": {"tile_m": 64, "tile_n": 128, "occupancy": 2},
     "pack 128x64 w8": {"tile_m": 128, "tile_n": 64, "occupancy": 1, "num_worker_warps": 8},
 }
+# Dense specs (named on the command line) also try the dense prefill's own large tile.
+DENSE_EXTRA = {"pack 128x128 w8": {"tile_m": 128, "tile_n": 128, "occupancy": 1, "num_worker_warps": 8}}
 
 
 def variant_module(name: str, label: str, sm_90: dict | None):
@@ -54,8 +56,9 @@ def main(out_dir: str, specs=SPECS, seqs=SEQS) -> None:
               "specs": {}}
     for name in specs:
         modules = {"shipped": variant_module(name, "shipped", None)}
-        modules.update({label: variant_module(name, label, cfg) for label, cfg in PACKED.items()})
         plan = modules["shipped"][0]
+        packed = PACKED if plan.block_sparse else {**PACKED, **DENSE_EXTRA}
+        modules.update({label: variant_module(name, label, cfg) for label, cfg in packed.items()})
         rows = []
         for seq in seqs:
             gen = torch.Generator(device="cuda").manual_seed(seq)

@@ -150,3 +150,45 @@ def test_tune_without_cuda_exits_2_and_leaves_the_spec(tmp_path):
                      cwd=tmp_path)
     assert result.returncode == 2 and "CUDA" in result.stderr, result.stderr
     assert spec.read_text() == SPEC_TEXT
+
+
+GRID_CASES = {
+    "packed block map": ("fmha_document_mask", {}),
+    "packed, global order": ("fmha_gqa_causal", {"pack_gqa": True}),
+    "per-length tile order": ("fmha_gqa_causal", {}),
+    "persistent": ("fmha_gqa_causal", {"targets": {"sm_90": {"tile_m": 128, "tile_n": 128, "occupancy": 1,
+                                                              "num_worker_warps": 8, "persistent": True}}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GRID_CASES))
+@pytest.mark.parametrize("seq", [300, 1000])
+def test_tune_launches_the_grid_the_generated_launcher_launches(case, seq):
+    """tune launches the kernel itself: its grid must be the one the module's own
+    launcher computes (recorded from an emulated call), for packed tiles, tile orders
+    and persistent launches."""
+    import torch
+    import yaml
+
+    from specgen.check import emulate
+    from specgen.check.cases import feature_inputs, random_qkv, shape_dims
+    from specgen.commands.tune import launch_grid
+
+    from .helpers import ROOT, render_spec_data
+
+    name, overrides = GRID_CASES[case]
+    data = {**yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text()), **overrides}
+    plan, source = render_spec_data(data, f"specs/{name}.yaml")
+    module = emulate.load_module(ROOT / "generated" / f"{name}.py", source=source,
+                                 name=f"_test_tune_grid_{case.replace(' ', '_')}_{seq}")
+    launches = []
+    module.ct.launch = lambda stream, grid, kernel, args: launches.append((kernel._pyfunc.__name__, grid))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = random_qkv(module.SPEC, 2, 2, seq, seq, generator=g, device="cpu")
+    extra = feature_inputs(module.SPEC, shape_dims(q, k), g, device="cpu")
+    with emulate.emulating():
+        module.attention(q, k, v, **extra)
+    config, _ = module._launch_config(q.device, seq)
+    grids = [grid for kernel, grid in launches if kernel == plan.kernel_name]
+    assert grids == [tuple(launch_grid(plan, config, seq, q.shape[0] * q.shape[1], 132))], (launches, config)
+

@@ -38,6 +38,23 @@ from specgen.spec import (
     spec_to_dict,
 )
 
+
+def launch_grid(plan, config: dict, seq_q: int, batch_heads: int, sm_count: int) -> tuple[int, int, int]:
+    """The prefill kernel's grid for a launch config, as the generated launcher
+    computes it: query tiles x (batch, head) in the config's tile order, a 1-D grid
+    of work items where the plan loops over them (persistent: one wave), and with
+    pack_gqa tiles of tile_m / gqa_ratio positions over (batch, KV head)."""
+    if plan.pack_gqa:
+        seq_q, batch_heads = seq_q * plan.group_size, batch_heads // plan.group_size
+    tiles = math.ceil(seq_q / config["tile_m"])
+    if plan.persistent_loop:
+        work = tiles * batch_heads
+        return (min(work, sm_count * config["occupancy"]) if config.get("persistent") else work, 1, 1)
+    if config.get("tile_order") == "global":
+        return (batch_heads, tiles, 1)
+    return (tiles, batch_heads, 1)
+
+
 def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
     if text is None:
         return None
@@ -329,17 +346,7 @@ def run_tune(
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
     def grid(config, seq_q, batch_heads):
-        """As the generated launcher computes it (pack_gqa: tile_m / gqa_ratio positions
-        of every head of a KV head per tile)."""
-        if plan.pack_gqa:
-            seq_q, batch_heads = seq_q * spec.gqa_ratio, batch_heads // spec.gqa_ratio
-        tiles = math.ceil(seq_q / config["tile_m"])
-        if plan.persistent_loop:
-            work = tiles * batch_heads
-            return (min(work, sm_count * config["occupancy"]) if config["persistent"] else work, 1, 1)
-        if config["tile_order"] == "global":
-            return (batch_heads, tiles, 1)
-        return (tiles, batch_heads, 1)
+        return launch_grid(plan, config, seq_q, batch_heads, sm_count)
 
     results: dict[int, list[Timed]] = {}
     report: dict = {"spec": spec.name, "target": target, "suite": suite,

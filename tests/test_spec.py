@@ -285,6 +285,18 @@ NEW_FIELDS_BAD = [
     ({"qk_ahead": True, "family": "decode"},
      "specs/bad.yaml: qk_ahead: a prefill field, not supported by family decode"),
     ({"qk_ahead": "yes"}, "specs/bad.yaml: qk_ahead: must be true or false"),
+    ({"pack_gqa": True}, "specs/bad.yaml: pack_gqa: true needs gqa_ratio a power of two >= 2"),
+    ({"pack_gqa": True, "gqa_ratio": 4, "sinks": True},
+     "specs/bad.yaml: pack_gqa: true cannot be combined with sinks (a packed tile mixes query heads)"),
+    ({"pack_gqa": True, "gqa_ratio": 4, "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+      "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+     "specs/bad.yaml: pack_gqa: true cannot be combined with a score_mod that reads h"),
+    ({"pack_gqa": True, "gqa_ratio": 32, "targets": {"sm_90": {"tile_m": 16, "tile_n": 64}}},
+     "specs/bad.yaml: targets.sm_90.tile_m: pack_gqa needs tile_m >= gqa_ratio 32"),
+    ({"pack_gqa": True, "gqa_ratio": 4, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "persistent": True}}},
+     "specs/bad.yaml: targets.sm_90.persistent: pack_gqa launches one CTA per query tile"),
+    ({"pack_gqa": True, "family": "decode"}, "specs/bad.yaml: pack_gqa: a prefill field, not supported by family decode"),
+    ({"pack_gqa": "yes"}, "specs/bad.yaml: pack_gqa: must be true or false"),
 ]
 
 

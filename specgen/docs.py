@@ -735,8 +735,7 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path
     results are read as .json only."""
     from specgen.bench.core import upgrade
 
-    bench, other = [], []
-    other += sorted(results_dir.rglob("*.json.gz"))
+    bench, other = [], list(results_dir.rglob("*.json.gz"))
     for path in sorted(results_dir.rglob("*.json")):
         data = json.loads(path.read_text())
         if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)

@@ -45,8 +45,8 @@ def launch_grid(plan, config: dict, seq_q: int, batch_heads: int, sm_count: int)
     of work items where the plan loops over them (persistent: one wave), and with
     pack_gqa tiles of tile_m / gqa_ratio positions over (batch, KV head)."""
     if plan.pack_gqa:
-        seq_q, batch_heads = seq_q * plan.group_size, batch_heads // plan.group_size
-    tiles = math.ceil(seq_q / config["tile_m"])
+        batch_heads //= plan.group_size
+    tiles = math.ceil(seq_q / plan.map_rows(config["tile_m"]))
     if plan.persistent_loop:
         work = tiles * batch_heads
         return (min(work, sm_count * config["occupancy"]) if config.get("persistent") else work, 1, 1)
@@ -338,9 +338,8 @@ def run_tune(
         key = (id(q), q_offset, config["tile_m"], config["tile_n"])
         if key not in maps:
             tensors = {name: extra[name] for name in module.SPEC["tensors"]}
-            rows = config["tile_m"] // spec.gqa_ratio if plan.pack_gqa else config["tile_m"]
             maps[key] = module._block_map(tensors, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q_offset,
-                                          q.device, (rows, config["tile_n"]))
+                                          q.device, (plan.map_rows(config["tile_m"]), config["tile_n"]))
         return maps[key]
 
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

@@ -244,9 +244,8 @@ def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
     scalars = [ScalarConstraint(ct.int32)] * 3  # seq_q, seq_k, q_offset
     # The forward map's rows are the tile's positions (tile_m / gqa_ratio with pack_gqa);
     # a map_row_group kernel takes ROW_GROUP too (gqa_ratio by query tile, 1 else).
-    rows = config.tile_m // plan.group_size if plan.pack_gqa else config.tile_m
     group = (plan.group_size,) if plan.map_row_group else ()
-    shapes = [(rows, config.tile_n, False, *group)]
+    shapes = [(plan.map_rows(config.tile_m), config.tile_n, False, *group)]
     if plan.backward:
         one = (1,) if plan.map_row_group else ()
         shapes += [(*plan.bwd_dq_tile, False, *one), (*plan.bwd_tile, True, *one)]

@@ -395,9 +395,15 @@ class Plan:
         """The launcher's count of (batch, head) CTA rows: KV heads with pack_gqa."""
         return "batch * num_kv_heads" if self.pack_gqa else "batch * num_heads"
 
+    def map_rows(self, tile_m: int) -> int:
+        """The query positions of a tile of ``tile_m`` rows (the forward map's rows):
+        tile_m, or tile_m / group_size with pack_gqa."""
+        return tile_m // self.group_size if self.pack_gqa else tile_m
+
     @property
     def map_tile(self) -> str:
-        """The forward map's (rows, keys) tile from a launch config ``config``."""
+        """The generated launcher's expression of the forward map's (rows, keys) tile
+        from a launch config ``config`` (map_rows, in the module's terms)."""
         rows = 'config["tile_m"] // GROUP_SIZE' if self.pack_gqa else 'config["tile_m"]'
         return f'({rows}, config["tile_n"])'
 

@@ -389,16 +389,14 @@ class Spec(_Strict):
                          if d == "seq_q"]
         if self.family == "decode" or self.varlen:
             what = "family decode" if self.family == "decode" else "varlen"
-            for name, cfg in self.targets.items():
-                for where, bucket in [(f"targets.{name}", cfg)] + [
-                        (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
-                    if bucket.v_transposed:
-                        problems.append((f"{where}.v_transposed",
-                                         f"{what} reads V as given; use null or false, got true"))
-                    if bucket.persistent:
-                        problems.append((f"{where}.persistent",
-                                         f"{what} launches one CTA per work item; use null or "
-                                         "false, got true"))
+            for where, bucket in self._target_buckets():
+                if bucket.v_transposed:
+                    problems.append((f"{where}.v_transposed",
+                                     f"{what} reads V as given; use null or false, got true"))
+                if bucket.persistent:
+                    problems.append((f"{where}.persistent",
+                                     f"{what} launches one CTA per work item; use null or "
+                                     "false, got true"))
         if self.family != "decode":
             return problems
         if self.cache_dtype == "float8_e4m3fn" and self.head_dim % 16:
@@ -419,6 +417,13 @@ class Spec(_Strict):
                 problems.append((f"targets.{name}.by_seq_k", "decode specs take one config per target"))
         return problems
 
+    def _target_buckets(self) -> list[tuple[str, object]]:
+        """(where, config) of every launch config: each target's own and its by_seq_k
+        buckets, ``where`` the field path an error names."""
+        return [(where, bucket) for name, cfg in self.targets.items()
+                for where, bucket in [(f"targets.{name}", cfg)] + [
+                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]]
+
     def _tensor_problems(self) -> list[tuple[str, str]]:
         used = " ".join(filter(None, (self.score_mod, self.mask_mod)))
         return [(f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
@@ -434,13 +439,11 @@ class Spec(_Strict):
         if self.skip_masked_tiles:
             problems.append(("skip_masked_tiles", "true cannot be combined with block_sparse: "
                                                   "true (the map already skips the hidden tiles)"))
-        for name, cfg in self.targets.items():
-            for where, bucket in [(f"targets.{name}", cfg)] + [
-                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
-                if bucket.persistent:
-                    problems.append((f"{where}.persistent",
-                                     "block_sparse launches one CTA per query tile; use null "
-                                     "or false, got true"))
+        for where, bucket in self._target_buckets():
+            if bucket.persistent:
+                problems.append((f"{where}.persistent",
+                                 "block_sparse launches one CTA per query tile; use null "
+                                 "or false, got true"))
         return problems
 
     def _qk_ahead_problems(self) -> list[tuple[str, str]]:
@@ -484,16 +487,14 @@ class Spec(_Strict):
         if used:
             problems.append(("pack_gqa", f"true cannot be combined with {', '.join(used)} (a packed "
                                          "tile mixes query heads); use false"))
-        for name, cfg in self.targets.items():
-            for where, bucket in [(f"targets.{name}", cfg)] + [
-                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
-                if bucket.tile_m < ratio:
-                    problems.append((f"{where}.tile_m", f"pack_gqa needs tile_m >= gqa_ratio {ratio} "
-                                                        f"(tile_m / gqa_ratio positions per tile), "
-                                                        f"got {bucket.tile_m}"))
-                if bucket.persistent:
-                    problems.append((f"{where}.persistent", "pack_gqa launches one CTA per query "
-                                                            "tile; use null or false, got true"))
+        for where, bucket in self._target_buckets():
+            if bucket.tile_m < ratio:
+                problems.append((f"{where}.tile_m", f"pack_gqa needs tile_m >= gqa_ratio {ratio} "
+                                                    f"(tile_m / gqa_ratio positions per tile), "
+                                                    f"got {bucket.tile_m}"))
+            if bucket.persistent:
+                problems.append((f"{where}.persistent", "pack_gqa launches one CTA per query "
+                                                        "tile; use null or false, got true"))
         return problems
 
     def _context_parallel_problems(self) -> list[tuple[str, str]]:

@@ -466,10 +466,13 @@ def test_block_map_check_refuses_lists_of_other_shapes():
         return -(-n // t)
 
     counts, indices = ints(batch, 1, rows(seq_q, 64), 3), ints(batch, 1, rows(seq_q, 64), rows(seq_k, 128))
-    grads = (ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), 3),
-             ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), rows(seq_k, mod.BWD_DQ_TILE_N)),
+    # The backward's maps list tiles of positions: BWD_*_TILE_P of packed GQA.
+    assert mod.BWD_DQ_TILE_P * mod.GROUP_SIZE == mod.BWD_DQ_TILE_M
+    dq_rows, kv_rows = mod.BWD_DQ_TILE_P, mod.BWD_TILE_P
+    grads = (ints(batch, 1, rows(seq_q, dq_rows), 3),
+             ints(batch, 1, rows(seq_q, dq_rows), rows(seq_k, mod.BWD_DQ_TILE_N)),
              ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), 3),
-             ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), rows(seq_q, mod.BWD_TILE_M)))
+             ints(batch, 1, rows(seq_k, mod.BWD_TILE_N), rows(seq_q, kv_rows)))
 
     def made(**changes):
         fields = dict(counts=counts, indices=indices, batch=batch, num_heads=1, seq_q=seq_q, seq_k=seq_k,
@@ -485,6 +488,8 @@ def test_block_map_check_refuses_lists_of_other_shapes():
         (dict(indices=None), "block_map.indices"),
         (dict(grads=grads[:3]), "block_map.grads must hold 4"),
         (dict(grads=(grads[0], grads[1], grads[3], grads[2])), r"block_map.grads\[2\]"),
+        # Lists at the per-head tiles' rows, not the packed tiles' positions.
+        (dict(grads=(ints(batch, 1, rows(seq_q, mod.BWD_DQ_TILE_M), 3), *grads[1:])), r"block_map.grads\[0\]"),
     ]:
         with pytest.raises(ValueError, match=field):
             made(**changes).check(batch, 8, seq_q, seq_k, 0, tile, cpu)

@@ -94,12 +94,13 @@ def test_block_map_lists_exactly_the_visible_tiles(name, shape):
     counts, indices = mod._map_rows(*args, tile_m, tile_n, True)
     assert torch.equal(_map_states(counts, indices, by_keys.shape[3]), by_keys)
     if hasattr(mod, "BWD_TILE_M"):  # training specs: the maps the backward builds
-        dq = _tile_states(vis, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N).cpu()
-        counts, indices = mod._map_rows(*args, mod.BWD_DQ_TILE_M, mod.BWD_DQ_TILE_N, False)
-        assert torch.equal(_map_states(counts, indices, dq.shape[3]), dq)
-        kv = _tile_states(vis, mod.BWD_TILE_M, mod.BWD_TILE_N, by_keys=True).cpu()
-        counts, indices = mod._map_rows(*args, mod.BWD_TILE_M, mod.BWD_TILE_N, True)
-        assert torch.equal(_map_states(counts, indices, kv.shape[3]), kv)
+        # (at the tiles' positions: BWD_*_TILE_P where the backward packs GQA)
+        dq_rows, kv_rows = getattr(mod, "BWD_DQ_TILE_P", mod.BWD_DQ_TILE_M), getattr(mod, "BWD_TILE_P", mod.BWD_TILE_M)
+        dq_counts, dq_indices, kv_counts, kv_indices = mod._backward_maps(*args)
+        dq = _tile_states(vis, dq_rows, mod.BWD_DQ_TILE_N).cpu()
+        assert torch.equal(_map_states(dq_counts, dq_indices, dq.shape[3]), dq)
+        kv = _tile_states(vis, kv_rows, mod.BWD_TILE_N, by_keys=True).cpu()
+        assert torch.equal(_map_states(kv_counts, kv_indices, kv.shape[3]), kv)
 
 
 @pytest.mark.parametrize("name", SPARSE_SPECS)

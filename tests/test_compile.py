@@ -20,7 +20,7 @@ from specgen.plan.make import make_plan
 from specgen.emit.render import render
 from specgen.spec import validate_spec
 
-from .helpers import SPECS
+from .helpers import ROOT, SPECS
 
 
 def _plan_and_source(path):
@@ -169,6 +169,30 @@ def test_backward_tiles_follow_the_padded_head_dim(dims, wide):
     dkdv = "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef " + plan.bwd_names[1]
     assert (dkdv in source) == wide
     assert (f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[1]}" in source) == (not wide)
+    assert not plan.bwd_pack
+
+
+@pytest.mark.parametrize("changes,packed", [({}, True), ({"gqa_ratio": 8}, True), ({"head_dim": 256}, True),
+                                            ({"pack_gqa": False}, False), ({"block_sparse": False}, False)])
+def test_the_backward_packs_gqa_with_a_block_map(changes, packed):
+    """pack_gqa on a block-sparse training spec packs the backward too: 64-row dQ tiles
+    at two CTAs per SM (D <= 128), maps at the tiles' positions; without a block map
+    (or without pack_gqa) the backward keeps its per-head kernels."""
+    data = yaml.safe_load((ROOT / "specs" / "fmha_train_document.yaml").read_text())
+    data.update(changes)
+    plan = make_plan(validate_spec(data))
+    assert plan.bwd_pack == packed
+    source = render(plan, "specs/fmha_train_document.yaml").text
+    assert ("BWD_DQ_TILE_P = BWD_DQ_TILE_M // GROUP_SIZE" in source) == packed
+    assert ("for g in range(GROUP_SIZE):" in source) == (not packed)
+    wide = changes.get("head_dim") == 256
+    if packed:
+        group = plan.group_size
+        dq, kv = plan.bwd_map_shapes()
+        assert dq[:3] == (plan.bwd_dq_tile[0] // group, plan.bwd_dq_tile[1], False)
+        assert kv[:3] == (plan.bwd_tile[0] // group, plan.bwd_tile[1], True)
+        assert plan.bwd_dq_tile == (64, 64)
+        assert ("@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef " + plan.bwd_names[2] in source) == (not wide)
 
 
 @pytest.mark.parametrize("extra,pre", [({}, "qk_scale * INV_LN2"), ({"softcap": 30.0}, "qk_scale / SOFTCAP"),

@@ -230,24 +230,30 @@ def test_a_block_pattern_with_blocks_set_matches_the_reference():
 
 # The shipped packed specs (documents, window + documents, training documents) run
 # packed in the shipped-spec check above; these cover the masks that ship unpacked,
-# and a tile of 4 positions per head.
-PACKED_SPARSE_CASES = [("fmha_chunked_local", 64, 64), ("fmha_prefix_lm", 64, 64), ("fmha_document_mask", 16, 32),
-                       ("fmha_window_document", 16, 32)]
+# a tile of 4 positions per head, and gqa_ratio 8 (8 positions a backward tile), each
+# with the packed backward's gradients.
+PACKED_SPARSE_CASES = [("fmha_chunked_local", 64, 64, 4), ("fmha_prefix_lm", 64, 64, 4),
+                       ("fmha_document_mask", 16, 32, 4), ("fmha_window_document", 16, 32, 4),
+                       ("fmha_window_document", 64, 64, 8)]
 
 
-@pytest.mark.parametrize("name,tile_m,tile_n", PACKED_SPARSE_CASES)
-def test_packed_gqa_sparse_specs_match_the_reference_when_emulated(name, tile_m, tile_n):
-    """pack_gqa on a block-sparse spec at the given tile: the same shapes as the
-    shipped check."""
+@pytest.mark.parametrize("name,tile_m,tile_n,ratio", PACKED_SPARSE_CASES)
+def test_packed_gqa_sparse_specs_match_the_reference_when_emulated(name, tile_m, tile_n, ratio):
+    """pack_gqa on a block-sparse spec at the given tile, forward and backward: the
+    same shapes as the shipped check. (Each variant its own module name: a custom op
+    is registered once per process and name.)"""
     import yaml
 
     data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
     targets = {"default": {"tile_m": tile_m, "tile_n": tile_n, "occupancy": 2}}
-    module = _emulated({**data, "pack_gqa": True, "targets": targets}, f"pack_{name}_{tile_m}",
-                       f"specs/{name}.yaml")
+    variant = f"{name}_pack{tile_m}_gqa{ratio}"
+    module = _emulated({**data, "name": variant, "pack_gqa": True, "backward": True, "gqa_ratio": ratio,
+                        "targets": targets}, variant, f"specs/{variant}.yaml")
+    assert module.BWD_DQ_TILE_P == 64 // ratio
     for case in _cases(module.SPEC):
         row = _run(module, case, seed=7)
-        assert row["ok"], f"{name} {tile_m}x{tile_n} {case.label(4)}: {case_verdict(row)}"
+        assert row["ok"], f"{name} {tile_m}x{tile_n} {case.label(ratio)}: {case_verdict(row)}"
+        assert "grad_ratio" in row
 
 
 def test_a_packed_block_pattern_walks_scattered_full_tiles_masked():

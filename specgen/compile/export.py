@@ -234,7 +234,7 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
 def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
     """The block-map kernel: {its name: signatures}, by query tile at the config's
     tiles and, with backward: true, at the dQ kernel's tiles and by key tile at the
-    dK/dV kernel's."""
+    dK/dV kernel's (Plan.bwd_map_shapes)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
 
@@ -247,8 +247,7 @@ def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
     group = (plan.group_size,) if plan.map_row_group else ()
     shapes = [(plan.map_rows(config.tile_m), config.tile_n, False, *group)]
     if plan.backward:
-        one = (1,) if plan.map_row_group else ()
-        shapes += [(*plan.bwd_dq_tile, False, *one), (*plan.bwd_tile, True, *one)]
+        shapes += plan.bwd_map_shapes()
     convention = CallingConvention.cutile_python_v1()
     return {plan.map_kernel_name: [KernelSignature(tables + hooks + scalars + list(shape), convention)
                                    for shape in dict.fromkeys(shapes)]}

@@ -220,6 +220,10 @@ class Plan:
     bwd_tile: tuple[int, int] = (64, 64)
     bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
     bwd_dkdv_options: str = "occupancy=ct.ByTarget(sm_90=2)"  # the dK/dV kernel's hints
+    bwd_dq_options: str = "occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8)"
+    # The dK/dV and dQ kernels' tiles hold BWD_TILE_M / group_size positions of the
+    # group_size query heads of one KV head (pack_gqa with a block map), as the forward's.
+    bwd_pack: bool = False
     tensor_grads: tuple[TensorGrad, ...] = ()  # learnable hook tensors' gradients
     # d(score_mod)/d(score) for the backward, derived from the hook (None: no
     # score_mod, or a bias whose derivative is 1).
@@ -394,6 +398,17 @@ class Plan:
     def grid_heads(self) -> str:
         """The launcher's count of (batch, head) CTA rows: KV heads with pack_gqa."""
         return "batch * num_kv_heads" if self.pack_gqa else "batch * num_heads"
+
+    def bwd_map_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The backward's two block maps, as the map kernel's constants: (query
+        positions, keys, by_keys[, ROW_GROUP]) at the dQ kernel's tiles, then at the
+        dK/dV kernel's (positions: tile rows / group_size where the backward packs GQA)."""
+        group = self.group_size if self.bwd_pack else 1
+        dq = (self.bwd_dq_tile[0] // group, self.bwd_dq_tile[1], False)
+        kv = (self.bwd_tile[0] // group, self.bwd_tile[1], True)
+        if self.map_row_group:  # by query tile, one CTA lists a packed tile's rows together
+            return (*dq, group), (*kv, 1)
+        return dq, kv
 
     def map_rows(self, tile_m: int) -> int:
         """The query positions of a tile of ``tile_m`` rows (the forward map's rows):
@@ -850,14 +865,28 @@ def _backward(spec: Spec) -> dict:
                             name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
                             name.replace("fmha_bwd", "fmha_bwd_dq", 1)))
     widest = max(_pow2_ceil(spec.head_dim), _pow2_ceil(spec.dv))
+    # (64-row tiles: at most 64 heads a group; learnable tensors' gradients are summed per head)
+    packed = (spec.pack_gqa and spec.block_sparse and spec.gqa_ratio <= 64
+              and not any(t.learnable for t in spec.tensors.values()))
     if widest >= 256:
         # Tiles 256 wide: the dK/dV kernel's two [TILE_N, 256] float32 accumulators
         # need the registers of two warp groups at one CTA per SM, and the dQ kernel
         # takes 64 rows. H200, B4 Hq32 Hkv8 D256 causal, S 2048 / 8192: 258 / 303
         # TFLOPS, against 51 / 56 with the D128 tiles (experiments, section 32).
-        return dict(backward=True, **names, bwd_tile=(64, 64), bwd_dq_tile=(64, 64),
+        return dict(backward=True, **names, bwd_tile=(64, 64), bwd_dq_tile=(64, 64), bwd_pack=packed,
                     bwd_dkdv_options="occupancy=ct.ByTarget(sm_90=1), "
                                      "num_worker_warps=ct.ByTarget(sm_90=8)")
+    if packed:
+        # Packed GQA, as the forward: a tile's 64 rows are 64 / gqa_ratio positions of
+        # each head of the group, so a key tile meets (and a query tile visits) the span
+        # of fewer positions, and dQ's K/V tiles are read once per group. The dQ kernel
+        # takes 64 rows at two CTAs per SM. H100, fmha_train_document (B4 Hq32 Hkv8
+        # D128, documents of about 256 tokens), S 1k / 4k / 16k: 1.05 / 1.07 / 1.08x the
+        # per-head kernels (dQ 128 x 64 at one CTA of two warp groups); with 128-row
+        # packed tiles at one CTA of two warp groups in either kernel, 0.89-1.07x
+        # (experiments, section 44).
+        return dict(backward=True, **names, bwd_pack=True, bwd_dq_tile=(64, 64),
+                    bwd_dq_options="occupancy=ct.ByTarget(sm_90=2)")
     return dict(backward=True, **names)
 
 

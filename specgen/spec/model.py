@@ -203,7 +203,8 @@ class Spec(_Strict):
         description="Stack the gqa_ratio query heads that share a KV head along each CTA's "
         "tile: a tile holds tile_m / gqa_ratio positions of every head of the group, so each "
         "K/V tile is read once per group and a query tile spans fewer positions (fewer keys "
-        "wasted at mask borders). Pays where rows are short: packed documents.",
+        "wasted at mask borders). Pays where rows are short: packed documents. With block_sparse "
+        "and backward, the backward kernels pack the same way.",
     )
     splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
         "auto",

@@ -144,6 +144,16 @@ def test_uint32_tiles_wrap_as_the_gpu_does():
     assert ((x >> 8) >= 3).dtype == torch.bool
 
 
+def test_left_shifts_drop_the_bits_past_the_width():
+    """int32 << wraps into the sign bit and drops higher bits, as the GPU's SHL does
+    (the exponent-bits trick of a software exp2 relies on it); uint32 stays unsigned."""
+    x = torch.tensor([1, 0x4B400000 - 127, -1, 3], dtype=torch.int32)
+    got = emulate.bitwise_lshift(x, 23).tolist()
+    assert got == [1 << 23, (385 << 23) - 2**32, -(1 << 23), 3 << 23]
+    u = emulate.astype(torch.tensor([2**31 + 1], dtype=torch.int64), emulate._ct.uint32)
+    assert emulate.bitwise_lshift(u, 1).as_subclass(torch.Tensor).tolist() == [2]
+
+
 def test_scalar_defaults_and_builtin_max():
     assert emulate.where(torch.tensor([True, False]), 2, 0).dtype == torch.int32
     assert emulate.where(torch.tensor([True]), 1.5, -math.inf).dtype == torch.float32

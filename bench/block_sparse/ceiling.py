@@ -14,7 +14,11 @@ replaced (same launcher, grid, tiles, block map and compiler hints):
   mma_only     per visited key tile only the two MMAs, S = Q K^T and acc += S V, and
                the Q load and the store: no softmax, no mask (wrong output, timing
                only). Whatever a kernel that visits these tiles at this tile shape
-               does beyond its matrix products comes on top of this time.
+               does beyond its matrix products comes on top of this time;
+  fma_exp      the shipped kernel with P's exponentials computed on the FMA pipe
+               (_exp2_fma, a polynomial) instead of MUFU.EX2 (a correct kernel; its
+               output is compared with the shipped one's);
+  all_full_fma_exp  all_full with the same exponentials.
 
 TFLOPS count the visible pairs only (the suite's count). Flex: the Triton backend
 compiled for one shape (`dynamic=False`) with the same mask as a block mask.
@@ -68,6 +72,35 @@ STEP_HEAD = """\
     ct.store(Out, index=(batch, head, tile_idx, 0), tile=out)
 """
 
+# The same for a packed-GQA kernel (pack_gqa): TILE_P positions of the GROUP_SIZE heads
+# of one KV head, the full tiles' run first, then the listed tiles.
+PACKED_STEP_HEAD = """\
+    tile_bid, num_tiles, batch_head = ct.bid(0), ct.num_blocks(0), ct.bid(1)
+    tile_idx = num_tiles - 1 - tile_bid
+    TILE_P = TILE_M // GROUP_SIZE
+    num_kv_heads = num_heads // GROUP_SIZE
+    batch = batch_head // num_kv_heads
+    kv_head = batch_head % num_kv_heads
+    acc = ct.full((TILE_M, HEAD_DIM), 0.0, dtype=ct.float32)
+    q = ct.load(
+        Q, index=(batch, kv_head, tile_idx, 0), shape=(1, GROUP_SIZE, TILE_P, HEAD_DIM)
+    ).reshape((TILE_M, HEAD_DIM))
+    map_head = 0
+    num_partial = ct.load(MapCounts, (batch, map_head, tile_idx, 0), shape=())
+    num_full = ct.load(MapCounts, (batch, map_head, tile_idx, 1), shape=())
+    full_run = ct.load(MapCounts, (batch, map_head, tile_idx, 2), shape=())
+    num_run = ct.where(full_run >= 0, num_full, 0)
+    for j in range(full_run, full_run + num_run):
+{step}
+    first_full = MapIdx.shape[3] - num_full
+    for t in range(0, num_partial + num_full - num_run):
+        i = ct.where(t < num_partial, t, first_full + t - num_partial)
+        j = ct.load(MapIdx, (batch, map_head, tile_idx, i), shape=())
+{step}
+    out = acc.reshape((1, GROUP_SIZE, TILE_P, HEAD_DIM)).astype(Out.dtype)
+    ct.store(Out, index=(batch, kv_head, tile_idx, 0), tile=out)
+"""
+
 MMA_STEP = """\
         k_t = ct.load(
             K, index=(batch, kv_head, 0, j), shape=(1, 1, HEAD_DIM, TILE_N),
@@ -91,7 +124,8 @@ def replace_body(text: str, kernel: str, body: str) -> str:
 
 
 def mma_only(text: str, kernel: str) -> str:
-    return replace_body(text, kernel, STEP_HEAD.format(step=MMA_STEP))
+    packed = "TILE_P = TILE_M // GROUP_SIZE" in text
+    return replace_body(text, kernel, (PACKED_STEP_HEAD if packed else STEP_HEAD).format(step=MMA_STEP))
 
 
 def edit_kernel(text: str, name: str, edit) -> str:
@@ -147,12 +181,42 @@ def document_inputs(spec: dict, plan, seq: int):
     return q, k, v, extra, tensors, gen, mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq)
 
 
+# 2**x for x <= 0 on the FMA and integer pipes instead of MUFU.EX2 (the trick of
+# FlashAttention-4): x = n + f with n = round(x) from the float's own rounding at
+# 1.5 * 2**23, 2**f on [-0.5, 0.5] by a degree-4 polynomial (relative error about
+# 4e-6), and n added to the exponent bits. x below -127 (and -inf) gives 0.
+FMA_EXP2 = """
+
+def _exp2_fma(x):
+    x = max(x, -127.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = 1.0 + f * (0.69314718 + f * (0.24022652 + f * (0.05550411 + f * 0.00961813)))
+    bits = ct.bitcast(p, ct.int32) + ct.bitwise_lshift(ct.bitcast(t, ct.int32), 23)
+    return ct.bitcast(bits, ct.float32)
+"""
+P_EXP2 = re.compile(r"p = ct\.exp2\((s - m_(?:new|exp)), flush_to_zero=True\)")
+
+
+def fma_exp(text: str, kernel: str) -> str:
+    """``kernel`` with P's exponentials (not the rescale factors') computed by _exp2_fma."""
+    def edit(body):
+        body, n = P_EXP2.subn(r"p = _exp2_fma(\1)", body)
+        assert n == 2, n
+        return body
+
+    text = edit_kernel(text, f"{kernel}(", edit)
+    at = text.index("\n\n\n", text.index("\nINV_LN2")) if "\nINV_LN2" in text else text.index("\n\n\n")
+    return text[:at] + "\n" + FMA_EXP2 + text[at:]
+
+
 def main(out_dir: str, seqs=SEQS) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    source = Path(f"generated/{NAME}.py").read_text()
+    source = Path(f"generated/{NAME}.py").read_text()  # packed GQA or not: both are edited
     kernel = re.search(r"^def (fmha_prefill_\w+)\(", source, re.M)[1]
     texts = {"shipped": source, "no_mask": no_mask(source, kernel), "all_full": all_full(source, kernel),
-             "mma_only": mma_only(source, kernel)}
+             "mma_only": mma_only(source, kernel), "fma_exp": fma_exp(source, kernel),
+             "all_full_fma_exp": fma_exp(all_full(source, kernel), kernel)}
     modules = {label: load_module_from_source(f"ceil_{label}", t, f"<{label}>") for label, t in texts.items()}
     plan = make_plan(load_spec(f"specs/{NAME}.yaml"))
     flex = _flex(torch, "prefill", plan)
@@ -173,6 +237,8 @@ def main(out_dir: str, seqs=SEQS) -> None:
                 counts = block_map.counts[..., :2].sum(-1).double()
                 row["tiles_visited"] = counts.sum().item() * HEADS
                 row["shipped_out"] = out.clone()
+            if label == "fma_exp":  # a correct kernel: its output against the shipped one's
+                row["fma_exp_max_diff"] = (out.float() - row["shipped_out"].float()).abs().max().item()
             row["ms"][label] = do_bench(call, warmup=25, rep=200, return_mode="median")
             row["graph_ms"][label] = graph_time_ms(torch, call, do_bench, calls=20)
         ref = row.pop("shipped_out")

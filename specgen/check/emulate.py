@@ -351,6 +351,18 @@ def bitwise_and(x, y):
     return x & y
 
 
+def bitwise_lshift(x, y):
+    """x << y in x's integer width: bits shifted past it are dropped, as on the GPU
+    (an int32 result wraps into the sign bit)."""
+    x, y = _pair(x, y)
+    if isinstance(x, _U32):
+        return _uint32(x.as_subclass(torch.Tensor) << y)
+    if x.dtype == torch.int32:
+        wide = (x.to(torch.int64) << y.to(torch.int64)) & 0xFFFFFFFF
+        return torch.where(wide >= 2**31, wide - 2**32, wide).to(torch.int32)
+    return x << y
+
+
 def permute(x, axes):
     return x.permute(*axes).contiguous()
 

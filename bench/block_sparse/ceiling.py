@@ -47,6 +47,15 @@ BATCH, HEADS, KV_HEADS = 4, 32, 8
 SEQS = (1024, 2048, 4096, 8192, 16384)
 NAME = "fmha_document_mask"
 
+# A query tile's map row: its partial and full tile counts and the first tile of the
+# full tiles' run (-1: no run).
+MAP_COUNTS = """\
+    map_head = 0
+    num_partial = ct.load(MapCounts, (batch, map_head, tile_idx, 0), shape=())
+    num_full = ct.load(MapCounts, (batch, map_head, tile_idx, 1), shape=())
+    full_run = ct.load(MapCounts, (batch, map_head, tile_idx, 2), shape=())
+"""
+
 # The body of the generated kernel: from the Q load to the store.
 STEP_HEAD = """\
     tile_bid, num_tiles, batch_head = ct.bid(0), ct.num_blocks(0), ct.bid(1)
@@ -58,11 +67,7 @@ STEP_HEAD = """\
     q = ct.load(
         Q, index=(batch, head, tile_idx, 0), shape=(1, 1, TILE_M, HEAD_DIM)
     ).reshape((TILE_M, HEAD_DIM))
-    map_head = 0
-    num_partial = ct.load(MapCounts, (batch, map_head, tile_idx, 0), shape=())
-    num_full = ct.load(MapCounts, (batch, map_head, tile_idx, 1), shape=())
-    full_run = ct.load(MapCounts, (batch, map_head, tile_idx, 2), shape=())
-    first = ct.where(full_run >= 0, full_run, 0)
+{counts}    first = ct.where(full_run >= 0, full_run, 0)
     for j in range(first, first + num_full):
 {step}
     for i in range(0, num_partial):
@@ -85,11 +90,7 @@ PACKED_STEP_HEAD = """\
     q = ct.load(
         Q, index=(batch, kv_head, tile_idx, 0), shape=(1, GROUP_SIZE, TILE_P, HEAD_DIM)
     ).reshape((TILE_M, HEAD_DIM))
-    map_head = 0
-    num_partial = ct.load(MapCounts, (batch, map_head, tile_idx, 0), shape=())
-    num_full = ct.load(MapCounts, (batch, map_head, tile_idx, 1), shape=())
-    full_run = ct.load(MapCounts, (batch, map_head, tile_idx, 2), shape=())
-    num_run = ct.where(full_run >= 0, num_full, 0)
+{counts}    num_run = ct.where(full_run >= 0, num_full, 0)
     for j in range(full_run, full_run + num_run):
 {step}
     first_full = MapIdx.shape[3] - num_full
@@ -125,7 +126,8 @@ def replace_body(text: str, kernel: str, body: str) -> str:
 
 def mma_only(text: str, kernel: str) -> str:
     packed = "TILE_P = TILE_M // GROUP_SIZE" in text
-    return replace_body(text, kernel, (PACKED_STEP_HEAD if packed else STEP_HEAD).format(step=MMA_STEP))
+    return replace_body(text, kernel, (PACKED_STEP_HEAD if packed else STEP_HEAD).format(counts=MAP_COUNTS,
+                                                                                 step=MMA_STEP))
 
 
 def edit_kernel(text: str, name: str, edit) -> str:

@@ -544,12 +544,13 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     inputs, against specgen's outputs kept on the host; the results are then
     written again with their rows filled in."""
     from specgen.check.gpu import import_module_file, require_cuda
-    from specgen.compile.jobs import load_jobs, write_jobs
+    from specgen.compile.jobs import load_jobs, load_plans, write_jobs
 
-    jobs = load_jobs(paths, gen)
-    suite.check([job.plan for job in jobs])
-    torch = require_cuda("bench")
+    plans = load_plans(paths)
+    suite.check([plan for _, plan in plans])
+    torch = require_cuda("bench")  # before rendering: without a GPU, say so at once
     require_unpatched_launch()
+    jobs = load_jobs(paths, gen, plans)
     from triton.testing import do_bench
 
     device = describe_device(log)

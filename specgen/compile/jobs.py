@@ -61,8 +61,8 @@ def header_spec_path(spec_path: Path, out_dir: Path) -> str:
     return Path(os.path.relpath(spec_path.resolve(), project)).as_posix()
 
 
-def load_jobs(paths: Iterable[str | Path], out_dir: Path) -> list[Job]:
-    """Validate every spec before anything is written; report all bad ones."""
+def load_plans(paths: Iterable[str | Path]) -> list[tuple[Path, Plan]]:
+    """(spec path, plan) of every spec, all validated; report all bad ones."""
     problems: list[str] = []
     plans: list[tuple[Path, Plan]] = []
     for spec_path in collect_spec_paths(paths):
@@ -80,6 +80,15 @@ def load_jobs(paths: Iterable[str | Path], out_dir: Path) -> list[Job]:
             )
     if problems:
         raise InvalidSpecs("\n".join(problems))
+    return plans
+
+
+def load_jobs(paths: Iterable[str | Path], out_dir: Path,
+              plans: list[tuple[Path, Plan]] | None = None) -> list[Job]:
+    """Validate every spec before anything is written (or take ``plans`` of
+    load_plans), then render each module."""
+    if plans is None:
+        plans = load_plans(paths)
     return [
         Job(
             spec_path,

@@ -662,3 +662,25 @@ def test_decode_block_map_is_checked_before_any_launch(monkeypatch):
         call = {**dict(seq_lens=lens, num_heads=16, max_len=1000, q_len=1, doc=doc), **kwargs}
         with pytest.raises(ValueError, match=words):
             module.make_block_map(call.pop("seq_lens"), call.pop("num_heads"), call.pop("max_len"), **call)
+
+
+@pytest.mark.parametrize("name", ["chunked_local", "prefix_lm", "window_document", "block_pattern"])
+def test_bench_training_copies_of_the_sparse_specs_stay_the_shipped_specs(name):
+    """bench/train/fmha_train_<mask>.yaml is specs/fmha_<mask>.yaml with backward: true
+    (the backward suite's Flex comparison on every block-sparse mask), and its
+    backward packs GQA exactly where the shipped forward does."""
+    import yaml
+
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    from .helpers import ROOT
+
+    shipped = yaml.safe_load((ROOT / "specs" / f"fmha_{name}.yaml").read_text())
+    train = yaml.safe_load((ROOT / "bench" / "train" / f"fmha_train_{name}.yaml").read_text())
+    assert train.pop("name") == f"fmha_train_{name}" and train.pop("backward") is True
+    shipped.pop("name")
+    assert train == shipped
+    plan = make_plan(validate_spec({**train, "name": f"fmha_train_{name}", "backward": True}))
+    assert plan.backward and plan.block_sparse
+    assert plan.bwd_pack == bool(shipped.get("pack_gqa"))

@@ -114,6 +114,19 @@ def test_pair_kernels_matches_labels_then_order():
     assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [(2, 3), (1, 4)]
 
 
+def test_pair_kernels_keeps_each_kernels_variants_together():
+    """A leftover variant pairs with a leftover of its own kernel before any other
+    (a packed backward's dQ kernel changes its tile and the map kernel its rows: the
+    dQ variants must not pair with a map variant); kernels renamed by a flag still
+    pair in order."""
+    a = [{"kernel": "map (16, 64, False, 4)", "registers": 1}, {"kernel": "dq (64, 64)", "registers": 2},
+         {"kernel": "dkdv_causal (64, 64)", "registers": 5}]
+    b = [{"kernel": "dq (128, 64)", "registers": 3}, {"kernel": "map (128, 64, False)", "registers": 4},
+         {"kernel": "dkdv (64, 64)", "registers": 6}]
+    pairs = pair_kernels(a, b)
+    assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [(1, 4), (2, 3), (5, 6)]
+
+
 def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
     (tmp_path / "specs").mkdir()
     names = ("fmha_mha_bf16", "fmha_gqa_causal", "fmha_decode_gqa8_bf16")  # (each spec is alike here)

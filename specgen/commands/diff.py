@@ -316,13 +316,26 @@ def _delta(a: Optional[int], b: Optional[int]) -> str:
     return f"{b - a:+d}" if b != a else "="
 
 
+def _kernel_name(label: str) -> str:
+    """The kernel a variant label belongs to: "name (constants)" for the helper
+    kernels, "" for the attention kernel's "TILE_M=... TILE_N=..." labels."""
+    return label.split(" (", 1)[0] if " (" in label else ""
+
+
 def pair_kernels(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
     """Kernels of two cubins side by side: same variant label first, then the
-    leftovers in order (a flag that removes a constant changes the labels)."""
+    leftovers of the same kernel in order (a flag that changes a constant changes
+    the labels), then any others in order (a flag that renames a kernel)."""
     b_by_label = {k["kernel"]: k for k in b}
     pairs = [(k, b_by_label.pop(k["kernel"])) for k in a if k["kernel"] in b_by_label]
     left_a = [k for k in a if not any(k is pa for pa, _ in pairs)]
     left_b = list(b_by_label.values())
+    for ka in list(left_a):
+        kb = next((k for k in left_b if _kernel_name(k["kernel"]) == _kernel_name(ka["kernel"])), None)
+        if kb is not None:
+            pairs.append((ka, kb))
+            left_a.remove(ka)
+            left_b.remove(kb)
     for i in range(max(len(left_a), len(left_b))):
         pairs.append((left_a[i] if i < len(left_a) else {}, left_b[i] if i < len(left_b) else {}))
     return pairs

@@ -9,6 +9,7 @@ attention computed on the whole sequence in one process.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import traceback
@@ -58,6 +59,13 @@ def sharded_run(attn, q, k, v, dout, layout, rank, world, **kwargs):
 
 def _max_err(a, b) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+def _ulp(x) -> float:
+    """One unit in the last place of x's dtype at x's largest magnitude: the step
+    at which two roundings of nearly equal values can differ."""
+    top = x.detach().abs().max().double().item()
+    return torch.finfo(x.dtype).eps * 2.0 ** math.floor(math.log2(top)) if top > 0 else 0.0
 
 
 def reference_cases(rank, world, options):
@@ -188,9 +196,10 @@ def spec_cases(rank, world, options):
         exacts = [exact.detach()] + [t.grad for t in exact_leaves]
         roughs = [rough.detach()] + [t.grad for t in rough_leaves]
         names = ("out", "dq", "dk", "dv")
-        row = dict(case=case, vs_single={}, vs_fp64={}, allowed={})
+        row = dict(case=case, vs_single={}, vs_fp64={}, allowed={}, ulp={})
         for name, g, s, e, r in zip(names, got, singles, exacts, roughs):
             row["vs_single"][name] = _max_err(g, s)
+            row["ulp"][name] = _ulp(s)
             row["vs_fp64"][name] = _max_err(g, e)
             row["allowed"][name] = 2 * _max_err(r, e) + 1e-5
             row.setdefault("single_vs_fp64", {})[name] = _max_err(s, e)
@@ -240,10 +249,11 @@ def _packed_spec_case(module, case, rank, world, device) -> dict:
         return [whole.detach()] + [t.grad for t in ls]
 
     exact, rough = reference(torch.float64), reference(dtype)
-    row = dict(case=case, vs_single={}, vs_fp64={}, allowed={}, single_vs_fp64={})
+    row = dict(case=case, vs_single={}, vs_fp64={}, allowed={}, single_vs_fp64={}, ulp={})
     for name, g, s1, e, r in zip(("out", "dq", "dk", "dv"), got, singles, exact, rough):
         picked = [t.index_select(0, index) for t in (s1, e, r)]
         row["vs_single"][name] = _max_err(g, picked[0])
+        row["ulp"][name] = _ulp(picked[0])
         row["vs_fp64"][name] = _max_err(g, picked[1])
         row["allowed"][name] = 2 * _max_err(picked[2], picked[1]) + 1e-5
         row["single_vs_fp64"][name] = _max_err(picked[0], picked[1])

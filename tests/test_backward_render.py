@@ -35,7 +35,10 @@ def test_dq_forms_the_exact_delta_of_a_one_tile_row_and_runs_before_dkdv(name):
     text = _text(name)
     dq = kernel_source(text, "fmha_bwd_dq_")
     head, _, loops = dq.partition("== 1:")
-    assert "if num_n" in head or "if num_partial + num_full" in head
+    # ... and only where the caller says the call holds every key its rows see.
+    assert re.search(r"if \(?num_n( - first_n\))? \* exact_delta $", head) or \
+        "if (num_partial + num_full) * exact_delta " in head
+    assert "exact_delta: int," in dq
     block = loops[: loops.index("    for ")]
     assert "delta = ct.sum(p * dp, axis=-1, keepdims=True)" in block
     if "sinks" not in name:

@@ -223,3 +223,48 @@ def test_spec_field_picks_the_mode_and_refuses_what_a_shard_cannot_compute(tmp_p
     assert "cp_bad.yaml: context_parallel: 'ring' merges partial results through their LSE: it needs " \
            "return_lse: true or backward: true" in done.stderr
     assert not (tmp_path / "cp_bad.py").exists()
+
+
+def _emulated_blocks(exact_in_blocks: bool):
+    """dq, dk, dv of fmha_train_gqa_causal's kernels (emulated on the CPU) over two
+    blocks of keys, as the ring computes them: each block's backward gets the merged
+    out and lse of both, and the gradients are summed; with the fp64 reference's."""
+    from specgen.check import emulate
+    from specgen.parallel import ring
+    from specgen.parallel.blocks import Call
+    from tests.helpers import ROOT
+
+    module = emulate.load_module(ROOT / "generated" / "fmha_train_gqa_causal.py", name="_test_cp_blocks")
+    kernel = SpecKernel(module)
+    gen = torch.Generator().manual_seed(7)
+    seq_q, seq_k, offset = 80, 164, 120  # first block: one key tile, seen whole by every row
+    q = torch.randn(1, 4, seq_q, 128, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 1, seq_k, 128, generator=gen).bfloat16() for _ in range(2))
+    dout = torch.randn(1, 4, seq_q, 128, generator=gen).bfloat16()
+    plans = ((Call(0, seq_q, 0, 64, offset), Call(0, seq_q, 64, seq_k, offset - 64)),)
+    scale = kernel.default_scale()
+    if exact_in_blocks:  # the mutation: each block takes D as if it held every key
+        plain = kernel.backward
+        kernel.backward = lambda *args, whole=False: plain(*args, whole=True)
+    with emulate.emulating():
+        out, lse = ring.ring_forward(kernel, ring.Ring(None), plans, q, k, v, scale)
+        grads = ring.ring_backward(kernel, ring.Ring(None), plans, q, k, v, out, lse, dout, scale)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    exact = attention_reference(*leaves, causal=True, q_offset=offset)
+    exact.backward(dout.double())
+    rough_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rough = attention_reference(*rough_leaves, causal=True, q_offset=offset, compute_dtype=torch.bfloat16)
+    rough.backward(dout)
+    errors = [(g.double() - t.grad).abs().max().item() for g, t in zip(grads, leaves)]
+    allowed = [2 * (r.grad.double() - t.grad).abs().max().item() + 1e-5 for r, t in zip(rough_leaves, leaves)]
+    return errors, allowed
+
+
+def test_ring_blocks_of_generated_kernels_sum_to_the_whole_gradient():
+    """A ring block's backward sees the merged out and lse of keys it does not hold:
+    its D must be dO . O, not the exact rowsum(P dP) a call over every key may take
+    (which left dq and dk of short rows wrong on two GPUs)."""
+    errors, allowed = _emulated_blocks(exact_in_blocks=False)
+    assert all(e <= a for e, a in zip(errors, allowed)), (errors, allowed)
+    errors, allowed = _emulated_blocks(exact_in_blocks=True)
+    assert errors[0] > 4 * allowed[0], (errors, allowed)  # dq: the exact D of one block is wrong here

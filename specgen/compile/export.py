@@ -290,6 +290,7 @@ def backward_signatures(plan: Plan) -> dict:
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + grads + scalars
+                             + [ScalarConstraint(ct.int32)]  # exact_delta
                              + list(plan.bwd_dq_tile), convention)],
     }
 

@@ -76,10 +76,13 @@ class SpecKernel:
             return self.module._forward(q, k, v, scale=scale, q_offset=q_offset)
         return self.module.attention(q, k, v, scale=scale, q_offset=q_offset)
 
-    def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int):
+    def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int, *, whole: bool = False):
+        """(dq, dk, dv) of one block: q against these keys, with ``out`` and ``lse``
+        of the whole attention the block is part of. ``whole``: the block holds every
+        key its rows see (only then may the kernels take their exact D)."""
         if not self.has_backward:
             raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
-        return self.module._backward(q, k, v, out, lse, dout, scale, q_offset)
+        return self.module._backward(q, k, v, out, lse, dout, scale, q_offset, exact_delta=whole)
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, q_shift, scale):
         """(out [T, Hq, Dv], lse [Hq, T]) of a packed batch, queries moved by q_shift."""
@@ -87,10 +90,12 @@ class SpecKernel:
         return call(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                     max_seqlen_k=max_k, q_shift=q_shift, scale=scale)
 
-    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale):
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale, *,
+                        whole: bool = False):
         if not self.has_backward:
             raise ValueError(f"{self.name} has no backward kernels (the spec needs backward: true)")
-        return self.module._backward(q, k, v, out, lse, dout, scale, cu_q, cu_k, max_q, max_k, q_shift)
+        return self.module._backward(q, k, v, out, lse, dout, scale, cu_q, cu_k, max_q, max_k, q_shift,
+                                     exact_delta=whole)
 
     def attention(self, q, k, v, scale: float, **kwargs):
         """The whole-sequence call (all-to-all mode), differentiable where the spec
@@ -138,7 +143,7 @@ class ReferenceKernel:
         v64 = v.double().repeat_interleave(self.group_size, dim=1)
         return torch.matmul(p, v64).to(self.dtype), lse.float()
 
-    def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int):
+    def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int, *, whole: bool = False):
         """FlashAttention's backward of one block, with the whole row's out and lse."""
         self.calls += 1
         raw, scores, visible = self._scores(q, k, scale, q_offset)
@@ -187,7 +192,8 @@ class ReferenceKernel:
             lse[:, qa:qb] = l[0]
         return out, lse
 
-    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale):
+    def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale, *,
+                        whole: bool = False):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for qa, qb, ka, kb in self._sequences(cu_q, cu_k):
             if qb == qa or kb == ka:

@@ -179,7 +179,7 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
     shard; dk, dv of this rank's shard summed over every rank's queries."""
     only = _single_call(plans)
     if only is not None and (only.q_start, only.q_stop, only.k_start, only.k_stop) == (0, q.shape[2], 0, k.shape[2]):
-        return kernel.backward(q, k, v, out, lse, dout, scale, only.q_offset)
+        return kernel.backward(q, k, v, out, lse, dout, scale, only.q_offset, whole=True)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
     carry = GradCarry(ring, k, v)
@@ -189,7 +189,7 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
             rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
             dq_c, dk_c, dv_c = kernel.backward(
                 q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], out[:, :, rows],
-                lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)
+                lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)  # a block: D = dO . O
             dq[:, :, rows] += dq_c
             dk_part[:, :, keys] += dk_c
             dv_part[:, :, keys] += dv_c

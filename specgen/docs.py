@@ -952,15 +952,27 @@ def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
         f"torch {data['torch']}. torch CP is `context_parallel` around SDPA on the same inputs (KV heads "
         "expanded), the fastest of its rotations and backends. Efficiency: TFLOPS per GPU over the same "
         "kernel's TFLOPS on one GPU, on the whole sequence (full) and on one rank's length (shard). "
-        "Hidden: the share of the ring's transfer time that does not add to its wall time.",
+        "Hidden: the share of the ring's transfer time that does not add to its wall time. "
+        "Ring cost: the ring's wall time over that of its kernel calls and merges run without "
+        "transfers (the transfers, waits and their effect on the kernels). Kernel bound: the same "
+        "kernel on one GPU over the whole sequence, in TFLOPS, over torch CP's TFLOPS per GPU, the "
+        "most the ring can reach against torch CP with these kernels.",
         "",
-        "| S | phase | specgen TFLOPS/GPU (ms) | torch CP TFLOPS/GPU (ms) | vs torch CP | efficiency (full) "
-        "| efficiency (shard) | transfers hidden |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| S | phase | specgen TFLOPS/GPU (ms) | torch CP TFLOPS/GPU (ms) | vs torch CP | kernel bound "
+        "| efficiency (full) | efficiency (shard) | transfers hidden | ring cost |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def pct(value):
         return f"{100 * value:.0f}%" if value is not None else "–"
+
+    def bound(row, phase):
+        single, torch_cp = row.get(f"single_full_{phase}_tflops"), row.get(f"torch_cp_{phase}_tflops_per_gpu")
+        return single / torch_cp if single and torch_cp else None
+
+    def ring_cost(row, phase):
+        alone = row.get(f"kernels_only_{phase}_ms")
+        return f"{100 * (row[f'specgen_{phase}_ms'] / alone - 1):+.1f}%" if alone else "–"
 
     for row in rows:
         for phase, label in (("fwd", "forward"), ("fwdbwd", "fwd+bwd")):
@@ -970,9 +982,9 @@ def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
             lines.append(
                 f"| {row['seq']} | {label} | {row[f'specgen_{phase}_tflops_per_gpu']:.0f} "
                 f"({row[f'specgen_{phase}_ms']:.2f}) | {torch_cell} | "
-                f"{_ratio(row.get(f'speedup_vs_torch_cp_{phase}'))} | "
+                f"{_ratio(row.get(f'speedup_vs_torch_cp_{phase}'))} | {_ratio(bound(row, phase))} | "
                 f"{pct(row.get(f'efficiency_vs_full_{phase}'))} | {pct(row.get(f'efficiency_vs_shard_{phase}'))} | "
-                f"{pct(row.get(f'comm_hidden_{phase}'))} |")
+                f"{pct(row.get(f'comm_hidden_{phase}'))} | {ring_cost(row, phase)} |")
     rel = Path(os.path.relpath(path, data_path_base)).as_posix()
     return lines + ["", f"Results: [`{path.name}`]({rel}).", ""]
 

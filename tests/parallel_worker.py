@@ -158,53 +158,77 @@ def spec_cases(rank, world, options):
     sequence in one process, and against the float64 reference."""
     import importlib
 
-    from specgen.check.reference import attention_reference
-
     rows = []
     device = torch.device("cuda", torch.cuda.current_device())
     for case in options["cases"]:
         if case.get("path"):
             sys.path.insert(0, case["path"])
         module = importlib.import_module(case["module"])
-        spec = module.SPEC
-        if spec["varlen"]:
-            rows.append(_packed_spec_case(module, case, rank, world, device))
-            continue
-        batch, q_heads, kv_heads, shard_len = case["shape"]
-        seq = shard_len * world
-        dim, v_dim = module.HEAD_DIM, getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
-        q, k, v, dout = _inputs(batch, q_heads, kv_heads, seq, dim, module.DTYPE, device, 11 + seq, v_dim)
-        attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
-        got = sharded_run(attn, q, k, v, dout, case["layout"], rank, world)
-        # The same kernels on the whole sequence, one process.
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        single = module.attention(*leaves)
-        single = single[0] if isinstance(single, tuple) else single
-        single.backward(dout)
-        singles = [single.detach()] + [t.grad for t in leaves]
-        # fp64 and same-dtype references (FlashAttention's rule: the error against
-        # fp64 at most twice that of the same math in the input dtype).
-        window = spec["window"] or {}
-        ref_args = dict(causal=spec["causal"], softcap=spec["softcap"],
-                        window=(window.get("left"), window.get("right")) if window else None)
-        exact_leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        exact = attention_reference(*exact_leaves, **ref_args)
-        exact.backward(dout.double())
-        rough_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        rough = attention_reference(*rough_leaves, compute_dtype=module.DTYPE, **ref_args)
-        rough.backward(dout)
-        exacts = [exact.detach()] + [t.grad for t in exact_leaves]
-        roughs = [rough.detach()] + [t.grad for t in rough_leaves]
-        names = ("out", "dq", "dk", "dv")
-        row = dict(case=case, vs_single={}, vs_fp64={}, allowed={}, ulp={})
-        for name, g, s, e, r in zip(names, got, singles, exacts, roughs):
-            row["vs_single"][name] = _max_err(g, s)
-            row["ulp"][name] = _ulp(s)
-            row["vs_fp64"][name] = _max_err(g, e)
-            row["allowed"][name] = 2 * _max_err(r, e) + 1e-5
-            row.setdefault("single_vs_fp64", {})[name] = _max_err(s, e)
-        rows.append(row)
+        run = _packed_spec_case if module.SPEC["varlen"] else _dense_spec_case
+        rows.append(run(module, case, rank, world, device))
     return {"rows": rows}
+
+
+def emulated_cases(rank, world, options):
+    """spec_cases on the CPU: the generated modules at ``case["file"]`` with their
+    kernels emulated (specgen.check.emulate), over gloo."""
+    from specgen.check import emulate
+
+    rows = []
+    with emulate.emulating():
+        for case in options["cases"]:
+            path = Path(case["file"])
+            module = emulate.load_module(path, name=f"_cp_emulated_{path.stem}")
+            run = _packed_spec_case if module.SPEC["varlen"] else _dense_spec_case
+            rows.append(run(module, case, rank, world, torch.device("cpu")))
+    return {"rows": rows}
+
+
+def _attention(module, case, device):
+    attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
+    attn.kernel.needs_cuda = device.type == "cuda"  # emulated kernels take CPU tensors
+    return attn
+
+
+def _dense_spec_case(module, case, rank, world, device) -> dict:
+    """[B, H, S, D] shards of one sequence on the generated kernels, against the
+    whole sequence in one process and fp64."""
+    from specgen.check.reference import attention_reference
+
+    spec = module.SPEC
+    batch, q_heads, kv_heads, shard_len = case["shape"]
+    seq = shard_len * world
+    dim, v_dim = module.HEAD_DIM, getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
+    q, k, v, dout = _inputs(batch, q_heads, kv_heads, seq, dim, module.DTYPE, device, 11 + seq, v_dim)
+    attn = _attention(module, case, device)
+    got = sharded_run(attn, q, k, v, dout, case["layout"], rank, world)
+    # The same kernels on the whole sequence, one process.
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    single = module.attention(*leaves)
+    single = single[0] if isinstance(single, tuple) else single
+    single.backward(dout)
+    singles = [single.detach()] + [t.grad for t in leaves]
+    # fp64 and same-dtype references (FlashAttention's rule: the error against
+    # fp64 at most twice that of the same math in the input dtype).
+    window = spec["window"] or {}
+    ref_args = dict(causal=spec["causal"], softcap=spec["softcap"],
+                    window=(window.get("left"), window.get("right")) if window else None)
+    exact_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    exact = attention_reference(*exact_leaves, **ref_args)
+    exact.backward(dout.double())
+    rough_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    rough = attention_reference(*rough_leaves, compute_dtype=module.DTYPE, **ref_args)
+    rough.backward(dout)
+    exacts = [exact.detach()] + [t.grad for t in exact_leaves]
+    roughs = [rough.detach()] + [t.grad for t in rough_leaves]
+    row = dict(case=case, vs_single={}, vs_fp64={}, allowed={}, single_vs_fp64={}, ulp={})
+    for name, g, s, e, r in zip(("out", "dq", "dk", "dv"), got, singles, exacts, roughs):
+        row["vs_single"][name] = _max_err(g, s)
+        row["ulp"][name] = _ulp(s)
+        row["vs_fp64"][name] = _max_err(g, e)
+        row["allowed"][name] = 2 * _max_err(r, e) + 1e-5
+        row["single_vs_fp64"][name] = _max_err(s, e)
+    return row
 
 
 def _packed_spec_case(module, case, rank, world, device) -> dict:
@@ -223,7 +247,7 @@ def _packed_spec_case(module, case, rank, world, device) -> dict:
                        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]).to(device)
     grads = not case.get("forward_only")
     shards = [t.index_select(0, index).requires_grad_(grads) for t in (q, k, v)]
-    attn = ContextParallelAttention(module, mode=case["mode"], layout=case["layout"])
+    attn = _attention(module, case, device)
     out = attn(*shards, cu_seqlens=cu, max_seqlen=max(lengths))
     leaves = [t.clone().requires_grad_(grads) for t in (q, k, v)]
     single = module.attention(*leaves, cu_seqlens_q=cu, cu_seqlens_k=cu)
@@ -260,7 +284,8 @@ def _packed_spec_case(module, case, rank, world, device) -> dict:
     return row
 
 
-SCENARIOS = {"reference": reference_cases, "errors": error_cases, "spec": spec_cases}
+SCENARIOS = {"reference": reference_cases, "errors": error_cases, "spec": spec_cases,
+             "emulated": emulated_cases}
 
 
 def spawn(world: int, backend: str, scenario: str, out_dir, options: dict | None = None) -> list[dict]:

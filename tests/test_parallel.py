@@ -268,3 +268,32 @@ def test_ring_blocks_of_generated_kernels_sum_to_the_whole_gradient():
     assert all(e <= a for e, a in zip(errors, allowed)), (errors, allowed)
     errors, allowed = _emulated_blocks(exact_in_blocks=True)
     assert errors[0] > 4 * allowed[0], (errors, allowed)  # dq: the exact D of one block is wrong here
+
+
+# A packed-batch training spec (the ring's varlen path with backward kernels).
+_VARLEN_TRAIN = dict(name="cp_varlen_train", dtype="bfloat16", head_dim=128, gqa_ratio=4, causal=True,
+                     varlen=True, backward=True)
+
+
+def test_ring_of_two_ranks_over_the_emulated_generated_kernels(tmp_path):
+    """Two gloo ranks, the generated kernels emulated on the CPU: a zigzag ring of
+    one long sequence, and a packed batch whose short sequences give each query tile
+    of a block one key tile, against the one-process kernels and fp64 (the checks
+    tests/test_parallel_gpu.py makes on two GPUs)."""
+    from tests.helpers import ROOT, render_spec_data
+
+    plan, source = render_spec_data(_VARLEN_TRAIN, "specs/cp_varlen_train.yaml")
+    varlen = tmp_path / f"{plan.module_name}.py"
+    varlen.write_text(source)
+    cases = [
+        dict(file=str(ROOT / "generated" / "fmha_train_gqa_causal.py"), mode="ring", layout="zigzag",
+             shape=(1, 4, 1, 70)),
+        dict(file=str(varlen), mode="ring", layout="zigzag", heads=(4, 1), lengths=[3, 40, 1, 70]),
+    ]
+    results = parallel_worker.spawn(2, "gloo", "emulated", tmp_path, {"cases": cases})
+    for rank, result in enumerate(results):
+        for row in result["rows"]:
+            for name in row["vs_fp64"]:
+                assert row["vs_fp64"][name] <= row["allowed"][name], (rank, name, row)
+                bound = max(2 * row["single_vs_fp64"][name], 1e-2, 2 * row["ulp"][name])
+                assert row["vs_single"][name] <= bound, (rank, name, row)

@@ -292,6 +292,90 @@ def test_a_packed_block_pattern_walks_scattered_full_tiles_masked():
     assert result.ok and ref.abs().max() > 0.1, result
 
 
+# The block-sparse backward of the masks that ship unpacked (bench/train/): the
+# chunked mask cut to 400 positions, so that rows cross chunks at these shapes; the
+# non-causal prefix-LM; a block pattern, whose scattered full tiles take the list.
+UNPACKED_SPARSE_BACKWARD = {
+    "chunked": ("fmha_train_chunked_local", {"mask_mod": "q_idx // 400 == kv_idx // 400"}),
+    "prefix_lm": ("fmha_train_prefix_lm", {}),
+    "block_pattern": ("fmha_train_block_pattern", {}),
+}
+
+
+def _unpacked_sparse_backward(label: str, edit=None):
+    import yaml
+
+    name, changes = UNPACKED_SPARSE_BACKWARD[label]
+    # Its own module name per variant: the custom op is registered once per process and name.
+    data = {**yaml.safe_load((ROOT / "bench" / "train" / f"{name}.yaml").read_text()), **changes,
+            "name": f"{name}_{label}_{'mutated' if edit else 'cpu'}",
+            "targets": {"default": {"tile_m": 64, "tile_n": 64, "occupancy": 2}}}
+    plan, source = render_spec_data(data, f"specs/{data['name']}.yaml")
+    assert not plan.bwd_pack
+    if edit:
+        assert edit[0] in source
+        source = source.replace(*edit)
+    tag = f"unpacked_{label}_{'mutated' if edit else 'shipped'}"
+    return emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                               name=f"_test_emulated_{tag}")
+
+
+def _sparse_gradients(module, seed: int):
+    """dq, dk, dv of the emulated module and of fp64 autograd on one ragged shape
+    (rows cross tile borders; a block pattern gets a checkerboard of blocks, so that
+    rows with two or more full blocks have them apart), with the maps."""
+    from specgen.check.cases import random_qkv, reference_for
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = random_qkv(module.SPEC, 2, 2, 560, 600, generator=g, device="cpu")
+    tensors = {}
+    if "prefix" in module.SPEC["tensors"]:  # bidirectional prefixes of 300 and 45 positions
+        tensors["prefix"] = torch.tensor([300, 45], dtype=torch.int32)
+    if "blocks" in module.SPEC["tensors"]:
+        parity = torch.arange(128)[:, None] + torch.arange(128)[None, :]
+        tensors["blocks"] = (parity % 2 == 0).to(torch.int32).expand(2, 128, 128).contiguous()
+    dout = torch.randn(q.shape, generator=g).to(q.dtype)
+    with emulate.emulating():
+        block_map = module.make_block_map(2, q.shape[1], 560, 600, q_offset=40, device=q.device,
+                                          backward=True, **tensors)
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = module.attention(*leaves, q_offset=40, block_map=block_map, **tensors)
+        grads = torch.autograd.grad(out, leaves, dout)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference_for(module.SPEC, *ref_leaves, tensors, q_offset=40)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
+    return block_map, grads, ref_grads
+
+
+@pytest.mark.parametrize("label", sorted(UNPACKED_SPARSE_BACKWARD))
+def test_unpacked_sparse_backward_walks_full_runs_by_index(label):
+    """The unpacked block-sparse dK/dV and dQ kernels walk a row's full tiles by index
+    where they are one run, and from the list where they are scattered: gradients
+    within 2% of fp64 (bfloat16 inputs) either way, and a run walk that stops one tile
+    short is caught."""
+    module = _unpacked_sparse_backward(label)
+    block_map, grads, ref_grads = _sparse_gradients(module, seed=11)
+    dq_counts, kv_counts = block_map.grads[0], block_map.grads[2]  # by query tile, by key tile
+    for counts in (dq_counts, kv_counts):
+        runs, fulls = counts[..., 2], counts[..., 1]
+        if label == "block_pattern":
+            assert ((runs == -1) & (fulls > 1)).any(), "no row of scattered full tiles"
+        else:
+            assert ((runs >= 0) & (fulls > 1)).any(), "no run of full tiles"
+    for name, got, want in zip("qkv", grads, ref_grads):
+        err = (got.double() - want).abs().max().item() / want.abs().max().item()
+        assert err < 2e-2, f"d{name}: {err:.3g} of its largest value from fp64"
+    # The mutation: the dK/dV kernel's run walk (or, for the block pattern, its list
+    # walk of the full tiles) stops one tile short.
+    short = (("for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):",
+              "for e in range(MapIdx.shape[3] - num_full + 1, MapIdx.shape[3]):") if label == "block_pattern"
+             else ("for i in range(full_run, full_run + num_full):",
+                   "for i in range(full_run, full_run + num_full - 1):"))
+    _, bad, _ = _sparse_gradients(_unpacked_sparse_backward(label, short), seed=11)
+    worst = max((b.double() - w).abs().max().item() / w.abs().max().item() for b, w in zip(bad, ref_grads))
+    assert worst > 5e-2, f"a walk of the full tiles one tile short went unnoticed ({worst:.3g})"
+
+
 def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatch, capsys):
     from specgen.check import runner
 

@@ -276,6 +276,13 @@ class Plan:
                     or self.softcap is not None or self.hooks or self.sinks)
 
     @property
+    def bwd_natural(self) -> bool:
+        """The backward's scores are formed in natural-log units: soft-cap and
+        score_mod change the score itself. Masks (windows, mask_mod, block maps)
+        only choose pairs, so their P is exp2(S * scale - lse / ln 2), one FMA."""
+        return self.softcap is not None or self.score_mod is not None
+
+    @property
     def bwd_split_dkdv(self) -> bool:
         """The dK/dV kernel runs the query tiles that see all of its keys in a loop of
         their own with no mask (causal and bounds masks only; not block-sparse), where

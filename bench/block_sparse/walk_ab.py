@@ -13,6 +13,10 @@ are compared (largest difference over the largest value). TFLOPS: 2.5 x the forw
 FLOPs of the visible pairs, as the suite counts them.
 
     python3 bench/block_sparse/walk_ab.py OLD_DIR OUT_DIR SPEC.yaml... [--seqs 1024,4096]
+        [--variant LABEL:CONSTANT=VALUE ...]
+
+`--variant` times the new module once more with module constants set (for example
+`heads:BWD_GLOBAL_ORDER_WAVES=0`); the speed-ups are over `old`.
 """
 
 import argparse
@@ -44,19 +48,28 @@ def median_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def modules(spec_path: str, old_dir: Path):
+def modules(spec_path: str, old_dir: Path, variants=()):
+    """{"old": module, "new": module, and one more new module per variant (label,
+    {module constant: value}) with those constants set}."""
     plan = make_plan(load_spec(spec_path))
     new_text = render(plan, spec_path).text
     old_text = (old_dir / f"{plan.module_name}.py").read_text()
     # Each module its own custom-op name: an op is registered once per process and name.
     old_text = old_text.replace(f'OP_NAME = "specgen::{plan.module_name}"',
                                 f'OP_NAME = "specgen::{plan.module_name}_old"')
-    return plan, {"old": load_module_from_source(f"old_{plan.module_name}", old_text, "<old>"),
-                  "new": load_module_from_source(f"new_{plan.module_name}", new_text, "<new>")}
+    mods = {"old": load_module_from_source(f"old_{plan.module_name}", old_text, "<old>"),
+            "new": load_module_from_source(f"new_{plan.module_name}", new_text, "<new>")}
+    for label, constants in variants:
+        mod = load_module_from_source(f"{label}_{plan.module_name}", new_text, f"<{label}>")
+        for name, value in constants.items():
+            if hasattr(mod, name):
+                setattr(mod, name, value)
+        mods[label] = mod
+    return plan, mods
 
 
-def run_spec(spec_path: str, old_dir: Path, seqs) -> list:
-    plan, mods = modules(spec_path, old_dir)
+def run_spec(spec_path: str, old_dir: Path, seqs, variants=()) -> list:
+    plan, mods = modules(spec_path, old_dir, variants)
     rows = []
     for seq in seqs:
         kv_heads = HEADS // plan.group_size
@@ -92,12 +105,14 @@ def run_spec(spec_path: str, old_dir: Path, seqs) -> list:
             for name, call in calls.items():
                 times[name].append(median_ms(call))
         ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        speed = {n: ms["old"] / t for n, t in ms.items() if n != "old"}
         row = dict(spec=plan.module_name, seq=seq, flops=flops, ms=ms, ms_rounds=times,
-                   tflops={n: flops / (t * 1e9) for n, t in ms.items()}, new_over_old=ms["old"] / ms["new"],
-                   grad_diff=diff, grad_largest=largest)
+                   tflops={n: flops / (t * 1e9) for n, t in ms.items()}, new_over_old=speed["new"],
+                   speed_over_old=speed, grad_diff=diff, grad_largest=largest)
+        others = "".join(f", {n} {ms[n]:.3f} ms ({speed[n]:.3f})" for n in ms if n not in ("old", "new"))
         print(f"[{plan.module_name}] S={seq}: old {ms['old']:.3f} ms, new {ms['new']:.3f} ms, "
-              f"new/old speed {row['new_over_old']:.3f}, grads differ by {diff:.3g} (largest {largest:.3g})",
-              flush=True)
+              f"new/old speed {row['new_over_old']:.3f}{others}, grads differ by {diff:.3g} "
+              f"(largest {largest:.3g})", flush=True)
         rows.append(row)
     return rows
 
@@ -108,10 +123,16 @@ def main() -> None:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("specs", nargs="+")
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
+                        help="also time the new module with these module constants (ints) set")
     args = parser.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
+    variants = []
+    for text in args.variant:
+        label, _, assignments = text.partition(":")
+        variants.append((label, {k: int(v) for k, v in (a.split("=") for a in assignments.split(","))}))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [row for spec in args.specs for row in run_spec(spec, args.old_dir, seqs)]
+    rows = [row for spec in args.specs for row in run_spec(spec, args.old_dir, seqs, variants)]
     device = torch.cuda.get_device_name()
     (args.out_dir / "walk_ab.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
 

@@ -285,13 +285,14 @@ def backward_signatures(plan: Plan) -> dict:
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
     delta, dkdv, dq = plan.bwd_names
+    order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
     return {
         delta: [KernelSignature([qkv, qkv, rows] + cu + [tile_m], convention)],
-        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + [tile_m, tile_n],
+        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + order + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + grads + scalars
                              + [ScalarConstraint(ct.int32)]  # exact_delta
-                             + list(plan.bwd_dq_tile), convention)],
+                             + order + list(plan.bwd_dq_tile), convention)],
     }
 
 

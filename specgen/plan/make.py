@@ -221,6 +221,11 @@ class Plan:
     bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
     bwd_dkdv_options: str = "occupancy=ct.ByTarget(sm_90=2)"  # the dK/dV kernel's hints
     bwd_dq_options: str = "occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8)"
+    bwd_dkdv_occupancy: int = 2  # CTAs per SM the dK/dV (dQ) options ask on sm_90
+    bwd_dq_occupancy: int = 1
+    # The causal backward launches across heads where a grid has at most this many
+    # waves, else head by head (bwd_heavy_first); None: always across heads.
+    bwd_global_order_waves: int | None = 4
     # The dK/dV and dQ kernels' tiles hold BWD_TILE_M / group_size positions of the
     # group_size query heads of one KV head (pack_gqa with a block map), as the forward's.
     bwd_pack: bool = False
@@ -274,6 +279,13 @@ class Plan:
         windows, soft-cap, hooks or sinks."""
         return bool(self.window_left is not None or self.window_right is not None
                     or self.softcap is not None or self.hooks or self.sinks)
+
+    @property
+    def bwd_heavy_first(self) -> bool:
+        """The causal backward launches its heaviest tiles first, across heads: dK/dV's
+        first key tiles and dQ's last query tiles (grid x over heads, y over tiles).
+        A varlen grid covers the longest sequence and keeps its order."""
+        return self.backward and self.causal and not self.varlen
 
     @property
     def bwd_natural(self) -> bool:
@@ -882,7 +894,7 @@ def _backward(spec: Spec) -> dict:
         # TFLOPS, against 51 / 56 with the D128 tiles (experiments, section 32).
         return dict(backward=True, **names, bwd_tile=(64, 64), bwd_dq_tile=(64, 64), bwd_pack=packed,
                     bwd_dkdv_options="occupancy=ct.ByTarget(sm_90=1), "
-                                     "num_worker_warps=ct.ByTarget(sm_90=8)")
+                                     "num_worker_warps=ct.ByTarget(sm_90=8)", bwd_dkdv_occupancy=1)
     if packed:
         # Packed GQA, as the forward: a tile's 64 rows are 64 / gqa_ratio positions of
         # each head of the group, so a key tile meets (and a query tile visits) the span
@@ -893,7 +905,11 @@ def _backward(spec: Spec) -> dict:
         # packed tiles at one CTA of two warp groups in either kernel, 0.89-1.07x
         # (experiments, section 44).
         return dict(backward=True, **names, bwd_pack=True, bwd_dq_tile=(64, 64),
-                    bwd_dq_options="occupancy=ct.ByTarget(sm_90=2)")
+                    bwd_dq_options="occupancy=ct.ByTarget(sm_90=2)", bwd_dq_occupancy=2,
+                    # Short rows: a packed tile visits a few key (query) tiles, so no
+                    # CTA streams a head's rows for long; across heads was 1.01-1.08x
+                    # head by head at S 1k-16k (H200, experiments section 47).
+                    bwd_global_order_waves=None)
     return dict(backward=True, **names)
 
 

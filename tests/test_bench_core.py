@@ -34,6 +34,7 @@ from specgen.bench.core import (
     load_result,
     result_paths,
     result_schema,
+    result_stem,
     rotation_copies,
     speedups,
     steady_calls,
@@ -560,8 +561,8 @@ def test_a_decode_schema_2_file_upgrades_to_milliseconds_and_gains_speedups():
 
 
 def test_every_committed_result_loads_in_the_current_schema():
-    files = [p for p in sorted(RESULTS.glob("*.json"))
-             if p.stem.rsplit("-", 1)[-1] in SUITES]
+    files = [p for p in sorted([*RESULTS.glob("*.json"), *RESULTS.glob("*.json.gz")])
+             if result_stem(p).name.rsplit("-", 1)[-1] in SUITES]
     if not files:
         pytest.skip(f"no committed results under {RESULTS}")
     suites = set()
@@ -677,3 +678,18 @@ def test_the_backward_suite_refuses_forward_only_specs_before_asking_for_a_gpu(t
         run_suite("backward", [str(ROOT / "specs" / "fmha_gqa_causal.yaml")], results=tmp_path / "r",
                   gen=tmp_path / "gen", baselines=DEFAULT)
     assert not (tmp_path / "r").exists() and not (tmp_path / "gen").exists()
+
+
+def test_a_gzipped_result_loads_and_a_new_run_replaces_it(tmp_path):
+    """Committed results may be kept as <stem>.json.gz: load_result reads them, and a
+    bench run that writes <stem>.json removes the stale gzipped copy."""
+    import gzip
+
+    source = RESULTS / "fmha_decode_gqa4_bf16-decode.json"
+    packed = tmp_path / "fmha_decode_gqa4_bf16-decode.json.gz"
+    packed.write_bytes(gzip.compress(source.read_bytes()))
+    assert result_stem(packed) == tmp_path / "fmha_decode_gqa4_bf16-decode" == result_stem(tmp_path / source.name)
+    assert load_result(packed).rows == load_result(source).rows
+    assert core.find_result(result_stem(packed)) == packed
+    core.write_report(result_stem(packed), source.read_text(), "table\n")
+    assert not packed.exists() and core.find_result(result_stem(packed)) == tmp_path / source.name

@@ -179,6 +179,28 @@ def test_performance_reads_every_schema_version(tmp_path):
         performance_markdown(tmp_path / "results")
 
 
+def test_performance_reads_gzipped_bench_results(tmp_path):
+    """A bench result kept as <stem>.json.gz gets its table like a plain one, with its
+    table and plot linked beside it; the same result kept plain and gzipped is refused."""
+    import gzip
+    import shutil
+
+    from specgen.docs import DocsError, performance_markdown
+
+    h200 = ROOT / "bench" / "results" / "h200"
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    source = h200 / "fmha_chunked_local-prefill.json"
+    (folder / "a-prefill.json.gz").write_bytes(gzip.compress(source.read_bytes()))
+    shutil.copy(source.with_suffix(".md"), folder / "a-prefill.md")
+    page = performance_markdown(tmp_path / "results")
+    assert "#### `fmha_chunked_local`, prefill" in page
+    assert "[JSON](" in page and "a-prefill.json.gz)" in page and "a-prefill.md)" in page
+    shutil.copy(source, folder / "a-prefill.json")
+    with pytest.raises(DocsError, match="kept twice"):
+        performance_markdown(tmp_path / "results")
+
+
 def test_flex_ratios_of_dynamic_shape_runs_are_marked(tmp_path):
     """A Flex timing without the static-shape note (a run that compiled Flex for
     dynamic shapes) gets the dagger in its run table and in the summary; one with
@@ -212,8 +234,10 @@ def test_runs_with_graph_times_get_a_second_table_from_them(tmp_path):
 
     from specgen.docs import performance_markdown
 
-    source = json.loads((ROOT / "bench" / "results" / "h100_80gb_hbm3"
-                         / "fmha_train_gqa_causal-backward.json").read_text())
+    from specgen.bench.core import read_result_text
+
+    source = json.loads(read_result_text(ROOT / "bench" / "results" / "h100_80gb_hbm3"
+                                         / "fmha_train_gqa_causal-backward.json.gz"))
     first = source["rows"][0]
     assert first["timings"]["specgen"]["ms_one_call"] and first["timings"]["cudnn"]["ms_one_call"]
     first["timings"]["flex"]["ms_one_call"] = None

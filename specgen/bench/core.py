@@ -11,6 +11,7 @@ GPU and triton.
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import sys
 from dataclasses import dataclass
@@ -159,9 +160,38 @@ def upgrade(data: dict) -> dict:
     return data
 
 
+def read_result_text(path: Path) -> str:
+    """A result file's text: <stem>.json, or <stem>.json.gz (committed results may be
+    kept gzipped to keep the checkout small)."""
+    path = Path(path)
+    if path.name.endswith(".gz"):
+        return gzip.decompress(path.read_bytes()).decode()
+    return path.read_text()
+
+
+def result_stem(path: Path) -> Path:
+    """<dir>/<spec>-<suite> of a result file, .json or .json.gz."""
+    path = Path(path)
+    name = path.name
+    for suffix in (".json.gz", ".json"):
+        if name.endswith(suffix):
+            return path.with_name(name[: -len(suffix)])
+    return path.with_suffix("")
+
+
+def find_result(stem: Path) -> Optional[Path]:
+    """<stem>.json where it exists, else <stem>.json.gz, else None."""
+    for suffix in (".json", ".json.gz"):
+        path = Path(f"{stem}{suffix}")
+        if path.is_file():
+            return path
+    return None
+
+
 def load_result(path: Path) -> BenchResult:
-    """A results file of any suite and schema (older ones upgraded in memory)."""
-    return BenchResult.model_validate(upgrade(json.loads(Path(path).read_text())))
+    """A results file (.json or .json.gz) of any suite and schema (older ones upgraded
+    in memory)."""
+    return BenchResult.model_validate(upgrade(json.loads(read_result_text(path))))
 
 
 def speedups(timings: dict[str, Timing]) -> dict[str, Optional[float]]:
@@ -413,10 +443,12 @@ def result_json(result: BenchResult) -> str:
 
 
 def write_report(stem: Path, json_text: str, markdown: str) -> dict[str, Path]:
-    """<stem>.json and <stem>.md, each written atomically (a reader never sees half a file)."""
+    """<stem>.json and <stem>.md, each written atomically (a reader never sees half a
+    file). A gzipped result of the same stem, now stale, is removed."""
     paths = result_paths(stem)
     atomic_write(paths["json"], json_text.encode())
     atomic_write(paths["md"], markdown.encode())
+    Path(f"{stem}.json.gz").unlink(missing_ok=True)
     return paths
 
 

@@ -239,16 +239,19 @@ def compiled_section(a: Side, b: Side) -> list[dict]:
 def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     """Where both specs were benchmarked on one device in the same suite: TFLOPS per
     sequence length (prefill, backward), or steady-state µs per shape (decode)."""
-    from specgen.bench.core import load_result
+    from specgen.bench.core import find_result, load_result, result_stem
 
     out = []
     if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
         return out
     for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
-        for path_a in sorted(device_dir.glob(f"{a.plan.module_name}-*.json")):
-            suite = path_a.stem[len(a.plan.module_name) + 1 :]
-            path_b = device_dir / f"{b.plan.module_name}-{suite}.json"
-            if not path_b.is_file():
+        stems = {result_stem(p) for pattern in (f"{a.plan.module_name}-*.json", f"{a.plan.module_name}-*.json.gz")
+                 for p in device_dir.glob(pattern)}
+        for stem in sorted(stems):
+            suite = stem.name[len(a.plan.module_name) + 1 :]
+            path_a = find_result(stem)
+            path_b = find_result(device_dir / f"{b.plan.module_name}-{suite}")
+            if path_b is None:
                 continue
             if suite == "decode":
                 block = _decode_performance(path_a, path_b)
@@ -273,10 +276,10 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
 def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
     """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
     (above 1: b is faster). None unless both files have the steady-state schema."""
-    from specgen.bench.core import load_result
+    from specgen.bench.core import load_result, read_result_text
 
     # Schema 1 timed one call per graph: not comparable with the steady state.
-    if 1 in [json.loads(p.read_text()).get("schema_version", 3) for p in (path_a, path_b)]:
+    if 1 in [json.loads(read_result_text(p)).get("schema_version", 3) for p in (path_a, path_b)]:
         return None
     ra, rb = load_result(path_a), load_result(path_b)
     by_shape = {(r.batch, r.heads_kv, r.seq_k): 1000 * r.timings["specgen"].ms for r in rb.rows

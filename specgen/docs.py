@@ -11,7 +11,6 @@ the model without a test failing.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
@@ -723,9 +722,9 @@ def _devices_named_in(paths: list[Path]) -> list[str]:
 
 def _read_result_text(path: Path) -> str:
     """A result file's text; any of them may be kept gzipped (.json.gz)."""
-    if path.suffix == ".gz":
-        return gzip.decompress(path.read_bytes()).decode()
-    return path.read_text()
+    from specgen.bench.core import read_result_text
+
+    return read_result_text(path)
 
 
 def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:

@@ -347,6 +347,13 @@ def _sparse_gradients(module, seed: int):
     return block_map, grads, ref_grads
 
 
+def _gradient_errors(grads, ref_grads) -> dict:
+    """{"dq": .., "dk": .., "dv": ..}: each gradient's largest difference from fp64 over
+    the fp64 gradient's largest value."""
+    return {f"d{name}": (got.double() - want).abs().max().item() / want.abs().max().item()
+            for name, got, want in zip("qkv", grads, ref_grads)}
+
+
 @pytest.mark.parametrize("label", sorted(UNPACKED_SPARSE_BACKWARD))
 def test_unpacked_sparse_backward_walks_full_runs_by_index(label):
     """The unpacked block-sparse dK/dV and dQ kernels walk a row's full tiles by index
@@ -362,9 +369,8 @@ def test_unpacked_sparse_backward_walks_full_runs_by_index(label):
             assert ((runs == -1) & (fulls > 1)).any(), "no row of scattered full tiles"
         else:
             assert ((runs >= 0) & (fulls > 1)).any(), "no run of full tiles"
-    for name, got, want in zip("qkv", grads, ref_grads):
-        err = (got.double() - want).abs().max().item() / want.abs().max().item()
-        assert err < 2e-2, f"d{name}: {err:.3g} of its largest value from fp64"
+    for name, err in _gradient_errors(grads, ref_grads).items():
+        assert err < 2e-2, f"{name}: {err:.3g} of its largest value from fp64"
     # The mutation: the dK/dV kernel's run walk (or, for the block pattern, its list
     # walk of the full tiles) stops one tile short.
     short = (("for e in range(MapIdx.shape[3] - num_full, MapIdx.shape[3]):",
@@ -372,7 +378,7 @@ def test_unpacked_sparse_backward_walks_full_runs_by_index(label):
              else ("for i in range(full_run, full_run + num_full):",
                    "for i in range(full_run, full_run + num_full - 1):"))
     _, bad, _ = _sparse_gradients(_unpacked_sparse_backward(label, short), seed=11)
-    worst = max((b.double() - w).abs().max().item() / w.abs().max().item() for b, w in zip(bad, ref_grads))
+    worst = max(_gradient_errors(bad, ref_grads).values())
     assert worst > 5e-2, f"a walk of the full tiles one tile short went unnoticed ({worst:.3g})"
 
 
@@ -409,9 +415,9 @@ def test_causal_backward_launch_orders_give_the_same_gradients(name, monkeypatch
         assert torch.equal(a, b)
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref, _ = reference_for(module.SPEC, *leaves, extra, q_offset=30)
-    for name_, got, want in zip("qkv", grads["across heads"], torch.autograd.grad(ref, leaves, dout.double())):
-        err = (got.double() - want).abs().max().item() / want.abs().max().item()
-        assert err < 2e-2, f"d{name_}: {err:.3g} of its largest value from fp64"
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    for name_, err in _gradient_errors(grads["across heads"], ref_grads).items():
+        assert err < 2e-2, f"{name_}: {err:.3g} of its largest value from fp64"
 
 
 def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatch, capsys):

@@ -245,8 +245,8 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
         return out
     for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
-        stems = {result_stem(p) for pattern in (f"{a.plan.module_name}-*.json", f"{a.plan.module_name}-*.json.gz")
-                 for p in device_dir.glob(pattern)}
+        prefix = f"{a.plan.module_name}-*"
+        stems = {result_stem(p) for ext in (".json", ".json.gz") for p in device_dir.glob(prefix + ext)}
         for stem in sorted(stems):
             suite = stem.name[len(a.plan.module_name) + 1 :]
             path_a = find_result(stem)

@@ -219,10 +219,12 @@ class Plan:
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
     bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
-    bwd_dkdv_options: str = "occupancy=ct.ByTarget(sm_90=2)"  # the dK/dV kernel's hints
-    bwd_dq_options: str = "occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8)"
-    bwd_dkdv_occupancy: int = 2  # CTAs per SM the dK/dV (dQ) options ask on sm_90
+    # The dK/dV and dQ kernels' sm_90 hints: CTAs per SM, and worker warps (None: the
+    # compiler's choice).
+    bwd_dkdv_occupancy: int = 2
+    bwd_dkdv_warps: int | None = None
     bwd_dq_occupancy: int = 1
+    bwd_dq_warps: int | None = 8
     # The causal backward launches across heads where a grid has at most this many
     # waves, else head by head (bwd_heavy_first); None: always across heads.
     bwd_global_order_waves: int | None = 4
@@ -279,6 +281,22 @@ class Plan:
         windows, soft-cap, hooks or sinks."""
         return bool(self.window_left is not None or self.window_right is not None
                     or self.softcap is not None or self.hooks or self.sinks)
+
+    @property
+    def bwd_dkdv_options(self) -> str:
+        """The dK/dV kernel's AotKernel options."""
+        return _sm90_hints(self.bwd_dkdv_occupancy, self.bwd_dkdv_warps)
+
+    @property
+    def bwd_dq_options(self) -> str:
+        """The dQ kernel's AotKernel options."""
+        return _sm90_hints(self.bwd_dq_occupancy, self.bwd_dq_warps)
+
+    @property
+    def bwd_order_rule(self) -> bool:
+        """The causal backward picks its launch order per call (_global_order); else
+        it always launches across heads (bwd_global_order_waves None)."""
+        return self.bwd_heavy_first and self.bwd_global_order_waves is not None
 
     @property
     def bwd_heavy_first(self) -> bool:
@@ -876,6 +894,13 @@ def _backward_hooks(spec: Spec) -> dict:
     return dict(score_mod_grad=score_mod_grad, tensor_grads=tuple(grads))
 
 
+def _sm90_hints(occupancy: int, warps: int | None) -> str:
+    """AotKernel options asking sm_90 for ``occupancy`` CTAs per SM (and ``warps``
+    worker warps)."""
+    hints = f"occupancy=ct.ByTarget(sm_90={occupancy})"
+    return hints + (f", num_worker_warps=ct.ByTarget(sm_90={warps})" if warps else "")
+
+
 def _backward(spec: Spec) -> dict:
     if not spec.backward:
         return {}
@@ -893,8 +918,7 @@ def _backward(spec: Spec) -> dict:
         # takes 64 rows. H200, B4 Hq32 Hkv8 D256 causal, S 2048 / 8192: 258 / 303
         # TFLOPS, against 51 / 56 with the D128 tiles (experiments, section 32).
         return dict(backward=True, **names, bwd_tile=(64, 64), bwd_dq_tile=(64, 64), bwd_pack=packed,
-                    bwd_dkdv_options="occupancy=ct.ByTarget(sm_90=1), "
-                                     "num_worker_warps=ct.ByTarget(sm_90=8)", bwd_dkdv_occupancy=1)
+                    bwd_dkdv_occupancy=1, bwd_dkdv_warps=8)
     if packed:
         # Packed GQA, as the forward: a tile's 64 rows are 64 / gqa_ratio positions of
         # each head of the group, so a key tile meets (and a query tile visits) the span
@@ -905,7 +929,7 @@ def _backward(spec: Spec) -> dict:
         # packed tiles at one CTA of two warp groups in either kernel, 0.89-1.07x
         # (experiments, section 44).
         return dict(backward=True, **names, bwd_pack=True, bwd_dq_tile=(64, 64),
-                    bwd_dq_options="occupancy=ct.ByTarget(sm_90=2)", bwd_dq_occupancy=2,
+                    bwd_dq_occupancy=2, bwd_dq_warps=None,
                     # Short rows: a packed tile visits a few key (query) tiles, so no
                     # CTA streams a head's rows for long; across heads was 1.01-1.08x
                     # head by head at S 1k-16k (H200, experiments section 47).

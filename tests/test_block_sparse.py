@@ -179,11 +179,15 @@ def test_sparse_backward_masks_partial_tiles_only():
 
 def test_backward_delta_is_the_diagonal_of_the_dp_mma():
     """D = rowsum(dO O) comes from an MMA (dO O^T), as dP = dO V^T does, so a row
-    with one visible key gets dP - D = 0 exactly."""
+    with one visible key gets dP - D = 0 exactly. The dQ kernel forms it (no kernel
+    of its own) and stores it before its loops, for the dK/dV kernel."""
     text = render(make_plan(validate_spec({**DOC, "backward": True})), "specs/doc.yaml").text
-    delta = kernel_source(text, "fmha_bwd_delta_")
-    assert "ct.mma(" in delta and "ct.permute(o, (1, 0))" in delta
-    assert "ct.sum(o.astype(ct.float32) * do.astype(ct.float32)" not in delta
+    assert "fmha_bwd_delta_" not in text
+    dq = kernel_source(text, "fmha_bwd_dq_")
+    head = dq[: dq.index("    for ")]
+    assert "ct.mma(do,ct.permute(o,(1,0))" in "".join(head.split())
+    assert "ct.sum(o.astype(ct.float32) * do.astype(ct.float32)" not in dq
+    assert head.index("ct.store(Delta,") < head.index("== 1:")
 
 
 # --- the map kernel run on the CPU, through numpy standing in for cuda.tile ------

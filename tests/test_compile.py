@@ -20,7 +20,7 @@ from specgen.plan.make import make_plan
 from specgen.emit.render import render
 from specgen.spec import validate_spec
 
-from .helpers import ROOT, SPECS
+from .helpers import ROOT, SPECS, kernel_source
 
 
 def _plan_and_source(path):
@@ -35,9 +35,10 @@ def test_shipped_spec_compiles(path, target):
     plan, source = _plan_and_source(path)
     result = compile_target(plan, source, f"generated/{path.stem}.py", target)
     # One cubin per kernel of each distinct launch config (by_seq_k buckets and the
-    # own config): decode adds its combine, backward: true its three kernels.
-    # block_sparse adds the map kernel (decode: its two, classifying and listing).
-    per_config = ((2 if plan.spec.family == "decode" else 4 if plan.backward else 1)
+    # own config): decode adds its combine, backward: true its two kernels (dQ,
+    # which also forms D, and dK/dV). block_sparse adds the map kernel (decode: its
+    # two, classifying and listing).
+    per_config = ((2 if plan.spec.family == "decode" else 3 if plan.backward else 1)
                   + plan.block_sparse * (2 if plan.spec.family == "decode" else 1))
     assert len(result.paths) == per_config * len(target_configs(plan, target))
     assert len(set(result.paths)) == len(result.paths)
@@ -166,9 +167,9 @@ def test_backward_tiles_follow_the_padded_head_dim(dims, wide):
     plan = make_plan(validate_spec(data))
     assert (plan.bwd_tile, plan.bwd_dq_tile) == (((64, 64), (64, 64)) if wide else ((64, 64), (128, 64)))
     source = render(plan, "specs/wide.yaml").text
-    dkdv = "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef " + plan.bwd_names[1]
+    dkdv = "@AotKernel(occupancy=ct.ByTarget(sm_90=1), num_worker_warps=ct.ByTarget(sm_90=8))\ndef " + plan.bwd_names[0]
     assert (dkdv in source) == wide
-    assert (f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[1]}" in source) == (not wide)
+    assert (f"@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef {plan.bwd_names[0]}" in source) == (not wide)
     assert not plan.bwd_pack
 
 
@@ -192,7 +193,7 @@ def test_the_backward_packs_gqa_with_a_block_map(changes, packed):
         assert dq[:3] == (plan.bwd_dq_tile[0] // group, plan.bwd_dq_tile[1], False)
         assert kv[:3] == (plan.bwd_tile[0] // group, plan.bwd_tile[1], True)
         assert plan.bwd_dq_tile == (64, 64)
-        assert ("@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef " + plan.bwd_names[2] in source) == (not wide)
+        assert ("@AotKernel(occupancy=ct.ByTarget(sm_90=2))\ndef " + plan.bwd_names[1] in source) == (not wide)
 
 
 @pytest.mark.parametrize("extra,pre", [({}, "qk_scale * INV_LN2"), ({"softcap": 30.0}, "qk_scale / SOFTCAP"),
@@ -206,14 +207,29 @@ def test_backward_scores_use_q_as_the_forward_prescaled_it(extra, pre):
     assert plan.bwd_prescale == pre
     source = render(plan, "specs/pre.yaml").text
     assert source.count(f"post = qk_scale / ({pre})") == 2  # the dK/dV and dQ kernels
-    assert "dk = dk * post" in source and "q_s = q * pre" in source
-    assert len(re.findall(r"\(\s*q_s,\s*k,\s*v,", source)) == 2  # the dK/dV and dQ launches
+    assert "dk = dk * post" in source
+    # The dQ kernel forms Q * pre from Q (its launch passes q, then q_s and pre) and
+    # stores it in q_s, which the dK/dV kernel reads; no pass over Q of its own.
+    assert "q_s = q * pre" not in source and "q_s = torch.empty_like(q)" in source
+    assert plan.bwd_q_in_dq
+    dq = kernel_source(source, "fmha_bwd_dq_")
+    assert "q = (q.astype(ct.float32) * q_pre).astype(Q.dtype)" in dq
+    assert re.search(r"ct\.store\(\s*QS,", dq)
+    assert len(re.findall(r"\(\s*q_s,\s*k,\s*v,", source)) == 1  # the dK/dV launch
+    assert len(re.findall(r"\(\s*q,\s*k,\s*v,\s*dout,\s*out,(.|\n)*?q_s,\s*pre,", source)) == 1  # dQ's
     torch_pre = pre.replace("qk_scale", "")
     assert f"pre = (torch.tensor(float(scale), dtype=torch.float32){torch_pre}).item()" in source
     # Without prescale_q the backward reads Q as given.
     data["prescale_q"] = False
     plain = render(make_plan(validate_spec(data)), "specs/pre.yaml").text
-    assert "q_s = " not in plain and "dk = dk * qk_scale" in plain
+    assert "q_s = " not in plain and "dk = dk * qk_scale" in plain and "QS" not in plain
+    # Packed sequences: each sequence's rows, in its view of the packed arrays.
+    data.update(prescale_q=True, varlen=True)
+    data.pop("score_mod", None)  # (varlen takes no score_mod)
+    varlen = render(make_plan(validate_spec(data)), "specs/pre.yaml").text
+    dq = kernel_source(varlen, "fmha_bwd_dq_")
+    assert "QSs = QS.slice(axis=0, start=q_start, stop=q_start + seq_q)" in dq
+    assert re.search(r"ct\.store\(\s*QSs,\s*index=\(tile, head, 0\)", dq)
 
 
 def test_float8_prefill_reads_v_transposed_by_default():

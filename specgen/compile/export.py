@@ -254,7 +254,7 @@ def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
 
 
 def backward_signatures(plan: Plan) -> dict:
-    """The backward kernels (delta, dK/dV, dQ): {kernel name: its signatures}, at the
+    """The backward kernels (dK/dV, dQ): {kernel name: its signatures}, at the
     module's tiles (plan.bwd_tile; the dQ kernel's plan.bwd_dq_tile)."""
     import cuda.tile as ct
     from cuda.tile.compilation import CallingConvention, KernelSignature, ScalarConstraint
@@ -284,13 +284,15 @@ def backward_signatures(plan: Plan) -> dict:
         hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
-    delta, dkdv, dq = plan.bwd_names
+    dkdv, dq = plan.bwd_names
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
+    # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes
+    # that factor and the array it stores the product in.
+    q_s = [qkv, ScalarConstraint(ct.float32)] if plan.bwd_q_in_dq else []
     return {
-        delta: [KernelSignature([qkv, qkv, rows] + cu + [tile_m], convention)],
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + order + [tile_m, tile_n],
                                convention)],
-        dq: [KernelSignature([qkv] * 4 + [rows, rows, qkv] + hooks + grads + scalars
+        dq: [KernelSignature([qkv] * 5 + [rows, rows, qkv] + q_s + hooks + grads + scalars
                              + [ScalarConstraint(ct.int32)]  # exact_delta
                              + order + list(plan.bwd_dq_tile), convention)],
     }

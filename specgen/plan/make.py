@@ -215,7 +215,7 @@ class Plan:
     # Where the targets are the measured defaults of the spec's class (the spec wrote
     # none, or exactly those): (target, the run that measured its config).
     measured_defaults: tuple[tuple[str, str], ...] = ()
-    bwd_names: tuple[str, ...] = ()  # (preprocess, dK/dV, dQ) kernel names
+    bwd_names: tuple[str, ...] = ()  # (dK/dV, dQ) kernel names
     # The backward kernels' tile: BWD_TILE_M query rows x BWD_TILE_N keys.
     bwd_tile: tuple[int, int] = (64, 64)
     bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
@@ -274,6 +274,13 @@ class Plan:
         if not self.prescale_q:
             return None
         return "qk_scale / SOFTCAP" if self.softcap is not None else self.scale_expr
+
+    @property
+    def bwd_q_in_dq(self) -> bool:
+        """The dQ kernel forms Q * pre (prescale_q) from Q and stores it for the dK/dV
+        kernel, instead of a pass of its own over Q before the launches: every query
+        row belongs to one dQ tile."""
+        return bool(self.bwd_prescale)
 
     @property
     def bwd_masked(self) -> bool:
@@ -905,8 +912,7 @@ def _backward(spec: Spec) -> dict:
     if not spec.backward:
         return {}
     name = procedural_name(spec).replace("fmha_prefill", "fmha_bwd", 1)
-    names = dict(bwd_names=(name.replace("fmha_bwd", "fmha_bwd_delta", 1),
-                            name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
+    names = dict(bwd_names=(name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
                             name.replace("fmha_bwd", "fmha_bwd_dq", 1)))
     widest = max(_pow2_ceil(spec.head_dim), _pow2_ceil(spec.dv))
     # (64-row tiles: at most 64 heads a group; learnable tensors' gradients are summed per head)

@@ -90,6 +90,28 @@ def test_a_broken_kernel_fails_the_emulated_check(what):
     assert not all(row["ok"] for row in rows), what
 
 
+# The same for the backward (text of fmha_train_gqa_causal's dQ kernel, which forms D
+# and Q * pre for the dK/dV kernel launched after it).
+BACKWARD_MUTATIONS = {
+    "D not stored for dK/dV": ("    ct.store(Delta, index=(batch, head, tile), tile=delta.reshape((1, 1, TILE_M)))\n"
+                               "    # prescale_q", "    # prescale_q"),
+    "Q * pre not stored for dK/dV": ("    ct.store(QS, index=(batch, head, tile, 0), tile=q.reshape((1, 1, TILE_M, HEAD_DIM)))\n",
+                                     ""),
+    "Q used as given, not Q * pre": ("    q = (q.astype(ct.float32) * q_pre).astype(Q.dtype)\n", ""),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BACKWARD_MUTATIONS))
+def test_a_broken_backward_fails_the_emulated_gradient_check(what):
+    old, new = BACKWARD_MUTATIONS[what]
+    source = (ROOT / "generated" / "fmha_train_gqa_causal.py").read_text()
+    assert source.count(old) == 1, what
+    broken = _module("fmha_train_gqa_causal", source.replace(old, new))
+    rows = [_run(broken, case) for case in (Case(1, 1, 130, 300, 170), Case(1, 1, 200, 200))]
+    assert all("grad_ok" in row for row in rows)
+    assert not all(row["ok"] and row["grad_ok"] for row in rows), what
+
+
 def test_a_wrong_kv_head_reads_outside_its_array():
     source = (ROOT / "generated" / "fmha_gqa8_bf16.py").read_text()
     broken = _module("fmha_gqa8_bf16", source.replace("kv_head = head // GROUP_SIZE",

@@ -1,7 +1,7 @@
 """Backward kernels of several generated training modules, timed in one process.
 
 Each variant is a module path, optionally followed by ``#`` and hint replacements for
-its backward kernels: ``delta=OCC:WARPS``, ``dkdv=OCC:WARPS``, ``dq=OCC:WARPS``
+its backward kernels: ``dkdv=OCC:WARPS``, ``dq=OCC:WARPS``
 (0: the compiler's choice), comma-separated. The script times the backward alone
 (autograd.grad of the module's output) at B4 Hq32, causal, the module's GQA ratio,
 beside cuDNN on the same inputs. The variants are timed in turn for several rounds,
@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from results_json import write_rows
 from triton.testing import do_bench
 
-PREFIXES = {"delta": "fmha_bwd_delta", "dkdv": "fmha_bwd_dkdv", "dq": "fmha_bwd_dq"}
+PREFIXES = {"dkdv": "fmha_bwd_dkdv", "dq": "fmha_bwd_dq"}
 
 
 def load(variant: str, index: int):
@@ -58,6 +58,8 @@ def load(variant: str, index: int):
             raise SystemExit(f"{variant}: unknown kernel {which!r}; expected one of {sorted(PREFIXES)}")
         occ, warps = (int(x) for x in value.split(":"))
         names = [n for n in vars(mod) if n.startswith(PREFIXES[which])]
+        if not names:
+            raise SystemExit(f"{variant}: {path} has no {PREFIXES[which]}* kernel")
         for name in names:
             setattr(
                 mod,

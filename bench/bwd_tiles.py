@@ -1,7 +1,7 @@
 """Backward tiles of a generated training module, timed beside cuDNN in one process.
 
-The launcher reads its tiles from the module's BWD_TILE_M / BWD_TILE_N (delta and
-dK/dV kernels) and BWD_DQ_TILE_M / BWD_DQ_TILE_N (dQ kernel) at each call, so this
+The launcher reads its tiles from the module's BWD_TILE_M / BWD_TILE_N (dK/dV
+kernel) and BWD_DQ_TILE_M / BWD_DQ_TILE_N (dQ kernel) at each call, so this
 script sets them per variant (the JIT compiles each once) and times the backward
 alone: autograd.grad of the module's output, B4 Hq32, causal, the spec's GQA ratio.
 Each variant's gradients are checked against cuDNN's before it is timed.

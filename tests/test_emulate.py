@@ -106,6 +106,12 @@ def test_a_broken_backward_fails_the_emulated_gradient_check(what):
     old, new = BACKWARD_MUTATIONS[what]
     source = (ROOT / "generated" / "fmha_train_gqa_causal.py").read_text()
     assert source.count(old) == 1, what
+    # A module registers its custom op once per process under its spec's name: the
+    # broken one gets a name of its own, or its gradients would come from the op (and
+    # kernels) of an intact module loaded earlier in this process.
+    op = 'OP_NAME = "specgen::fmha_train_gqa_causal"'
+    assert source.count(op) == 1
+    source = source.replace(op, f'OP_NAME = "specgen::fmha_train_gqa_causal_broken_{sorted(BACKWARD_MUTATIONS).index(what)}"')
     broken = _module("fmha_train_gqa_causal", source.replace(old, new))
     rows = [_run(broken, case) for case in (Case(1, 1, 130, 300, 170), Case(1, 1, 200, 200))]
     assert all("grad_ok" in row for row in rows)

@@ -704,22 +704,6 @@ def _cell_error(timing: dict | None) -> str:
     return "n/a: " + reason.replace("|", "/")
 
 
-def _devices_named_in(paths: list[Path]) -> list[str]:
-    """The GPUs that result files other than bench results name (the bench scripts'
-    ``{"device": "<name>", ...}``), for a folder that holds only such files."""
-    names = set()
-    for path in paths:
-        if not path.name.endswith((".json", ".json.gz")):
-            continue
-        try:
-            device = json.loads(_read_result_text(path)).get("device")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(device, str):
-            names.add(device)
-    return sorted(names)
-
-
 def _read_result_text(path: Path) -> str:
     """A result file's text; any of them may be kept gzipped (.json.gz)."""
     from specgen.bench.core import read_result_text
@@ -727,25 +711,28 @@ def _read_result_text(path: Path) -> str:
     return read_result_text(path)
 
 
-def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path]]:
-    """(bench results with their paths, other JSON files), in path order. Any of them
-    may be gzipped (.json.gz). A bench result of an unknown suite or schema version,
-    or one kept both plain and gzipped, raises DocsError."""
+def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path, str | None]]:
+    """(bench results with their paths, {other JSON file: the GPU it names}), in path
+    order. Any of them may be gzipped (.json.gz). The other files are the bench
+    scripts' ``{"device": "<name>", ...}`` (their device read once, here), or None
+    where a file names no device or is not JSON. A bench result of an unknown suite
+    or schema version, or one kept both plain and gzipped, raises DocsError."""
     from specgen.bench.core import result_stem, upgrade
 
-    bench, other, stems = [], [], {}
+    bench, other, stems = [], {}, {}
     paths = sorted([*results_dir.rglob("*.json"), *results_dir.rglob("*.json.gz")], key=result_stem)
     for path in paths:
         try:
             data = json.loads(_read_result_text(path))
         except (OSError, ValueError):
             if path.name.endswith(".gz"):  # the experiments' own files: listed as they are
-                other.append(path)
+                other[path] = None
                 continue
             raise
         if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)
                 and "rows" in data):
-            other.append(path)
+            device = data.get("device") if isinstance(data, dict) else None
+            other[path] = device if isinstance(device, str) else None
             continue
         stem = result_stem(path)
         if stem in stems:
@@ -762,7 +749,7 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], list[Path
         if not data["rows"]:
             raise DocsError(f"{path}: a bench result without rows")
         bench.append((path, data))
-    return bench, sorted(other)
+    return bench, dict(sorted(other.items()))
 
 
 def _run_meta(data: dict) -> str:
@@ -1021,8 +1008,8 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> st
     folders = sorted({p.parent for p, _ in bench} | {p.parent for p in other})
     for folder in folders:
         runs = [(p, d) for p, d in bench if p.parent == folder]
-        names = (sorted({d["device"].get("name", "?") for _, d in runs})
-                 or _devices_named_in([p for p in other if p.parent == folder]) or [folder.name])
+        named = {name for p, name in other.items() if p.parent == folder and name}
+        names = sorted({d["device"].get("name", "?") for _, d in runs}) or sorted(named) or [folder.name]
         rel = Path(os.path.relpath(folder, link_base)).as_posix()
         shown = folder.relative_to(results_dir.parent.parent).as_posix()
         lines += [f"## {', '.join(names)} ([`{shown}/`]({rel}/))", ""]

@@ -260,19 +260,26 @@ def test_runs_with_graph_times_get_a_second_table_from_them(tmp_path):
 
 
 def test_a_folder_of_script_results_is_titled_by_the_gpu_they_name(tmp_path):
-    from specgen.docs import _devices_named_in
+    from specgen.docs import _load_results, performance_markdown
 
-    (tmp_path / "a.json").write_text('{"device": "NVIDIA H100 80GB HBM3", "rows": []}')
-    (tmp_path / "b.json").write_text('{"rows": []}')
-    (tmp_path / "c.json").write_text("[1, 2]")
-    (tmp_path / "d.json").write_text("not json")
-    (tmp_path / "e.log").write_text('{"device": "elsewhere"}')
-    paths = sorted(tmp_path.iterdir())
-    assert _devices_named_in(paths) == ["NVIDIA H100 80GB HBM3"]
-    assert _devices_named_in([tmp_path / "b.json"]) == []
-    # The experiments' files may be kept gzipped.
-    (tmp_path / "f.json.gz").write_bytes(gzip.compress(b'{"device": "NVIDIA H200"}'))
-    assert _devices_named_in([tmp_path / "f.json.gz"]) == ["NVIDIA H200"]
+    folder = tmp_path / "results" / "h100"
+    folder.mkdir(parents=True)
+    (folder / "a.json").write_text('{"device": "NVIDIA H100 80GB HBM3", "rows": []}')
+    (folder / "b.json").write_text('{"rows": []}')
+    (folder / "c.json").write_text("[1, 2]")
+    (folder / "e.log").write_text('{"device": "elsewhere"}')
+    _, other = _load_results(tmp_path / "results")
+    assert other == {folder / "a.json": "NVIDIA H100 80GB HBM3", folder / "b.json": None,
+                     folder / "c.json": None}
+    titles = [line for line in performance_markdown(tmp_path / "results").splitlines() if line.startswith("## ")]
+    assert titles == [f"## NVIDIA H100 80GB HBM3 ([`{tmp_path.name}/results/h100/`](../{tmp_path.name}/results/h100/))"]
+    # The experiments' files may be kept gzipped (read once, with the others).
+    (folder / "f.json.gz").write_bytes(gzip.compress(b'{"device": "NVIDIA H200"}'))
+    assert "## NVIDIA H100 80GB HBM3, NVIDIA H200 (" in performance_markdown(tmp_path / "results")
+    # A folder whose files name no GPU is titled by its name.
+    (tmp_path / "results" / "misc").mkdir()
+    (tmp_path / "results" / "misc" / "b.json").write_text('{"rows": []}')
+    assert f"## misc ([`{tmp_path.name}/results/misc/`]" in performance_markdown(tmp_path / "results")
 
 
 def test_gzipped_script_results_are_listed_with_the_other_files(tmp_path):

@@ -500,3 +500,92 @@ def test_gpu_decode_variants_pass_when_emulated(variant):
     for i, case in enumerate(case_matrix(True, module.SPEC)[:4]):
         row = _run(module, case, seed=i)
         assert row["ok"], f"{variant} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+
+
+# The AOT cubins serve a call only where their signature covers it: a launcher that
+# passes what the exported signature does not describe (an argument more, a float for an
+# int, an array of another rank, a stride the cubin assumes away) would fall back to the
+# JIT on every first call, silently. Every backward launch of an emulated run is checked
+# here against the signatures `specgen build` exports, argument by argument.
+AOT_BACKWARD_CASES = {
+    "fmha_train_gqa_causal": None,  # prescale_q: the dQ kernel takes QS and pre
+    "fmha_train_document": None,  # packed GQA, a block map
+    "fmha_train_gptoss_sinks": None,
+    "fmha_train_gemma2": None,
+    "varlen_prescaled": {"varlen": True, "backward": True, "prescale_q": True},
+    "dropout_learnable": {"backward": True, "dropout": True,
+                          "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+                          "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+}
+
+
+def _meets(constraint, arg) -> str | None:
+    """Why ``arg`` breaks ``constraint`` (an exported parameter), or None."""
+    from cuda.tile.compilation import ArrayConstraint, ConstantConstraint, ScalarConstraint
+
+    if isinstance(constraint, ConstantConstraint):
+        return None if arg == constraint.value else f"constant {constraint.value} got {arg!r}"
+    if isinstance(constraint, ScalarConstraint):
+        want = constraint.dtype.name
+        ok = (isinstance(arg, float) if want.startswith("float")
+              else isinstance(arg, int) and not isinstance(arg, bool) and -2**31 <= arg < 2**31)
+        return None if ok else f"{want} scalar got {arg!r}"
+    assert isinstance(constraint, ArrayConstraint)
+    if not isinstance(arg, torch.Tensor):
+        return f"array got {type(arg).__name__}"
+    if (emulate.torch_dtype(constraint.dtype), constraint.ndim) != (arg.dtype, arg.dim()):
+        return f"{constraint.dtype.name} {constraint.ndim}-D got {arg.dtype} {arg.dim()}-D"
+    if arg.data_ptr() % constraint.base_addr_divisible_by:
+        return f"base not {constraint.base_addr_divisible_by}-byte aligned"
+    for i in range(arg.dim()):
+        stride, size = arg.stride(i), arg.shape[i]
+        if constraint.stride_constant[i] not in (None, stride):
+            return f"axis {i}: stride {stride}, cubin assumes {constraint.stride_constant[i]}"
+        if size > 1 and stride % constraint.stride_divisible_by[i]:
+            return f"axis {i}: stride {stride} not a multiple of {constraint.stride_divisible_by[i]}"
+        if size % constraint.shape_divisible_by[i]:
+            return f"axis {i}: size {size} not a multiple of {constraint.shape_divisible_by[i]}"
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(AOT_BACKWARD_CASES))
+def test_backward_launches_are_covered_by_the_exported_aot_signatures(name):
+    from specgen.compile.export import backward_signatures
+    from specgen.plan import make_plan
+    from specgen.spec import load_spec
+
+    overrides = AOT_BACKWARD_CASES[name]
+    if overrides is None:
+        plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
+        module = _module(name)
+    else:
+        data = prefill_variant_data(name, overrides)
+        plan, _ = render_spec_data(data)
+        module = _emulated(data, f"aot_{name}")
+    exported = backward_signatures(plan)
+    launches, run = [], module.ct.launch
+
+    def record(stream, grid, kernel, args, **options):
+        launches.append((getattr(kernel, "_pyfunc", kernel).__name__, args))
+        run(stream, grid, kernel, args, **options)
+
+    module.ct.launch = record
+    case = (Case(2, 1, 0, 0, lengths=((70, 130), (1, 1))) if module.SPEC["varlen"]
+            else Case(1, 1, 130, 200, 70))
+    row = _run(module, case)
+    assert row["ok"] and row.get("grad_ok"), case_verdict(row)
+    backward = [(n, a) for n, a in launches if n in plan.bwd_names]
+    assert sorted({n for n, _ in backward}) == sorted(plan.bwd_names)
+    for kernel_name, args in backward:
+        reasons = []
+        for sig in exported[kernel_name]:
+            if len(sig.parameters) != len(args):
+                reasons.append(f"{len(sig.parameters)} parameters, {len(args)} arguments")
+                continue
+            broken = [f"#{i}: {why}" for i, (c, a) in enumerate(zip(sig.parameters, args))
+                      if (why := _meets(c, a))]
+            if not broken:
+                break
+            reasons.append("; ".join(broken))
+        else:
+            pytest.fail(f"{kernel_name}: no exported signature covers the launch: {reasons}")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specgen.check import emulate
+from specgen.check.cases import reference_for
 from specgen.check.runner import Case, case_verdict, run_case
 
 from .helpers import (
@@ -557,11 +558,16 @@ def test_backward_launches_are_covered_by_the_exported_aot_signatures(name):
     overrides = AOT_BACKWARD_CASES[name]
     if overrides is None:
         plan = make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
-        module = _module(name)
+        source = (ROOT / "generated" / f"{name}.py").read_text()
     else:
-        data = prefill_variant_data(name, overrides)
-        plan, _ = render_spec_data(data)
-        module = _emulated(data, f"aot_{name}")
+        plan, source = render_spec_data(prefill_variant_data(name, overrides))
+    # An op name of its own: the op of a module loaded earlier in this process under
+    # the spec's name would run that module's launches, not this one's.
+    op = f'OP_NAME = "specgen::{plan.module_name}"'
+    assert source.count(op) == 1
+    source = source.replace(op, f'OP_NAME = "specgen::{plan.module_name}_aot_check"')
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name=f"_test_emulated_aot_{name}")
     exported = backward_signatures(plan)
     launches, run = [], module.ct.launch
 
@@ -589,3 +595,33 @@ def test_backward_launches_are_covered_by_the_exported_aot_signatures(name):
             reasons.append("; ".join(broken))
         else:
             pytest.fail(f"{kernel_name}: no exported signature covers the launch: {reasons}")
+
+
+def test_float8_prefill_descales_are_made_once_and_applied():
+    """Float descales (the same three every call) become one [3] tensor per device and
+    values, so a call launches nothing for them; one-element tensors are read as
+    given (no host sync); each descale reaches the output; bad ones are refused."""
+    module = _module("fmha_fp8_llama")
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 8, 70, 128, generator=gen).to(torch.float8_e4m3fn)
+    k, v = (torch.randn(1, 1, 90, 128, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
+    device = torch.device("cpu")
+    first = module._descales(device, q_descale=0.5, k_descale=1.0, v_descale=2.0)
+    assert first is module._descales(device, q_descale=0.5, k_descale=1.0, v_descale=2.0)
+    assert first.tolist() == [0.5, 1.0, 2.0] and first.dtype == torch.float32
+    mixed = module._descales(device, q_descale=torch.tensor([0.5], dtype=torch.bfloat16), k_descale=1.0,
+                             v_descale=torch.tensor(2.0))
+    assert mixed.tolist() == [0.5, 1.0, 2.0] and mixed is not first
+    with pytest.raises(ValueError, match="k_descale must be a positive float"):
+        module._descales(device, q_descale=1.0, k_descale=-1.0, v_descale=1.0)
+    with pytest.raises(ValueError, match="v_descale must be a positive float or a one-element float tensor on"):
+        module._descales(device, q_descale=1.0, k_descale=1.0, v_descale=torch.ones(2))
+    with emulate.emulating():
+        base = module.attention(q, k, v).float()
+        scaled = module.attention(q, k, v, q_descale=0.5, k_descale=1.0, v_descale=2.0).float()
+        by_tensor = module.attention(q, k, v, v_descale=torch.tensor([2.0])).float()
+    ref, _ = reference_for(module.SPEC, q.double(), k.double(), v.double(), {})
+    ref_scaled, _ = reference_for(module.SPEC, q.double() * 0.5, k.double(), v.double() * 2.0, {})
+    assert (base - ref).abs().max() < 2e-2 * ref.abs().max()
+    assert (scaled - ref_scaled).abs().max() < 2e-2 * ref_scaled.abs().max()
+    assert torch.allclose(by_tensor, 2 * base, rtol=1e-2, atol=1e-2)

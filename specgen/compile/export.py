@@ -288,7 +288,7 @@ def backward_signatures(plan: Plan) -> dict:
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
     # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes
     # that factor and the array it stores the product in.
-    q_s = [qkv, ScalarConstraint(ct.float32)] if plan.bwd_q_in_dq else []
+    q_s = [qkv, ScalarConstraint(ct.float32)] if plan.bwd_prescale else []
     return {
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + order + [tile_m, tile_n],
                                convention)],

@@ -270,17 +270,12 @@ class Plan:
     def bwd_prescale(self) -> str | None:
         """What the forward multiplies Q by before rounding it (prescale_q), as the
         kernels write it from qk_scale; None without prescale_q. The backward takes
-        that rounded Q for its scores, so that P = exp(S - lse) is the forward's."""
+        that rounded Q for its scores, so that P = exp(S - lse) is the forward's: its
+        dQ kernel forms Q * pre from Q and stores it for the dK/dV kernel (every query
+        row belongs to one dQ tile)."""
         if not self.prescale_q:
             return None
         return "qk_scale / SOFTCAP" if self.softcap is not None else self.scale_expr
-
-    @property
-    def bwd_q_in_dq(self) -> bool:
-        """The dQ kernel forms Q * pre (prescale_q) from Q and stores it for the dK/dV
-        kernel, instead of a pass of its own over Q before the launches: every query
-        row belongs to one dQ tile."""
-        return bool(self.bwd_prescale)
 
     @property
     def bwd_masked(self) -> bool:

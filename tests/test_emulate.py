@@ -91,6 +91,15 @@ def test_a_broken_kernel_fails_the_emulated_check(what):
     assert not all(row["ok"] for row in rows), what
 
 
+def _own_op(source: str, module_name: str, suffix: str) -> str:
+    """A training module's text with its custom op renamed. A module registers its op
+    once per process under its spec's name, and a second module of that name would
+    run the first one's op, and so its kernels."""
+    op = f'OP_NAME = "specgen::{module_name}"'
+    assert source.count(op) == 1
+    return source.replace(op, f'OP_NAME = "specgen::{module_name}_{suffix}"')
+
+
 # The same for the backward (text of fmha_train_gqa_causal's dQ kernel, which forms D
 # and Q * pre for the dK/dV kernel launched after it).
 BACKWARD_MUTATIONS = {
@@ -107,12 +116,7 @@ def test_a_broken_backward_fails_the_emulated_gradient_check(what):
     old, new = BACKWARD_MUTATIONS[what]
     source = (ROOT / "generated" / "fmha_train_gqa_causal.py").read_text()
     assert source.count(old) == 1, what
-    # A module registers its custom op once per process under its spec's name: the
-    # broken one gets a name of its own, or its gradients would come from the op (and
-    # kernels) of an intact module loaded earlier in this process.
-    op = 'OP_NAME = "specgen::fmha_train_gqa_causal"'
-    assert source.count(op) == 1
-    source = source.replace(op, f'OP_NAME = "specgen::fmha_train_gqa_causal_broken_{sorted(BACKWARD_MUTATIONS).index(what)}"')
+    source = _own_op(source, "fmha_train_gqa_causal", f"broken_{sorted(BACKWARD_MUTATIONS).index(what)}")
     broken = _module("fmha_train_gqa_causal", source.replace(old, new))
     rows = [_run(broken, case) for case in (Case(1, 1, 130, 300, 170), Case(1, 1, 200, 200))]
     assert all("grad_ok" in row for row in rows)
@@ -561,11 +565,7 @@ def test_backward_launches_are_covered_by_the_exported_aot_signatures(name):
         source = (ROOT / "generated" / f"{name}.py").read_text()
     else:
         plan, source = render_spec_data(prefill_variant_data(name, overrides))
-    # An op name of its own: the op of a module loaded earlier in this process under
-    # the spec's name would run that module's launches, not this one's.
-    op = f'OP_NAME = "specgen::{plan.module_name}"'
-    assert source.count(op) == 1
-    source = source.replace(op, f'OP_NAME = "specgen::{plan.module_name}_aot_check"')
+    source = _own_op(source, plan.module_name, "aot_check")
     module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
                                  name=f"_test_emulated_aot_{name}")
     exported = backward_signatures(plan)

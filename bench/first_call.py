@@ -10,7 +10,8 @@ processes with an empty cuTile cache (CUDA_TILE_CACHE_DIR):
 - jit-warm: SPECGEN_AOT=0 with the cuTile disk cache a jit run left (tileiras skipped);
 - aot:      the module's cubins from <module>.aot/.
 
-A child imports the module, makes inputs, calls it once and synchronises; it reports
+A child imports the module, makes inputs, calls it once and synchronises (a training
+spec's module then runs its backward once as well); it reports
 the times, how each kernel's first call was served, and the largest difference from
 the same call through torch's SDPA (decode: from the module's own JIT result).
 """
@@ -50,12 +51,24 @@ else:
     B, Sq, hkv = 2, 2048, 4
     q, k, v = rnd(B, hkv * ratio, Sq, d), rnd(B, hkv, Sq, d), rnd(B, hkv, Sq, d)
     args, kwargs = (q, k, v), {}
+training = S["family"] != "decode" and S.get("backward", False)
+if training:
+    for t in (q, k, v):
+        t.requires_grad_(True)
 torch.cuda.synchronize()
 t1 = time.perf_counter()
 out = m.attention(*args, **kwargs)
 out = out[0] if isinstance(out, tuple) else out
 torch.cuda.synchronize()
 t_first = time.perf_counter() - t1
+t_backward = None
+if training:  # the backward kernels' first calls too
+    t2 = time.perf_counter()
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    torch.cuda.synchronize()
+    t_backward = time.perf_counter() - t2
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    out = out.detach()
 err = None
 if S["family"] != "decode":
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -64,7 +77,7 @@ if S["family"] != "decode":
     err = (out.float() - ref).abs().max().item()
 kernels = [v for v in vars(m).values() if isinstance(v, m.AotKernel)]
 kernels += [v for v in getattr(m, "_KERNELS", {}).values() if isinstance(v, m.AotKernel)]
-print(json.dumps({"t_import": t_import, "t_first_call": t_first,
+print(json.dumps({"t_import": t_import, "t_first_call": t_first, "t_first_backward": t_backward,
                   "t_total": time.perf_counter() - t0,
                   "aot_hits": sum(k.aot_hits for k in kernels),
                   "jit_compiles": sum(k.jit_compiles for k in kernels),

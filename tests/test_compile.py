@@ -37,10 +37,11 @@ def test_shipped_spec_compiles(path, target):
     # One cubin per kernel of each distinct launch config (by_seq_k buckets and the
     # own config): decode adds its combine, backward: true its two kernels (dQ,
     # which also forms D, and dK/dV). block_sparse adds the map kernel (decode: its
-    # two, classifying and listing).
+    # two, classifying and listing). A module with v_transposed configs has one V
+    # transpose kernel per target.
     per_config = ((2 if plan.spec.family == "decode" else 3 if plan.backward else 1)
                   + plan.block_sparse * (2 if plan.spec.family == "decode" else 1))
-    assert len(result.paths) == per_config * len(target_configs(plan, target))
+    assert len(result.paths) == per_config * len(target_configs(plan, target)) + plan.v_layout_param
     assert len(set(result.paths)) == len(result.paths)
     sizes = [p.stat().st_size for p in result.paths]
     assert all(p.read_bytes()[:4] == b"\x7fELF" for p in result.paths)
@@ -130,7 +131,9 @@ def test_v_transposed_is_a_kernel_constant_compiled_per_config():
     assert "order=(0, 1, 3, 2)" in source.split("if V_TRANSPOSED:")[1].split("else:")[0]
     assert len({cache_key(plan, source, "sm_90", c) for c in configs}) == 2
     result = compile_target(plan, source, "generated/vt.py", "sm_90")
-    assert len(result.paths) == 2 and all(p.stat().st_size > 0 for p in result.paths)
+    # Both configs' kernels and one V transpose kernel (no tiles of the configs).
+    assert len(result.paths) == 3 and all(p.stat().st_size > 0 for p in result.paths)
+    assert sum(plan.v_transpose_kernel_name in p.name for p in result.paths) == 1
 
 
 def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
@@ -236,7 +239,7 @@ def test_float8_prefill_reads_v_transposed_by_default():
     plan, source = _plan_and_source(fp8)
     assert plan.v_layout_param
     assert all(c.v_transposed for t in plan.targets for c in t.configs)
-    assert '"v_transposed": True' in source and "return v_t.copy_(v.transpose(2, 3))" in source
+    assert '"v_transposed": True' in source and f"def {plan.v_transpose_kernel_name}(V, VT" in source
     assert "v_arg = transposed_v(v) if v_transposed else v" in source
     # 16-bit specs keep V as given, and their kernels have no V_TRANSPOSED argument.
     assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).v_layout_param

@@ -625,3 +625,57 @@ def test_float8_prefill_descales_are_made_once_and_applied():
     assert (base - ref).abs().max() < 2e-2 * ref.abs().max()
     assert (scaled - ref_scaled).abs().max() < 2e-2 * ref_scaled.abs().max()
     assert torch.allclose(by_tensor, 2 * base, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("label", ["float8", "padded_v_head_dim"])
+def test_the_v_transpose_kernel_copies_v_exactly(label):
+    """transposed_v (the kernel configs with v_transposed read V through) is V's exact
+    transpose on ragged key counts and strided views, [B, Hkv, Dv, Skv] with rows of
+    16 elements; bad input is a ValueError."""
+    if label == "float8":
+        module = _module("fmha_fp8_llama")
+        dtype, width = torch.float8_e4m3fn, 128
+    else:
+        data = prefill_variant_data("v_transpose", {
+            "head_dim": 96, "v_head_dim": 80, "prescale_q": False,
+            "targets": {"default": {"tile_m": 64, "tile_n": 64, "v_transposed": True}}})
+        module = _emulated(data, "v_transpose")
+        dtype, width = torch.float16, 80
+    gen = torch.Generator().manual_seed(5)
+    for batch, heads, keys in ((1, 1, 1), (2, 3, 67), (1, 2, 200)):
+        full = torch.randn(batch, heads, keys + 5, width + 8, generator=gen).to(dtype)
+        v = full[:, :, 5:, 8:]  # strided: rows of width + 8, an offset base
+        with emulate.emulating():
+            v_t = module.transposed_v(v)
+        assert v_t.shape == (batch, heads, width, keys)
+        assert v_t.stride(2) % 16 == 0 and v_t.stride(3) == 1
+        assert torch.equal(v_t.float(), v.transpose(2, 3).float())
+    # The launch a contiguous V makes is one the exported AOT signature covers.
+    from specgen.compile.export import v_transpose_signatures
+
+    launches, run = [], module.ct.launch
+
+    def record(stream, grid, kernel, args, **options):
+        launches.append(args)
+        run(stream, grid, kernel, args, **options)
+
+    module.ct.launch = record
+    try:
+        with emulate.emulating():
+            module.transposed_v(torch.randn(2, 2, 77, width, generator=gen).to(dtype))
+    finally:
+        module.ct.launch = run
+    from specgen.plan import make_plan
+    from specgen.spec import validate_spec
+
+    (sig,) = v_transpose_signatures(make_plan(validate_spec(module.SPEC))).popitem()[1]
+    (args,) = launches
+    assert len(sig.parameters) == len(args)
+    assert not [why for c, a in zip(sig.parameters, args) if (why := _meets(c, a))]
+    with emulate.emulating():
+        with pytest.raises(ValueError, match=r"v must be a \[B, Hkv, Skv, "):
+            module.transposed_v(torch.zeros(1, 1, 4, width + 1).to(dtype))
+        with pytest.raises(ValueError, match="v must be a"):
+            module.transposed_v(torch.zeros(1, 1, 4, width))  # float32
+        with pytest.raises(ValueError, match="v must be a"):
+            module.transposed_v(torch.zeros(1, 1, width, 4).to(dtype).transpose(2, 3))

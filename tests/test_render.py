@@ -279,3 +279,28 @@ def test_qk_ahead_forms_each_tile_once_ahead_and_runs_the_last_after_the_loops()
                            "fmha_prefill")
     for block in masked.split("j_next = ")[1:]:
         assert "check_bounds=False" not in block[:block.index("s_next")]
+
+
+# Arrays a kernel launched with programmatic dependent launch may read only after its
+# wait: what the grid before it writes. A load of one before
+# ct.grid_dependency_control_wait() could read data the previous kernel has not stored.
+_DEPENDENT_READ = r"(?:ct\.load|ct\.gather|_rows|_row_values|_packed_rows|_packed_values)\(\s*({names})s?\b"
+
+
+def _reads_before_wait(kernel: str, names: str) -> list[str]:
+    before, wait, _ = kernel.partition("ct.grid_dependency_control_wait()")
+    assert wait, "the kernel has no grid_dependency_control_wait()"
+    return re.findall(_DEPENDENT_READ.format(names=names), before)
+
+
+def test_float8_attention_waits_for_the_v_transpose_before_reading_v():
+    """The float8 attention grid launches with programmatic dependent launch after
+    the V transpose kernel: that kernel lets it launch first thing, and it reads no V
+    before its wait."""
+    text = (ROOT / "generated" / "fmha_fp8_llama.py").read_text()
+    kernel = kernel_source(text, "fmha_prefill_")
+    assert not _reads_before_wait(kernel, "V")
+    assert "if V_TRANSPOSED:\n        # V comes from transposed_v's kernel" in kernel
+    transpose = kernel_source(text, "fmha_transpose_v_")
+    assert transpose.split('"""')[2].strip().splitlines()[2].strip() == "ct.grid_dependency_control_launch_dependents()"
+    assert "programmatic_dependent_launch=pdl" in text and "pdl = bool(v_transposed and V_PDL) and _pdl(q.device)" in text

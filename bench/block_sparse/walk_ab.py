@@ -68,43 +68,57 @@ def modules(spec_path: str, old_dir: Path, variants=()):
     return plan, mods
 
 
+def backward_calls(plan, mods: dict, seq: int):
+    """For each module, a call of its `_backward` on the backward suite's inputs at
+    length ``seq`` (its own block maps built first, not timed) and the gradients it
+    gave; and the suite's FLOPs of one call. -> (calls, grads, flops)"""
+    kv_heads = HEADS // plan.group_size
+    gen = torch.Generator(device="cuda").manual_seed(seq)
+    q, k, v = random_qkv(plan.spec_dict, BATCH, kv_heads, seq, seq, generator=gen)
+    dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+    extra = feature_inputs(plan.spec_dict, shape_dims(q, k), gen)
+    tensors = {n: extra[n] for n in plan.spec_dict["tensors"]}
+    flops = (int(BACKWARD_FLOP_FACTOR * mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq))
+             if plan.mask_mod else backward_flops(plan, BATCH, HEADS, seq, seq))
+    scale = 1.0 / math.sqrt(plan.head_dim)
+    calls, grads = {}, {}
+    for name, mod in mods.items():
+        # _backward's extra positional tensors (sinks, hook tensors) follow q_offset.
+        params = list(inspect.signature(mod._backward).parameters)
+        positional = [extra[p] for p in params[params.index("q_offset") + 1:] if p in extra]
+        kwargs, maps = {}, {}
+        if hasattr(mod, "make_block_map"):
+            block_map = mod.make_block_map(BATCH, HEADS, seq, seq, device=q.device, backward=True, **tensors)
+            kwargs["block_map"] = block_map
+            maps = dict(zip(("dq_counts", "dq_indices", "kv_counts", "kv_indices"), block_map.grads))
+        out, lse = mod._forward(q, k, v, scale=scale, **extra, **kwargs)
+
+        def call(mod=mod, out=out, lse=lse, maps=maps, positional=positional):
+            return mod._backward(q, k, v, out, lse, dout, scale, 0, *positional, **maps)
+
+        calls[name], grads[name] = call, call()
+    torch.cuda.synchronize()
+    return calls, grads, flops
+
+
+def medians(calls: dict) -> tuple[dict, dict]:
+    """ROUNDS do_bench medians of each call, the calls alternately: (the median of
+    the rounds, every round's) in ms, by name."""
+    times = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            times[name].append(median_ms(call))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}, times
+
+
 def run_spec(spec_path: str, old_dir: Path, seqs, variants=()) -> list:
     plan, mods = modules(spec_path, old_dir, variants)
     rows = []
     for seq in seqs:
-        kv_heads = HEADS // plan.group_size
-        gen = torch.Generator(device="cuda").manual_seed(seq)
-        q, k, v = random_qkv(plan.spec_dict, BATCH, kv_heads, seq, seq, generator=gen)
-        dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
-        extra = feature_inputs(plan.spec_dict, shape_dims(q, k), gen)
-        tensors = {n: extra[n] for n in plan.spec_dict["tensors"]}
-        flops = (int(BACKWARD_FLOP_FACTOR * mask_mod_flops(torch, plan, extra, BATCH, HEADS, seq, seq))
-                 if plan.mask_mod else backward_flops(plan, BATCH, HEADS, seq, seq))
-        scale = 1.0 / math.sqrt(plan.head_dim)
-        calls, grads = {}, {}
-        for name, mod in mods.items():
-            # _backward's extra positional tensors (sinks, hook tensors) follow q_offset.
-            params = list(inspect.signature(mod._backward).parameters)
-            positional = [extra[p] for p in params[params.index("q_offset") + 1:] if p in extra]
-            kwargs, maps = {}, {}
-            if hasattr(mod, "make_block_map"):
-                block_map = mod.make_block_map(BATCH, HEADS, seq, seq, device=q.device, backward=True, **tensors)
-                kwargs["block_map"] = block_map
-                maps = dict(zip(("dq_counts", "dq_indices", "kv_counts", "kv_indices"), block_map.grads))
-            out, lse = mod._forward(q, k, v, scale=scale, **extra, **kwargs)
-
-            def call(mod=mod, out=out, lse=lse, maps=maps, positional=positional):
-                return mod._backward(q, k, v, out, lse, dout, scale, 0, *positional, **maps)
-
-            calls[name], grads[name] = call, call()
-        torch.cuda.synchronize()
+        calls, grads, flops = backward_calls(plan, mods, seq)
         largest = max(g.abs().max().item() for g in grads["new"][:3])
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["old"][:3], grads["new"][:3]))
-        times = {name: [] for name in mods}
-        for _ in range(ROUNDS):
-            for name, call in calls.items():
-                times[name].append(median_ms(call))
-        ms = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        ms, times = medians(calls)
         speed = {n: ms["old"] / t for n, t in ms.items() if n != "old"}
         row = dict(spec=plan.module_name, seq=seq, flops=flops, ms=ms, ms_rounds=times,
                    tflops={n: flops / (t * 1e9) for n, t in ms.items()}, new_over_old=speed["new"],

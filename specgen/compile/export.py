@@ -111,10 +111,13 @@ def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None =
 def kernel_builds(plan: Plan, config: ConfigPlan, target: str) -> list[tuple[str, list | None]]:
     """Every kernel a config compiles for ``target``, main kernel first: (name, its
     signatures, or None for the spec's own). Decode adds its combine kernel,
-    backward: true the three backward kernels."""
+    backward: true the backward kernels, v_transposed configs the V transpose
+    kernel (with the target's first config only: it has no tiles of the configs)."""
     if plan.spec.family == "decode":
         return list(decode_signatures(plan, config, target).items())
     builds: list[tuple[str, list | None]] = [(plan.kernel_name, None)]
+    if plan.v_layout_param and config == target_configs(plan, target)[0]:
+        builds += list(v_transpose_signatures(plan).items())  # one build per target
     if plan.block_sparse:
         builds += list(block_map_signatures(plan, config).items())
     if plan.backward:
@@ -251,6 +254,21 @@ def block_map_signatures(plan: Plan, config: ConfigPlan) -> dict:
     convention = CallingConvention.cutile_python_v1()
     return {plan.map_kernel_name: [KernelSignature(tables + hooks + scalars + list(shape), convention)
                                    for shape in dict.fromkeys(shapes)]}
+
+
+def v_transpose_signatures(plan: Plan) -> dict:
+    """The V transpose kernel of a module with v_transposed configs: V [B, Hkv, Skv,
+    Dv] as the attention kernel takes it, VT [B, Hkv, Dv, Skv] with 16-element rows
+    (transposed_v makes it), and its keys per CTA."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+
+    io = getattr(ct, plan.dtype)
+    elem_bytes = 1 if plan.dtype == "float8_e4m3fn" else 2
+    v = _array_constraint(io, 4, elem_bytes, True, last_dim=plan.v_head_dim)
+    v_t = _array_constraint(io, 4, elem_bytes, True)
+    return {plan.v_transpose_kernel_name: [KernelSignature([v, v_t, plan.v_transpose_keys],
+                                                           CallingConvention.cutile_python_v1())]}
 
 
 def backward_signatures(plan: Plan) -> dict:

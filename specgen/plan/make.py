@@ -261,6 +261,14 @@ class Plan:
         where the mask_mod reads h, else one per query token (padded to a power of two)."""
         return self.decode_tile_m if self.map_per_head else _pow2_ceil(self.max_q_len)
 
+    # Keys per CTA of the V transpose kernel (its TILE_S).
+    v_transpose_keys = 64
+
+    @property
+    def v_transpose_kernel_name(self) -> str:
+        """The kernel that copies V to [B, Hkv, D, Skv] for configs with v_transposed."""
+        return self.kernel_name.replace("fmha_prefill", "fmha_transpose_v", 1)
+
     @property
     def map_list_kernel_name(self) -> str:
         """A decode map's second kernel, which lists the tiles the first classified."""

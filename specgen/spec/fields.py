@@ -257,8 +257,9 @@ class LaunchConfig(_Strict):
     )
     v_transposed: Optional[bool] = Field(
         None,
-        description="Prefill: the launcher hands the kernel V as [B, Hkv, D, Skv] (one "
-        "transposing copy per call, counted in its time), so the P @ V MMA reads its "
+        description="Prefill: the launcher hands the kernel V as [B, Hkv, D, Skv] (a "
+        "copy per call by the module's transpose kernel, counted in its time), so the "
+        "P @ V MMA reads its "
         "B operand K-major, the layout Hopper's float8 MMA needs (with V as given, "
         "the kernel transposes every V tile through shared memory byte by byte). "
         "null: true for float8 prefill, false otherwise. Not for varlen or decode.",

@@ -56,7 +56,9 @@ def host_us(fn, calls: int) -> float:
 def gpu_us(fn) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+    from specgen.bench.core import median_ms
+
+    return median_ms(do_bench, fn) * 1e3
 
 
 def run_spec(spec_path: str, seq: int, calls: int) -> dict:

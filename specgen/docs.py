@@ -704,26 +704,19 @@ def _cell_error(timing: dict | None) -> str:
     return "n/a: " + reason.replace("|", "/")
 
 
-def _read_result_text(path: Path) -> str:
-    """A result file's text; any of them may be kept gzipped (.json.gz)."""
-    from specgen.bench.core import read_result_text
-
-    return read_result_text(path)
-
-
 def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path, str | None]]:
     """(bench results with their paths, {other JSON file: the GPU it names}), in path
     order. Any of them may be gzipped (.json.gz). The other files are the bench
     scripts' ``{"device": "<name>", ...}`` (their device read once, here), or None
     where a file names no device or is not JSON. A bench result of an unknown suite
     or schema version, or one kept both plain and gzipped, raises DocsError."""
-    from specgen.bench.core import result_stem, upgrade
+    from specgen.bench.core import read_result_text, result_stem, upgrade
 
     bench, other, stems = [], {}, {}
     paths = sorted([*results_dir.rglob("*.json"), *results_dir.rglob("*.json.gz")], key=result_stem)
     for path in paths:
         try:
-            data = json.loads(_read_result_text(path))
+            data = json.loads(read_result_text(path))
         except (OSError, ValueError):
             if path.name.endswith(".gz"):  # the experiments' own files: listed as they are
                 other[path] = None

@@ -303,4 +303,4 @@ def test_float8_attention_waits_for_the_v_transpose_before_reading_v():
     assert "if V_TRANSPOSED:\n        # V comes from transposed_v's kernel" in kernel
     transpose = kernel_source(text, "fmha_transpose_v_")
     assert transpose.split('"""')[2].strip().splitlines()[2].strip() == "ct.grid_dependency_control_launch_dependents()"
-    assert "programmatic_dependent_launch=pdl" in text and "pdl = bool(v_transposed and V_PDL) and _pdl(q.device)" in text
+    assert "programmatic_dependent_launch=pdl" in text and "pdl = bool(v_transposed and V_PDL) and _device_configs(q.device)[1] >= 9" in text

@@ -43,27 +43,14 @@ def fa3():
         return None
 
 
-def graph_ms(fn) -> float:
-    """Median ms of one call replayed from a CUDA graph."""
-    from triton.testing import do_bench
-
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seqs", default=",".join(map(str, SEQS)))
     args = parser.parse_args()
     from triton.testing import do_bench
+
+    from specgen.bench.core import graph_time_ms, median_ms
     module, flash = load_module(), fa3()
     fp8 = torch.float8_e4m3fn
     rows = []
@@ -73,17 +60,17 @@ def main() -> None:
                    for shape in ((BATCH, HEADS, seq, D), (BATCH, KV_HEADS, seq, D), (BATCH, KV_HEADS, seq, D)))
         qd, kd, vd = DESCALES
         v_t = module.transposed_v(v)
-        copy_made = module.transposed_v
+        copy_made = module._transpose_v  # what attention calls
 
         def shipped():
             return module.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
 
         def pre_transposed():
-            module.transposed_v = lambda _v: v_t
+            module._transpose_v = lambda _v: v_t
             try:
                 return module.attention(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
             finally:
-                module.transposed_v = copy_made
+                module._transpose_v = copy_made
 
         def no_pdl():
             module.V_PDL = False
@@ -111,8 +98,8 @@ def main() -> None:
         torch.cuda.synchronize()
         assert torch.equal(a, b), "the pre-transposed V changed the output"
         flops = 4 * BATCH * HEADS * seq * seq * D // 2  # causal: half the pairs
-        eager = {n: do_bench(f, warmup=25, rep=200, return_mode="median") for n, f in calls.items()}
-        graph = {n: graph_ms(f) for n, f in calls.items()}
+        eager = {n: median_ms(do_bench, f) for n, f in calls.items()}
+        graph = {n: graph_time_ms(torch, f, do_bench) for n, f in calls.items()}
         row = dict(seq=seq, flops=flops, ms=eager, ms_graph=graph,
                    tflops={n: flops / (t * 1e9) for n, t in eager.items() if n != "v_copy_alone"},
                    tflops_graph={n: flops / (t * 1e9) for n, t in graph.items() if n != "v_copy_alone"})

@@ -757,11 +757,12 @@ def _files_line(path: Path, link_base: Path) -> str:
 
     from specgen.bench.core import result_stem
 
+    # The bench's own markdown table beside the JSON is not linked: this page holds
+    # the same table, and the repository keeps the JSON and the plot only.
     files = [f"[JSON]({link(path)})"]
-    for ext, label in ((".md", "table"), (".png", "plot")):
-        sibling = Path(f"{result_stem(path)}{ext}")
-        if sibling.is_file():
-            files.append(f"[{label}]({link(sibling)})")
+    plot = Path(f"{result_stem(path)}.png")
+    if plot.is_file():
+        files.append(f"[plot]({link(plot)})")
     return "Files: " + ", ".join(files) + "."
 
 
@@ -1035,9 +1036,9 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None) -> st
         if extra:
             lines += ["### Other result files", "",
                       "Tuning reports (`tune-*`), variant runs (`variants-*`) and other "
-                      "measurements, as written:", ""]
+                      "measurements, as written, in the folder linked above:", ""]
             for p in extra:
-                lines.append(f"- [`{p.name}`]({Path(os.path.relpath(p, link_base)).as_posix()})")
+                lines.append(f"- `{p.name}`")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"
 

@@ -181,7 +181,8 @@ def test_performance_reads_every_schema_version(tmp_path):
 
 def test_performance_reads_gzipped_bench_results(tmp_path):
     """A bench result kept as <stem>.json.gz gets its table like a plain one, with its
-    table and plot linked beside it; the same result kept plain and gzipped is refused."""
+    plot linked beside it (not the bench's markdown table, which the page repeats);
+    the same result kept plain and gzipped is refused."""
     import gzip
     import shutil
 
@@ -192,10 +193,12 @@ def test_performance_reads_gzipped_bench_results(tmp_path):
     folder.mkdir(parents=True)
     source = h200 / "fmha_chunked_local-prefill.json"
     (folder / "a-prefill.json.gz").write_bytes(gzip.compress(source.read_bytes()))
-    shutil.copy(source.with_suffix(".md"), folder / "a-prefill.md")
+    (folder / "a-prefill.md").write_text("| the bench's own table |\n")
+    shutil.copy(source.with_suffix(".png"), folder / "a-prefill.png")
     page = performance_markdown(tmp_path / "results")
     assert "#### `fmha_chunked_local`, prefill" in page
-    assert "[JSON](" in page and "a-prefill.json.gz)" in page and "a-prefill.md)" in page
+    assert "[JSON](" in page and "a-prefill.json.gz)" in page and "a-prefill.png)" in page
+    assert "a-prefill.md" not in page  # the page holds that table itself
     shutil.copy(source, folder / "a-prefill.json")
     with pytest.raises(DocsError, match="kept twice"):
         performance_markdown(tmp_path / "results")
@@ -289,5 +292,5 @@ def test_gzipped_script_results_are_listed_with_the_other_files(tmp_path):
     folder.mkdir(parents=True)
     (folder / "ceiling-run.json.gz").write_bytes(gzip.compress(b'{"device": "NVIDIA H200", "rows": []}'))
     page = performance_markdown(tmp_path / "results")
-    assert "\n## NVIDIA H200 (" in page
-    assert "- [`ceiling-run.json.gz`](" in page and "/results/h200/ceiling-run.json.gz)" in page
+    assert "\n## NVIDIA H200 ([`" in page and "/results/h200/`](" in page  # the folder's link
+    assert "\n- `ceiling-run.json.gz`\n" in page

@@ -47,7 +47,7 @@ DECODE_CASES = [
     (lambda: {"seq_lens": [5, 6]}, {}, "seq_lens must be an int32 [2] tensor on cuda:0, got list"),
     (lambda: {"q": torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16)}, {}, "q must be a CUDA tensor on q's device, got cpu"),
     (dict, {"max_seq_len": 65}, "max_seq_len must be an int in [1, 64] or None, got 65"),
-    (dict, {"scale": 0.0}, "scale must be a positive finite float or None, got 0.0"),
+    (dict, {"scale": 0.0}, "scale must be a positive finite float in float32's normal range, got 0.0"),
     (lambda: {"out": _bf16(2, 1, 16, 64)}, {}, "out must be a torch.bfloat16 tensor of shape (2, 1, 16, 128)"),
 ]
 

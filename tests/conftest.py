@@ -35,7 +35,25 @@ def _test_caches() -> Path:
     return Path(tempfile.gettempdir()) / f"specgen-test-caches-{os.getuid()}"
 
 
+def _one_core_per_worker() -> None:
+    """Under xdist each worker gets its share of the cores, and torch (and the
+    processes a test starts: they inherit OMP_NUM_THREADS) one thread per core of it.
+    torch's default, a thread per core of the machine in every worker, leaves
+    OpenMP's threads spinning at each barrier for a core the other worker holds: on
+    2 cores, a 16x128 @ 128x32 matmul of an emulated kernel took 3-15 ms instead of
+    5 us, and the emulated tests took most of the suite."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    os.environ.setdefault("MKL_NUM_THREADS", threads)
+    if "torch" in sys.modules:  # imported before this hook: set its pool directly
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_configure(config):
+    _one_core_per_worker()
     caches = _test_caches()
     os.environ.setdefault("SPECGEN_TEST_CACHE", str(caches / "cubins"))
     os.environ["SPECGEN_CACHE_DIR"] = os.environ["SPECGEN_TEST_CACHE"]

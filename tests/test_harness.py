@@ -106,13 +106,7 @@ def test_fuzz_cases_are_valid_replayable_and_varied():
     (["--fuzz", "8", "-j", "0"], "--jobs: expected a worker count in [1, 64], got 0"),
 ])
 def test_fuzz_arguments_are_checked(args, message):
-    import subprocess
-    import sys
-
-    from .helpers import ROOT
-
-    result = subprocess.run([sys.executable, "-m", "specgen", "test", "specs/fmha_gqa_causal.yaml", *args],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = specgen("test", "specs/fmha_gqa_causal.yaml", *args, cwd=ROOT)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 

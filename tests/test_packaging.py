@@ -17,7 +17,10 @@ DECODE_WITHOUT_TARGETS = "name: llama3_70b_decode\nfamily: decode\ndtype: bfloat
 
 
 def run(*args, cwd=None):
-    result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True)
+    # Without PYTHONPATH: a checkout on it (PYTHONPATH=. pytest) would give the venv's
+    # python the checkout's specgen instead of the wheel's.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, env=env)
     assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 

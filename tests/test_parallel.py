@@ -199,15 +199,14 @@ def test_packed_ring_plans_one_varlen_call_per_step():
 
 def test_spec_field_picks_the_mode_and_refuses_what_a_shard_cannot_compute(tmp_path):
     import importlib.util
-    import subprocess
-    import sys
 
     from tests.helpers import ROOT
+    from tests.test_cli import specgen
 
     spec = tmp_path / "cp_pick.yaml"
     spec.write_text("name: cp_pick\ngqa_ratio: 2\ncontext_parallel: ulysses\n")
-    subprocess.run([sys.executable, "-m", "specgen", "build", str(spec), "--no-compile", "--out", str(tmp_path)],
-                   check=True, cwd=ROOT, capture_output=True)
+    built = specgen("build", spec, "--no-compile", "--out", tmp_path, cwd=ROOT)
+    assert built.returncode == 0, built.stderr
     found = importlib.util.spec_from_file_location("cp_pick", tmp_path / "cp_pick.py")
     module = importlib.util.module_from_spec(found)
     found.loader.exec_module(module)
@@ -217,8 +216,7 @@ def test_spec_field_picks_the_mode_and_refuses_what_a_shard_cannot_compute(tmp_p
         ContextParallelAttention(module, mode="ring")
     bad = tmp_path / "cp_bad.yaml"
     bad.write_text("name: cp_bad\ncontext_parallel: ring\n")
-    done = subprocess.run([sys.executable, "-m", "specgen", "build", str(bad), "--no-compile", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    done = specgen("build", bad, "--no-compile", "--out", tmp_path, cwd=ROOT)
     assert done.returncode == 2
     assert "cp_bad.yaml: context_parallel: 'ring' merges partial results through their LSE: it needs " \
            "return_lse: true or backward: true" in done.stderr

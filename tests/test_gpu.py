@@ -649,7 +649,7 @@ def test_decode_transposed_v_cache_conversion_and_checks():
         with pytest.raises(ValueError) as info:
             mod.attention(batch.q, batch.k_cache, v_bad, batch.seq_lens, **extra)
         assert message in str(info.value), (message, str(info.value))
-    with pytest.raises(ValueError, match=r"v_cache must be a 4-D \[B, max_len, Hkv, 128\] tensor"):
+    with pytest.raises(ValueError, match=r"v_cache must be a 4-D torch.float8_e4m3fn \[B, max_len, Hkv, 128\] tensor"):
         mod.transposed_v_cache(v_t[0])
 
 

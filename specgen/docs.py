@@ -1063,6 +1063,11 @@ def write_docs(root: Path, check: bool = False) -> list[str]:
     generator's output: written (``check=False``) or left as they are (``check=True``,
     the drift a CI check reports)."""
     root = Path(root)
+    # The pages are made from the project's specs/ and bench/results/; a folder
+    # without them is not a project, and gets no docs/.
+    missing = [f"{rel}/" for rel in ("specs", "bench/results") if not (root / rel).is_dir()]
+    if missing:
+        raise DocsError(f"{root} is not a specgen project (it has no {' or '.join(missing)})")
     changed = []
     for rel, text in generated_docs(root).items():
         path = root / rel

@@ -191,3 +191,134 @@ def test_reserved_names_cover_every_generated_signature(path):
     missing = _signature_names(module) - set(spec.tensors) - RESERVED_NAMES - {"ctx", "inputs",
                                                                              "output", "_dlse"}
     assert not missing, f"{module.name}: add {sorted(missing)} to LAUNCHER_ARGUMENTS"
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+def _run(capsys, *args):
+    """main() in-process: (exit code, stdout, stderr lines)."""
+    from specgen.commands.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    (tmp_path / "README.md").write_text("# a file, not a folder\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+SPEC = "specs/fmha_gqa_causal.yaml"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["build", SPEC, "--no-compile", "--gen", "README.md"], "--gen README.md: exists and is not a folder"),
+    (["build", SPEC, "--no-compile", "--gen", "specs/fmha_alibi.yaml"],
+     "--gen specs/fmha_alibi.yaml: exists and is not a folder"),
+    (["build", SPEC, "--no-compile", "--gen", ""], "--gen: expected a folder, got ''"),
+    (["build", SPEC, "--no-compile", "--gen", "README.md/sub"],
+     "specgen build: README.md/sub: Not a directory"),
+    (["test", SPEC, "--emulate", "--gen", "README.md"], "--gen README.md: exists and is not a folder"),
+    (["schema", "--file", "specs"], "--file specs: exists and is not a regular file"),
+    (["schema", "--file", "nowhere/schema.json"], "--file nowhere/schema.json: no such folder nowhere"),
+    (["schema", "--file", ""], "--file: expected a file name, got ''"),
+    (["docs", "--root", "README.md"],
+     "docs: README.md is not a specgen project (it has no specs/ or bench/results/)"),
+    (["docs", "--root", "specs"],
+     "docs: specs is not a specgen project (it has no specs/ or bench/results/)"),
+    (["build", SPEC, "--check", "--force"],
+     "specgen build: --check and --force cannot be combined (--check writes nothing)"),
+    (["test", SPEC, "--fuzz", "5", "--fuzz-case", "0:1"],
+     "specgen test: --fuzz and --fuzz-case cannot be combined (--fuzz-case replays one case)"),
+    (["test", SPEC, "--quick", "--fuzz", "1"],
+     "specgen test: --quick and --fuzz cannot be combined (--fuzz draws its own shapes)"),
+    (["diff", "--templates", SPEC, "--set", "causal=false"],
+     "diff: --templates re-renders specs as they are; it takes no --set"),
+    (["build", SPEC, "--no-compile", "--targets", "sm_90,,sm_100"],
+     "--targets: expected a comma-separated list like sm_90,sm_100 without empty items, got "
+     "'sm_90,,sm_100'"),
+    (["build", SPEC, "--no-compile", "--targets", "sm_90,sm_90"],
+     "--targets: lists sm_90 twice, got 'sm_90,sm_90'"),
+    (["build", SPEC, "--no-compile", "--targets", "sm_91"],
+     f"--targets: 'sm_91' must be a GPU target tileiras compiles for: {TARGETS}"),
+    (["diff", SPEC, "--no-compile", "--set", "head_dim=" + "9" * 5000],
+     "--set head_dim: invalid YAML: a number too long to read"),
+    (["diff", SPEC, "--no-compile", "--set", "head_dim=" + "[" * 3000 + "]" * 3000],
+     "--set head_dim: invalid YAML: nested too deeply"),
+    (["diff", SPEC, "--no-compile", "--set", "head_dim=0200"],
+     '--set head_dim: head_dim: must be an integer, got "0200"'),
+    # argparse's own errors: one line
+    (["build"], "specgen build: error: the following arguments are required: PATH"),
+    (["build", SPEC, "--bogus"], "specgen: error: unrecognized arguments: --bogus"),
+    (["nope"], "specgen: error: argument COMMAND: invalid choice: 'nope'"),
+    (["test", SPEC, "--fuzz", "x"], "specgen test: error: argument --fuzz: invalid int value: 'x'"),
+])
+def test_cli_misuse_is_one_line_and_exit_2(project, capsys, args, expected):
+    before = sorted(p.relative_to(project) for p in project.rglob("*"))
+    code, _, err = _run(capsys, *args)
+    assert code == 2 and len(err) == 1 and err[0].startswith(expected), err
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before  # nothing written
+
+
+def test_schema_file_replaces_a_regular_file(project, capsys):
+    target = project / "schema.json"
+    target.write_text("old")
+    assert _run(capsys, "schema", "--file", target)[0] == 0
+    assert target.read_text().startswith("{")
+
+
+@pytest.mark.parametrize("args", [
+    ["specs/fmha_alibi.yaml", "specs/fmha_gqa_causal.yaml"],
+    ["specs/fmha_alibi.yaml", "specs/fmha_gqa_causal.yaml", "--json"],
+    ["specs/fmha_alibi.yaml", "--set", "score_mod=score * 2 - slope[h]"],
+])
+def test_diff_shows_hooks_by_their_source(project, capsys, args):
+    code, out, err = _run(capsys, "diff", *args, "--no-compile", "--stat")
+    assert code == 1 and err == [], err
+    if "--json" in args:
+        import json
+
+        plan = {c["field"]: c for c in json.loads(out)["plan"]}
+        assert plan["score_mod"]["a"] == "score - slope[h] * (q_idx - kv_idx)"
+        assert plan["score_mod"]["b"] is None
+    else:
+        assert 'score_mod: "score - slope[h] * (q_idx - kv_idx)" → ' in out
+
+
+def test_the_emulator_rewrites_device_names_not_tensor_names():
+    from specgen.check.emulate import _NoDevice
+
+    source = ('t = {"cuda": cuda}\n'
+              'device = torch.device("cuda" if device is None else device)\n'
+              'ok = device.type != "cuda"\n'
+              'other = torch.device("cuda", 0)\n')
+    text = ast.unparse(_NoDevice().visit(ast.parse(source)))
+    assert "{'cuda': cuda}" in text
+    assert "torch.device('cpu' if device is None else device)" in text
+    assert "device.type != 'cpu'" in text and "torch.device('cpu', 0)" in text
+
+
+def test_a_tensor_named_cuda_renders_and_imports_in_the_emulator(tmp_path):
+    from specgen.check.emulate import load_module
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+
+    spec = validate_spec({"name": "cuda_tensor", "causal": True, "head_dim": 64,
+                          "tensors": {"cuda": {"dtype": "float32", "shape": ["heads"]}},
+                          "score_mod": "score - cuda[h] * (q_idx - kv_idx)"})
+    source = render(make_plan(spec), "specs/cuda_tensor.yaml").text
+    compile(source, "cuda_tensor.py", "exec")  # no duplicate argument
+    path = tmp_path / "cuda_tensor.py"
+    path.write_text(source)
+    module = load_module(path, source=source)
+    assert "cuda" in module.attention.__code__.co_varnames

@@ -69,7 +69,7 @@ DESCRIPTIONS: dict[str, str] = {
     "gqa_ratio": "Query heads per KV head (`GROUP_SIZE`); 1 is multi-head attention. The "
     "launcher checks `Hq == gqa_ratio * Hkv`.",
     "max_q_len": "New tokens per sequence and call (more than 1 for speculative "
-    "decoding). The query tile packs `gqa_ratio` × `max_q_len` rows; token t of a call "
+    "decoding). The query tile packs `gqa_ratio` × `max_q_len` rows, at most 256; token t of a call "
     "with q_len tokens sees keys j ≤ `seq_len − q_len + t`.",
     "paged": "A paged KV cache (vLLM / FlashInfer layout); see [`paged`](#paged). `null`: "
     "a contiguous cache `[B, max_len, Hkv, D]`.",
@@ -264,7 +264,8 @@ SECTION_TEXT = {
         "Example: `tensors: {slope: {dtype: float32, shape: [heads]}}` with "
         "`score_mod: score - slope[h] * (q_idx - kv_idx)`, called as "
         "`attention(q, k, v, slope=t)`. The name is a lowercase identifier (at most 31 "
-        "characters) that is neither a keyword nor one of the launcher's own names."
+        "characters) that is neither a keyword nor one of the names the module's functions "
+        "already use (any family's launcher arguments, such as `seed`, `seq_lens`, `out`)."
     ),
     "targets.<target>": (
         "`<target>` is `default` or a GPU target such as `sm_90`. The launcher picks the "
@@ -1062,6 +1063,11 @@ def write_docs(root: Path, check: bool = False) -> list[str]:
     generator's output: written (``check=False``) or left as they are (``check=True``,
     the drift a CI check reports)."""
     root = Path(root)
+    # The pages are made from the project's specs/ and bench/results/; a folder
+    # without them is not a project, and gets no docs/.
+    missing = [f"{rel}/" for rel in ("specs", "bench/results") if not (root / rel).is_dir()]
+    if missing:
+        raise DocsError(f"{root} is not a specgen project (it has no {' or '.join(missing)})")
     changed = []
     for rel, text in generated_docs(root).items():
         path = root / rel

@@ -100,7 +100,7 @@ def test_duplicate_names_are_bad_input(project):
     "args,message",
     [
         (["build", "nowhere.yaml"], "nowhere.yaml: no such spec file or directory"),
-        (["build", "specs", "--targets", "hopper"], "--targets: expected a comma-separated"),
+        (["build", "specs", "--targets", "hopper"], "--targets: 'hopper' must be a GPU target tileiras compiles for"),
         (["build", "specs", "--jobs", "0"], "--jobs: must be at least 1"),
         (["build", "specs", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["explode"], "invalid choice: 'explode'"),

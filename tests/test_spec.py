@@ -53,8 +53,8 @@ BAD = [
     ({"targets": {"default": {"tile_m": 64, "tile_n": 64, "occupancy": 0}}},
      "specs/bad.yaml: targets.default.occupancy: must be an integer in [1, 32], got 0"),
     ({"targets": {"sm_9": {"tile_m": 64, "tile_n": 64}}},
-     "specs/bad.yaml: targets.sm_9: unknown target; allowed: 'default' or a GPU target "
-     "such as sm_90, sm_100, sm_120, got \"sm_9\""),
+     "specs/bad.yaml: targets.sm_9: unknown target; allowed: 'default' or sm_80, sm_86, sm_87, "
+     "sm_88, sm_89, sm_90, sm_100, sm_103, sm_107, sm_110, sm_120, sm_121, got \"sm_9\""),
     ({"targets": {"default": {"tile_m": 64}}},
      "specs/bad.yaml: targets.default.tile_n: required field is missing"),
     ({"dtype": "float8_e4m3fn", "head_dim": 72},
@@ -153,8 +153,8 @@ BAD = [
     ({"compile_for": ["sm_90", "sm_90"]},
      "specs/bad.yaml: compile_for: lists sm_90 twice, got [\"sm_90\", \"sm_90\"]"),
     ({"compile_for": ["hopper"]},
-     "specs/bad.yaml: compile_for[0]: must be a GPU target such as sm_90, sm_100 or sm_120, "
-     "got \"hopper\""),
+     "specs/bad.yaml: compile_for[0]: must be a GPU target tileiras compiles for: sm_80, sm_86, "
+     "sm_87, sm_88, sm_89, sm_90, sm_100, sm_103, sm_107, sm_110, sm_120, sm_121, got \"hopper\""),
     ({"fast_math": True}, "specs/bad.yaml: fast_math: must be a mapping, got true"),
     ({"gqa_ratio": 10**40},
      "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got " + str(10**40)),
@@ -219,8 +219,8 @@ NEW_FIELDS_BAD = [
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_ctas": 3}}},
      "specs/bad.yaml: targets.sm_90.num_ctas: must be a power of two in [1, 16] or null (auto), got 3"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_worker_warps": 64}}},
-     "specs/bad.yaml: targets.sm_90.num_worker_warps: must be a power of two in [1, 32] or null "
-     "(auto), got 64"),
+     "specs/bad.yaml: targets.sm_90.num_worker_warps: must be 4 or 8 or null (auto) (tileiras 13.4 "
+     "compiles no other), got 64"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "opt_level": 4}}},
      "specs/bad.yaml: targets.sm_90.opt_level: must be an integer in [0, 3] or null (the compiler's "
      "3), got 4"),
@@ -242,7 +242,7 @@ NEW_FIELDS_BAD = [
     ({"autotune": {"sm_90": {"occupancy": []}}},
      "specs/bad.yaml: autotune.sm_90.occupancy: must not be empty, got []"),
     ({"autotune": {"default": {}}},
-     "specs/bad.yaml: autotune.default: must be a GPU target such as sm_90"),
+     "specs/bad.yaml: autotune.default: must be a GPU target tileiras compiles for: sm_80"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "tile_order": "lpt"}}},
      "specs/bad.yaml: targets.sm_90.tile_order: must be one of 'per_head' or 'global', got \"lpt\""),
     ({"varlen": True, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "v_transposed": True}}},

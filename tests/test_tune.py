@@ -132,7 +132,7 @@ def test_shipped_optimised_specs_declare_an_sm_90_space():
 @pytest.mark.parametrize("args,message", [
     (["specs/fmha_seed_baseline.yaml", "--target", "sm_90"],
      "specs/fmha_seed_baseline.yaml: autotune.sm_90: no search space for sm_90"),
-    (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--targets: expected"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--target: 'hopper' must be a GPU target tileiras compiles for"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--seqs", "x"], "--seqs: expected"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--confirm", "-1"], "--confirm: expected a count"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--suite", "nope"], "--suite: unknown"),

@@ -490,6 +490,14 @@ class _TorchShim(types.ModuleType):
         return getattr(torch, name)
 
 
+def _cpu_for_cuda(node: ast.AST) -> ast.AST:
+    """``node`` with each "cuda" string constant in it made "cpu"."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Constant) and sub.value == "cuda":
+            sub.value = "cpu"
+    return node
+
+
 class _NoDevice(ast.NodeTransformer):
     """The emulated device is the CPU: ``x.is_cuda`` reads True and the device
     name "cuda" reads "cpu" (the launchers' device checks and defaults); custom
@@ -501,9 +509,25 @@ class _NoDevice(ast.NodeTransformer):
             return ast.copy_location(ast.Constant(True), node)
         return node
 
+    def visit_Call(self, node):
+        # torch.device("cuda", ...), torch.device("cuda" if device is None else device)
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "device" and node.args:
+            node.args[0] = _cpu_for_cuda(node.args[0])
+        return node
+
+    def visit_Compare(self, node):
+        # device.type != "cuda"
+        self.generic_visit(node)
+        operands = [node.left, *node.comparators]
+        if any(isinstance(o, ast.Attribute) and o.attr == "type" for o in operands):
+            node.left = _cpu_for_cuda(node.left)
+            node.comparators = [_cpu_for_cuda(c) for c in node.comparators]
+        return node
+
     def visit_Constant(self, node):
-        if node.value == "cuda":
-            return ast.copy_location(ast.Constant("cpu"), node)
+        # Only device names are rewritten (above): the string "cuda" elsewhere may be
+        # a hook tensor's name, which the launcher looks up by that name.
         if isinstance(node.value, str) and node.value.startswith("specgen::"):
             # Its custom ops in a namespace of their own: the module's real ops,
             # if loaded in this process, keep theirs.

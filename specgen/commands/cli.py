@@ -12,8 +12,16 @@ from specgen import __version__
 from specgen.errors import SpecgenError, UsageError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors in one line (``specgen build: error: ...``), exit 2,
+    as every other bad input; ``--help`` still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="specgen",
         description="Render attention specs (YAML) into cuTile kernel modules and "
         "AOT-compile them per GPU target.",
@@ -173,111 +181,158 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
+def _folder(text: str, option: str) -> Path:
+    """A folder option (--gen, --results): a folder or a path to make one at."""
+    if not text.strip():
+        raise UsageError(f"{option}: expected a folder, got ''")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{option} {text}: exists and is not a folder")
+    return path
+
+
+def _schema_file(text: str) -> Path:
+    """schema --file: a regular file to replace, or a new one in an existing folder."""
+    path = Path(text)
+    if not text.strip():
+        raise UsageError("--file: expected a file name, got ''")
+    if path.exists() and not path.is_file():
+        raise UsageError(f"--file {text}: exists and is not a regular file")
+    if not path.parent.is_dir():
+        raise UsageError(f"--file {text}: no such folder {path.parent}")
+    return path
+
+
+def _refuse_together(args, *pairs: tuple[str, str, str]) -> None:
+    """Options that contradict each other: (first, second, why)."""
+    for first, second, why in pairs:
+        if getattr(args, first.lstrip("-").replace("-", "_")) and getattr(
+                args, second.lstrip("-").replace("-", "_")):
+            raise UsageError(f"specgen {args.command}: {first} and {second} cannot be combined ({why})")
+
+
 def main(argv: list[str] | None = None) -> int:
     # torch warns at import when NumPy is not installed; specgen needs no NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = _parser().parse_args(argv)
     try:
-        if args.command == "build":
-            from specgen.compile.jobs import run_build
-
-            return run_build(
-                args.paths,
-                Path(args.gen),
-                targets=args.targets,
-                no_compile=args.no_compile,
-                check=args.check,
-                force=args.force,
-                workers=args.jobs,
-            )
-        if args.command == "test":
-            from specgen.check.runner import run_test
-
-            from specgen.check.runner import parse_fuzz_case
-
-            if args.fuzz < 0 or args.fuzz > 100000:
-                raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
-            if not 1 <= args.jobs <= 64:
-                raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
-            case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
-            return run_test(args.paths, Path(args.gen), quick=args.quick, seed=args.seed,
-                            fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs,
-                            emulate=args.emulate)
-        if args.command == "tune":
-            from specgen.bench import parse_suite
-            from specgen.compile.jobs import parse_targets
-            from specgen.commands.tune import parse_seqs, run_tune
-
-            target = parse_targets(args.target)
-            if len(target) != 1:
-                raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
-            if not args.confirm.isdigit() or int(args.confirm) > 64:
-                raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
-            return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)), Path(args.results),
-                            Path(args.gen), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
-                            confirm=int(args.confirm))
-        if args.command == "bench":
-            from specgen.bench import parse_suite, run_suite
-            from specgen.bench.baselines import parse_baselines
-
-            if args.variants:
-                from specgen.commands.explore import run_variants
-
-                if args.paths:
-                    raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
-                if args.seqs:
-                    raise UsageError("bench: --seqs does not apply to --variants (the file's "
-                                     "shapes.seqs sets the lengths)")
-                run_variants(Path(args.variants), Path(args.results),
-                             baselines=parse_baselines(args.baselines or "cudnn"))
-                return 0
-            if not args.paths:
-                raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
-            suite = parse_suite(args.suite)
-            shapes = None
-            if args.seqs:
-                from specgen.commands.tune import parse_seqs
-
-                if suite == "decode":
-                    raise UsageError("bench: --seqs applies to the prefill and backward suites; the "
-                                     "decode suite's shapes are (batch, cache length) pairs")
-                shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
-            run_suite(suite, args.paths, results=Path(args.results), gen=Path(args.gen), shapes=shapes,
-                      baselines=parse_baselines(args.baselines or "cudnn,flash,flex"))
-            return 0
-        if args.command == "diff":
-            from specgen.commands.diff import run_diff
-
-            return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
-                            not args.no_compile, Path(args.results), Path(args.gen))
-        if args.command == "docs":
-            from specgen.docs import DocsError, write_docs
-
-            try:
-                changed = write_docs(Path(args.root), check=args.check)
-            except DocsError as exc:
-                raise UsageError(f"docs: {exc}") from None
-            for name in changed:
-                print(f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}")
-            if not changed:
-                print("docs/ in step with the model and bench/results")
-            return 1 if args.check and changed else 0
-        if args.command == "schema":
-            text = schema_text()
-            if args.file:
-                from specgen.compile.export import atomic_write
-
-                atomic_write(Path(args.file), text.encode())
-            else:
-                sys.stdout.write(text)
-            return 0
+        return _run(args)
     except SpecgenError as exc:
         for line in exc.lines():
             print(line, file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        # A path the system refused (a missing folder, a device, no permission): the
+        # path and the reason, as for any other bad input.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"specgen {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("specgen: interrupted", file=sys.stderr)
         return 130
+
+
+def _run(args) -> int:
+    """The command ``args`` names; its errors are main's to report."""
+    if args.command == "build":
+        from specgen.compile.jobs import run_build
+
+        _refuse_together(args, ("--check", "--force", "--check writes nothing"))
+        return run_build(
+            args.paths,
+            _folder(args.gen, "--gen"),
+            targets=args.targets,
+            no_compile=args.no_compile,
+            check=args.check,
+            force=args.force,
+            workers=args.jobs,
+        )
+    if args.command == "test":
+        from specgen.check.runner import run_test
+
+        from specgen.check.runner import parse_fuzz_case
+
+        if args.fuzz < 0 or args.fuzz > 100000:
+            raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
+        if not 1 <= args.jobs <= 64:
+            raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
+        _refuse_together(args, ("--fuzz", "--fuzz-case", "--fuzz-case replays one case"),
+                         ("--quick", "--fuzz", "--fuzz draws its own shapes"),
+                         ("--quick", "--fuzz-case", "--fuzz-case replays its own shape"))
+        case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
+        return run_test(args.paths, _folder(args.gen, "--gen"), quick=args.quick, seed=args.seed,
+                        fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs,
+                        emulate=args.emulate)
+    if args.command == "tune":
+        from specgen.bench import parse_suite
+        from specgen.compile.jobs import parse_targets
+        from specgen.commands.tune import parse_seqs, run_tune
+
+        target = parse_targets(args.target, "--target")
+        if len(target) != 1:
+            raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
+        if not args.confirm.isdigit() or int(args.confirm) > 64:
+            raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
+        return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)),
+                        _folder(args.results, "--results"),
+                        _folder(args.gen, "--gen"), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
+                        confirm=int(args.confirm))
+    if args.command == "bench":
+        from specgen.bench import parse_suite, run_suite
+        from specgen.bench.baselines import parse_baselines
+
+        if args.variants:
+            from specgen.commands.explore import run_variants
+
+            if args.paths:
+                raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
+            if args.seqs:
+                raise UsageError("bench: --seqs does not apply to --variants (the file's "
+                                 "shapes.seqs sets the lengths)")
+            run_variants(Path(args.variants), _folder(args.results, "--results"),
+                         baselines=parse_baselines(args.baselines or "cudnn"))
+            return 0
+        if not args.paths:
+            raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
+        suite = parse_suite(args.suite)
+        shapes = None
+        if args.seqs:
+            from specgen.commands.tune import parse_seqs
+
+            if suite == "decode":
+                raise UsageError("bench: --seqs applies to the prefill and backward suites; the "
+                                 "decode suite's shapes are (batch, cache length) pairs")
+            shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
+        run_suite(suite, args.paths, results=_folder(args.results, "--results"),
+                  gen=_folder(args.gen, "--gen"), shapes=shapes,
+                  baselines=parse_baselines(args.baselines or "cudnn,flash,flex"))
+        return 0
+    if args.command == "diff":
+        from specgen.commands.diff import run_diff
+
+        return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
+                        not args.no_compile, Path(args.results), _folder(args.gen, "--gen"))
+    if args.command == "docs":
+        from specgen.docs import DocsError, write_docs
+
+        try:
+            changed = write_docs(Path(args.root), check=args.check)
+        except DocsError as exc:
+            raise UsageError(f"docs: {exc}") from None
+        for name in changed:
+            print(f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}")
+        if not changed:
+            print("docs/ in step with the model and bench/results")
+        return 1 if args.check and changed else 0
+    if args.command == "schema":
+        text = schema_text()
+        if args.file is not None:
+            from specgen.compile.export import atomic_write
+
+            atomic_write(_schema_file(args.file), text.encode())
+        else:
+            sys.stdout.write(text)
+        return 0
     return 2  # unreachable: argparse requires a command
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import difflib
 import json
 import re
@@ -14,12 +15,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from specgen.errors import CompileError, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import HEADER_RE, render
 from specgen.spec import parse_spec_text, validate_spec
+from specgen.spec.hooks import Hook
 
 ARROW = "→"
 
@@ -68,9 +68,11 @@ def apply_sets(data: dict, assignments: list[str]) -> dict:
         if not sep or not key.strip():
             raise UsageError(f"--set: expected key.path=value, got {assignment!r}")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            raise UsageError(f"--set {key}: the value {raw!r} is not valid YAML") from None
+            # The loader of spec files: the same numbers, and its guards against
+            # numbers too long to read and nesting too deep.
+            value = parse_spec_text(raw, f"--set {key.strip()}") if raw.strip() else None
+        except SpecError as exc:
+            raise UsageError("\n".join(exc.lines())) from None
         node = data
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -87,8 +89,9 @@ def apply_sets(data: dict, assignments: list[str]) -> dict:
 def variant_side(data: dict, base: Side, assignments: list[str]) -> Side:
     label = f"{base.label} with " + ", ".join(assignments)
     new_data = apply_sets(data, assignments)
+    keys = " ".join(a.partition("=")[0].strip() for a in assignments)
     try:
-        plan = make_plan(validate_spec(new_data, f"--set {' '.join(assignments)}"))
+        plan = make_plan(validate_spec(new_data, f"--set {keys}"))
     except SpecError as exc:
         raise UsageError("\n".join(exc.lines())) from None
     spec_path = _header_path(base.source) or "variant.yaml"
@@ -133,10 +136,23 @@ def spec_section(a: Side, b: Side) -> list[dict]:
     return _changes(a.plan.spec_dict, b.plan.spec_dict)
 
 
+def _plain(value: Any) -> Any:
+    """A plan value as JSON data: a hook as its source text, a dataclass as a dict."""
+    if isinstance(value, Hook):
+        return value.source
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 def plan_summary(plan: Plan) -> dict:
     """The derived values worth comparing (the spec itself is section 1)."""
     skip = {"spec", "spec_dict", "targets", "optimizations"}
-    out = {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in skip}
+    out = {f.name: _plain(getattr(plan, f.name)) for f in fields(plan) if f.name not in skip}
     out["compile_for"] = list(out["compile_for"])
     out["kernel_constants"] = list(plan.kernel_constants)
     for t in plan.targets:
@@ -443,6 +459,8 @@ def run_diff(
 ) -> int:
     """Exit 0 identical, 1 different, 2 bad input (as diff(1) does)."""
     if templates:
+        if sets:
+            raise UsageError("diff: --templates re-renders specs as they are; it takes no --set")
         reports = template_reports(paths or ["specs"], gen_dir)
     else:
         if sets and len(paths) != 1:

@@ -15,7 +15,8 @@ from specgen.compile.export import CompileResult, atomic_write, compile_target
 from specgen.errors import CompileError, InvalidSpecs, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import HEADER_RE, Rendered, hand_edited, render
-from specgen.spec import TARGET_RE, load_spec
+from specgen.spec import load_spec
+from specgen.spec.fields import target_problem
 
 SPEC_SUFFIXES = (".yaml", ".yml")
 HEARTBEAT_S = 15  # seconds between "still compiling" lines of a long build
@@ -100,15 +101,21 @@ def load_jobs(paths: Iterable[str | Path], out_dir: Path,
     ]
 
 
-def parse_targets(text: str | None) -> tuple[str, ...] | None:
+def parse_targets(text: str | None, option: str = "--targets") -> tuple[str, ...] | None:
+    """A comma-separated list of GPU targets, each one tileiras compiles for, each once."""
     if text is None:
         return None
-    targets = tuple(t.strip() for t in text.split(",") if t.strip())
-    bad = [t for t in targets if not TARGET_RE.match(t)]
-    if bad or not targets:
-        raise UsageError(
-            f"--targets: expected a comma-separated list like sm_90,sm_100, got {text!r}"
-        )
+    targets = tuple(t.strip() for t in text.split(","))
+    if not text.strip() or "" in targets:
+        raise UsageError(f"{option}: expected a comma-separated list like sm_90,sm_100 without "
+                         f"empty items, got {text!r}")
+    for target in targets:
+        problem = target_problem(target)
+        if problem:
+            raise UsageError(f"{option}: {target!r} {problem}")
+    twice = next((t for i, t in enumerate(targets) if t in targets[:i]), None)
+    if twice:
+        raise UsageError(f"{option}: lists {twice} twice, got {text!r}")
     return targets
 
 

@@ -9,6 +9,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -27,7 +28,19 @@ class Problems(ValueError):
 
 
 TARGET_RE = re.compile(r"^sm_[1-9][0-9]{1,2}[a-z]?$")
+# The GPU targets tileiras compiles for: the --gpu-name values of `tileiras --help`
+# (nvidia-cuda-tileiras 13.4.92; cuda.tile itself keeps no list). A name outside it
+# would only fail later, in the compiler.
+KNOWN_TARGETS = ("sm_80", "sm_86", "sm_87", "sm_88", "sm_89", "sm_90", "sm_100", "sm_103",
+                 "sm_107", "sm_110", "sm_120", "sm_121")
 MAX_SPEC_BYTES = 1 << 20
+
+
+def target_problem(value: str) -> str | None:
+    """Why ``value`` is not a GPU target specgen can compile for, or None."""
+    if value in KNOWN_TARGETS:
+        return None
+    return f"must be a GPU target tileiras compiles for: {', '.join(KNOWN_TARGETS)}"
 
 
 def _power_of_two_tile(value: int) -> int:
@@ -49,8 +62,9 @@ def _occupancy(value: int) -> int:
 
 
 def _target_name(value: str) -> str:
-    if not TARGET_RE.match(value):
-        raise ValueError("must be a GPU target such as sm_90, sm_100 or sm_120")
+    problem = target_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
 
 
@@ -61,6 +75,15 @@ def _power_of_two(low: int, high: int):
         return value
 
     return check
+
+
+def _worker_warps(value: Optional[int]) -> Optional[int]:
+    # tileiras 13.3 and 13.4 take 4 or 8 only; 13.5 takes any power of two in [1, 32]
+    # (cuda.tile._ir2bytecode._resolve_num_worker_warps). The installed 13.4 refuses
+    # the others at compile time, so the spec does.
+    if value is not None and value not in (4, 8):
+        raise ValueError("must be 4 or 8 or null (auto) (tileiras 13.4 compiles no other)")
+    return value
 
 
 def _opt_level(value: Optional[int]) -> Optional[int]:
@@ -81,17 +104,27 @@ HeadDim = Annotated[int, AfterValidator(_head_dim)]
 Latency = Annotated[Optional[int], AfterValidator(_latency)]
 Occupancy = Annotated[int, AfterValidator(_occupancy)]
 NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16))]
-WorkerWarps = Annotated[Optional[int], AfterValidator(_power_of_two(1, 32))]
+WorkerWarps = Annotated[Optional[int], AfterValidator(_worker_warps)]
 OptLevel = Annotated[Optional[int], AfterValidator(_opt_level)]
 
 
 def _target_key(value: str) -> str:
-    if value != "default" and not TARGET_RE.match(value):
-        raise ValueError(
-            "unknown target; allowed: 'default' or a GPU target such as sm_90, "
-            "sm_100, sm_120"
-        )
+    if value != "default" and value not in KNOWN_TARGETS:
+        raise ValueError(f"unknown target; allowed: 'default' or {', '.join(KNOWN_TARGETS)}")
     return value
+
+
+def _exact_int(value):
+    # A Literal of numbers compares by ==, so it would take true for 1 and 2.0 for 2;
+    # an int field refuses both (strict), and so does this.
+    if type(value) is not int:
+        raise ValueError("must be an integer")
+    return value
+
+
+def int_choice(*values: int):
+    """One of ``values``, integers only: Literal[values] without bools and floats."""
+    return Annotated[Literal[values], BeforeValidator(_exact_int)]
 
 
 TargetName = Annotated[str, AfterValidator(_target_name)]
@@ -165,11 +198,26 @@ class Window(_Strict):
 
 DIM_NAMES = ("batch", "heads", "kv_heads", "seq_q", "seq_k")
 TENSOR_NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
-# Names a tensor may not take: the launcher's own arguments and locals, the hook
+# Every argument a generated module's entry points can take, in any family and with
+# any feature: a hook tensor becomes one more argument of the same functions, so
+# these names would be duplicate arguments. From the signatures of attention,
+# _forward, _backward, the custom ops (_op_*) and make_block_map in templates/;
+# tests/test_bad_input.py checks them against every module in generated/.
+LAUNCHER_ARGUMENTS = frozenset({
+    "q", "k", "v", "out", "scale", "q_offset", "sinks", "block_map",  # every prefill call
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "q_shift",  # varlen
+    "q_descale", "k_descale", "v_descale",  # float8
+    "dropout_p", "seed",  # dropout
+    "k_cache", "v_cache", "seq_lens", "page_table", "max_seq_len",  # decode
+    "lse", "dout", "exact_delta",  # backward
+    "map_counts", "map_indices", "dq_counts", "dq_indices", "kv_counts", "kv_indices", "counts",
+    "indices",
+    "batch", "num_heads", "seq_q", "seq_k", "device", "backward", "max_len", "q_len",  # maps
+})
+# Names a tensor may not take: the launcher's arguments, its locals, the hook
 # variables and functions, and module-level names of a generated module.
-RESERVED_NAMES = frozenset({
-    "q", "k", "v", "out", "scale", "q_offset", "sinks", "lse", "score", "b", "h", "q_idx",
-    "kv_idx", "batch", "num_heads", "num_kv_heads", "seq_q", "seq_k", "name", "t", "want",
+RESERVED_NAMES = LAUNCHER_ARGUMENTS | frozenset({
+    "score", "b", "h", "q_idx", "kv_idx", "num_kv_heads", "name", "t", "want",
     "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
     "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
     "expected", "dims", "tensors", "got", "dtype",

@@ -86,6 +86,14 @@ class Hook:
     gathers: tuple[Gather, ...]
 
 
+def _is_zero(node: ast.AST) -> bool:
+    """A literal zero, signed or not (0, 0.0, -0): the checker folds no other constants."""
+    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        node = node.operand
+    return (isinstance(node, ast.Constant) and not isinstance(node.value, bool)
+            and isinstance(node.value, (int, float)) and node.value == 0)
+
+
 def _node_name(node: ast.AST) -> str:
     for cls, text in _DESCRIBE.items():
         if isinstance(node, cls):
@@ -158,6 +166,8 @@ class _Compiler:
         left, lk = self.compile(node.left)
         right, rk = self.compile(node.right)
         symbol = _ARITH[op]
+        if op in (ast.Div, ast.FloorDiv, ast.Mod) and _is_zero(node.right):
+            self.fail(f"'{symbol}' by zero is undefined, got {ast.unparse(node)}")
         self._number(node, left, lk, f"'{symbol}'")
         self._number(node, right, rk, f"'{symbol}'")
         if op in (ast.FloorDiv, ast.Mod):

@@ -4,7 +4,9 @@ one line per problem, and the spec as plain data (``spec_to_dict``)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -36,6 +38,14 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=Fa
     loader.flatten_mapping(node)
     seen = {}
     for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode):
+            # `? [a, b]` or `{[a]: 1}`: a spec's keys are names (a list or mapping as
+            # a key cannot be hashed, let alone name a field).
+            kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a {kind} cannot be a mapping key; keys are plain names",
+                key_node.start_mark,
+            )
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
@@ -51,6 +61,37 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=Fa
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping
 )
+
+# Numbers as YAML 1.2's core schema reads them, not YAML 1.1's (PyYAML's default):
+# 1.1 reads `0200` as octal 128, `2:08` as base 60 (128), and takes `0x80` and
+# `1_28`, while it leaves `5e1` a string. Here an integer is plain decimal with an
+# optional sign and no leading zero (`0200` stays a string, so it is refused as one
+# rather than read as 200 or 128), and a float is the 1.2 form (`5e1`, `1.5e-3`,
+# `.5`, `.inf`, `.nan`); anything else is a string and gets the field's type error.
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(
+    _INT_TAG, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
+_UniqueKeyLoader.add_implicit_resolver(
+    _FLOAT_TAG,
+    re.compile(r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
+    # Decimal only, also for an explicit !!int (YAML 1.1's octal, hex and base 60 are gone).
+    text = loader.construct_scalar(node)
+    if not re.fullmatch(r"[-+]?[0-9]+", text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a decimal integer", node.start_mark)
+    return int(text)
+
+
+_UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
 
 
 def _show(value: Any) -> str:
@@ -74,27 +115,74 @@ def _field_path(loc: tuple) -> str:
     return "".join(parts)
 
 
+def _unwrap(annotation: Any) -> Any:
+    """The type inside Annotated[...] and Optional[...] (a union of one type and None)."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+            continue
+        if origin in (typing.Union, types.UnionType):
+            members = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(members) == 1:
+                annotation = members[0]
+                continue
+        return annotation
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _type_at(loc: tuple) -> Any:
+    """The annotation of the value at ``loc`` in a spec, walking into models' fields,
+    the values of maps (``targets.<target>``) and the items of lists (``by_seq_k[0]``);
+    None where ``loc`` leaves the model."""
+    annotation: Any = Spec
+    for item in loc:
+        annotation = _unwrap(annotation)
+        origin = typing.get_origin(annotation)
+        if origin is dict and item != "[key]":
+            annotation = typing.get_args(annotation)[1]
+        elif origin is list and isinstance(item, int):
+            annotation = typing.get_args(annotation)[0]
+        elif _is_model(annotation) and isinstance(item, str) and item in annotation.model_fields:
+            annotation = annotation.model_fields[item].annotation
+        else:
+            return None
+    return annotation
+
+
 def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
     """The model class whose fields live at ``loc`` (for 'allowed keys' messages)."""
-    model: Any = Spec
-    for item in loc:
-        if model is Spec and item == "targets":
-            model = dict
-            continue
-        if model is dict:
-            model = TargetConfig
-            continue
-        field = model.model_fields.get(item) if isinstance(item, str) else None
-        annotation = getattr(field, "annotation", None)
-        # Optional[Model]: the model inside.
-        inner = [a for a in typing.get_args(annotation)
-                 if isinstance(a, type) and issubclass(a, BaseModel)]
-        if inner:
-            annotation = inner[0]
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+    annotation = _unwrap(_type_at(loc))
+    return annotation if _is_model(annotation) else None
+
+
+def _field_at(loc: tuple):
+    """The pydantic FieldInfo of the field at ``loc``, or None (a list item, a map value)."""
+    owner = _model_at(loc[:-1]) if loc else None
+    return owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
+
+
+def _bounds_message(loc: tuple, error: dict) -> str:
+    """'must be an integer in [1, 128]' for a value out of a field's bounds."""
+    field = _field_at(loc)
+    found = {}
+    for meta in getattr(field, "metadata", []):
+        for name in ("ge", "gt", "le", "lt"):
+            if getattr(meta, name, None) is not None:
+                found[name] = getattr(meta, name)
+    if not found:  # a bound on a list item or a map value: the one that failed
+        found = {k: v for k, v in error.get("ctx", {}).items() if k in ("ge", "gt", "le", "lt")}
+    base = _unwrap(field.annotation) if field is not None else type(error.get("input"))
+    kind = "an integer" if base is int else "a number"
+    low = f"[{found['ge']}" if "ge" in found else f"({found['gt']}" if "gt" in found else None
+    high = f"{found['le']}]" if "le" in found else f"{found['lt']})" if "lt" in found else None
+    if low and high:
+        return f"must be {kind} in {low}, {high}"
+    words = {"ge": "at least", "gt": "greater than", "le": "at most", "lt": "less than"}
+    return "must be " + " and ".join(f"{words[k]} {v}" for k, v in found.items())
 
 
 def _problems(error: dict) -> list[tuple[str, str]]:
@@ -132,25 +220,22 @@ def _problem(error: dict) -> tuple[str, str]:
         message = "must be a string"
     elif kind in ("float_type", "float_parsing", "finite_number"):
         message = "must be a finite number"
-    elif kind in ("greater_than_equal", "less_than_equal", "greater_than"):
-        owner = _model_at(loc[:-1])
-        ctx = owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
-        bounds = {type(m).__name__: m for m in getattr(ctx, "metadata", [])}
-        low, high, above = bounds.get("Ge"), bounds.get("Le"), bounds.get("Gt")
-        if low is not None and high is not None:
-            message = f"must be an integer in [{low.ge}, {high.le}]"
-        elif above is not None and high is not None:
-            message = f"must be a number in ({above.gt}, {high.le}]"
-        else:
-            message = error["msg"]
+    elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        message = _bounds_message(loc, error)
     elif kind == "too_short":
-        message = "must not be empty"
+        least = error.get("ctx", {}).get("min_length", 1)
+        message = "must not be empty" if least == 1 else f"must have at least {least} entries"
+    elif kind == "too_long":
+        message = f"must have at most {error.get('ctx', {}).get('max_length')} entries"
     elif kind == "value_error":
         message = str(error.get("ctx", {}).get("error", error["msg"]))
     else:
-        message = error["msg"]
-    # A mapping as a whole is not worth echoing: the message names the bad key.
-    if not isinstance(value, dict):
+        # Any other pydantic check, in the project's words: "must be ...".
+        message = re.sub(r"^Input should be ", "must be ", error["msg"])
+    # A mapping as a whole is not worth echoing: the message names the bad key. A
+    # message that already says what it got (a hook's "got score // 0", the part of
+    # the expression at fault) gets no second "got".
+    if not isinstance(value, dict) and ", got " not in message:
         message += f", got {_show(value)}"
     return _field_path(loc), message
 

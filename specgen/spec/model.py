@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import keyword
 import re
+from contextvars import ContextVar
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,7 +32,14 @@ from specgen.spec.fields import (
     Window,
     _Strict,
     decode_rows,
+    int_choice,
 )
+
+# False while a spec written without targets is validated with the configs filled in
+# for it: a check that a filled config fails then names the user's fields instead.
+_TARGETS_WRITTEN: ContextVar[bool] = ContextVar("targets_written", default=True)
+# The most query rows a tile holds (tile_m's bound).
+MAX_TILE_ROWS = 256
 
 
 def _indexes(expression: str, tensor: str) -> bool:
@@ -186,7 +194,7 @@ class Spec(_Strict):
         description="Multiply the Q tile by the softmax scale (and 1/ln2) once, in "
         "registers, instead of scaling every S tile.",
     )
-    q_subtiles: Literal[1, 2] = Field(
+    q_subtiles: int_choice(1, 2) = Field(
         1,
         description="2 splits each CTA's tile_m query rows into two halves with their "
         "own softmax state that share every K and V tile, so one half's softmax can "
@@ -260,20 +268,6 @@ class Spec(_Strict):
         "written back into targets.",
     )
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _measured_targets(cls, data, handler):
-        # A spec without targets: validate it as written, then once more with the
-        # measured configs of its class (specgen/spec/default_configs.json), so the
-        # filled targets pass every check a written one does.
-        if not isinstance(data, dict) or data.get("targets"):
-            return handler(data)
-        spec = handler(data)
-        rows = decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
-        page = spec.paged.page_size if spec.paged else None
-        targets = measured_targets(spec.model_dump(mode="json"), rows, page)
-        return handler({**data, "targets": targets})
-
     @field_validator("splits", "pdl", mode="wrap")
     @classmethod
     def _auto_union_message(cls, value, handler, info):
@@ -301,13 +295,25 @@ class Spec(_Strict):
             )
         return value
 
+    @field_validator("max_q_len")
+    @classmethod
+    def _decode_rows_fit(cls, value: int, info) -> int:
+        ratio = info.data.get("gqa_ratio")
+        if info.data.get("family") == "decode" and ratio and decode_rows(ratio, value) > MAX_TILE_ROWS:
+            raise ValueError(
+                f"a decode tile packs gqa_ratio x max_q_len query rows, at most {MAX_TILE_ROWS}; "
+                f"gqa_ratio {ratio} allows max_q_len <= {max(1, MAX_TILE_ROWS // ratio)}")
+        return value
+
     @field_validator("targets", mode="after")
     @classmethod
     def _fill_default_target(cls, value: dict, info) -> dict:
         if "default" not in value:
             default = DEFAULT_TARGET
             if info.data.get("family") == "decode":  # the packed query tile's rows
-                rows = decode_rows(info.data.get("gqa_ratio", 1), info.data.get("max_q_len", 1))
+                if "gqa_ratio" not in info.data or "max_q_len" not in info.data:
+                    return value  # reported on those fields; nothing to fill from
+                rows = decode_rows(info.data["gqa_ratio"], info.data["max_q_len"])
                 paged = info.data.get("paged")
                 tile_n = min(64, paged.page_size) if paged else 64
                 default = TargetConfig(tile_m=rows, tile_n=tile_n, occupancy=2)
@@ -332,15 +338,15 @@ class Spec(_Strict):
                 raise ValueError(
                     f"tensor name {name!r} must be a lowercase identifier (a-z, 0-9, _; at most "
                     "31 characters) that is not a keyword nor one of the launcher's names "
-                    "(q, k, v, out, scale, sinks, b, h, q_idx, kv_idx, ...)"
+                    "(q, k, v, out, scale, seed, seq_lens, b, h, q_idx, kv_idx, ...)"
                 )
         return value
 
     @field_validator("score_mod", "mask_mod")
     @classmethod
     def _hook(cls, value: Optional[str], info) -> Optional[str]:
-        if value is None:
-            return value
+        if value is None or "tensors" not in info.data:
+            return value  # without valid tensors, only their own error is reported
         from specgen.spec.hooks import ExprError, compile_hook
 
         tensors = {n: (t.dtype, len(t.shape)) for n, t in (info.data.get("tensors") or {}).items()}
@@ -359,6 +365,26 @@ class Spec(_Strict):
         if problems:
             raise Problems(problems)
         return self
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _measured_targets(cls, data, handler):
+        # A spec without targets: validate it as written, then once more with the
+        # measured configs of its class (specgen/spec/default_configs.json), so the
+        # filled targets pass every check a written one does. Declared after
+        # _cross_field, so that it wraps it: the cross-field checks run while
+        # _TARGETS_WRITTEN says the targets were filled in.
+        if not isinstance(data, dict) or data.get("targets"):
+            return handler(data)
+        token = _TARGETS_WRITTEN.set(False)
+        try:
+            spec = handler(data)
+            rows = decode_rows(spec.gqa_ratio, spec.max_q_len) if spec.family == "decode" else None
+            page = spec.paged.page_size if spec.paged else None
+            targets = measured_targets(spec.model_dump(mode="json"), rows, page)
+            return handler({**data, "targets": targets})
+        finally:
+            _TARGETS_WRITTEN.reset(token)
 
     def _family_problems(self) -> list[tuple[str, str]]:
         """Each family takes only its own fields (a field another family owns is an error)."""
@@ -488,8 +514,16 @@ class Spec(_Strict):
         if used:
             problems.append(("pack_gqa", f"true cannot be combined with {', '.join(used)} (a packed "
                                          "tile mixes query heads); use false"))
+        filled = {name for name, cfg in self.targets.items()
+                  if not _TARGETS_WRITTEN.get() or (name == "default" and cfg is DEFAULT_TARGET)}
+        small = [self.targets[name].tile_m for name in filled if self.targets[name].tile_m < ratio]
+        if small:
+            # Configs the user did not write: name the fields they did.
+            problems.append(("pack_gqa", f"true with gqa_ratio {ratio} needs tile_m >= {ratio}, "
+                                         f"and the default launch configs have tile_m {min(small)}; "
+                                         f"write targets (with default) with tile_m >= {ratio}"))
         for where, bucket in self._target_buckets():
-            if bucket.tile_m < ratio:
+            if bucket.tile_m < ratio and where.split(".")[1] not in filled:
                 problems.append((f"{where}.tile_m", f"pack_gqa needs tile_m >= gqa_ratio {ratio} "
                                                     f"(tile_m / gqa_ratio positions per tile), "
                                                     f"got {bucket.tile_m}"))

@@ -1,0 +1,324 @@
+"""Bad input of every kind gives one line naming the file (or option), the field, the
+value and what is allowed, exit 2 and nothing written; never a traceback."""
+
+import ast
+
+import pytest
+
+from specgen.errors import SpecError
+from specgen.spec import load_spec, parse_spec_text, validate_spec
+from specgen.spec.fields import KNOWN_TARGETS, RESERVED_NAMES
+
+from .helpers import ROOT, SPECS
+
+
+def _lines(data, path="specs/bad.yaml"):
+    with pytest.raises(SpecError) as info:
+        validate_spec(data, path)
+    return info.value.lines()
+
+
+def _text_lines(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    return [line.replace(f"{path}: ", "") for line in info.value.lines()]
+
+
+# --- YAML --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("name: a\n? [a, b]\n: 1\n",
+     "invalid YAML: line 2, column 3: a list cannot be a mapping key; keys are plain names"),
+    ("name: a\nfast_math: {[a]: 1}\n",
+     "invalid YAML: line 2, column 13: a list cannot be a mapping key; keys are plain names"),
+    ("name: a\nfast_math: {{a: 1}: 1}\n", "a mapping cannot be a mapping key"),
+])
+def test_a_list_or_mapping_as_key_is_one_line(tmp_path, text, expected):
+    (line,) = _text_lines(tmp_path, text)
+    assert line.startswith("invalid YAML: line 2, column") and expected in line, line
+
+
+@pytest.mark.parametrize("text,expected", [
+    # YAML 1.1 would read 0200 as octal and 2:08 as base 60 (both 128).
+    ("head_dim: 0200", 'head_dim: must be an integer, got "0200"'),
+    ("head_dim: 2:08", 'head_dim: must be an integer, got "2:08"'),
+    ("head_dim: 0x80", 'head_dim: must be an integer, got "0x80"'),
+    ("head_dim: 1_28", 'head_dim: must be an integer, got "1_28"'),
+    ("head_dim: !!int 0x80", "invalid YAML: line 2, column 11: '0x80' is not a decimal integer"),
+])
+def test_integers_are_plain_decimal(tmp_path, text, expected):
+    assert _text_lines(tmp_path, f"name: a\n{text}\n") == [expected]
+
+
+@pytest.mark.parametrize("text,value", [
+    ("5e1", 50.0), ("1.5e-3", 1.5e-3), (".5", 0.5), ("+2.", 2.0), ("-3E2", -300.0),
+])
+def test_floats_are_read_in_yaml_1_2_form(text, value):
+    assert parse_spec_text(f"softcap: {text}\n") == {"softcap": value}
+
+
+def test_plain_integers_still_read_as_integers():
+    assert parse_spec_text("a: 128\nb: -1\nc: +4\nd: 0\n") == {"a": 128, "b": -1, "c": 4, "d": 0}
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_shipped_specs_read_as_pyyaml_reads_them(path):
+    import yaml
+
+    text = path.read_text()
+    assert repr(parse_spec_text(text, path)) == repr(yaml.safe_load(text))
+
+
+# --- the model's messages ------------------------------------------------------------
+
+TARGETS = ", ".join(KNOWN_TARGETS)
+SLOPE = {"slope": {"dtype": "float32", "shape": ["heads"]}}
+
+ONE_LINE = [
+    # unknown keys below maps and lists list the allowed keys
+    ({"autotune": {"sm_90": {"foo": 1}}},
+     "autotune.sm_90.foo: unknown key; allowed keys: tile_m, tile_n, occupancy, num_ctas, "
+     "num_worker_warps, opt_level, tile_order, v_transposed, persistent, seq_buckets, min_gain"),
+    ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "device": "cpu"}},
+      "score_mod": "score - slope[h]"},
+     "tensors.slope.device: unknown key; allowed keys: dtype, shape, learnable"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "by_seq_k": [
+        {"max_seq_k": 64, "tile_m": 64, "tile_n": 64, "by_seq_k": []}]}}},
+     "targets.sm_90.by_seq_k[0].by_seq_k: unknown key; allowed keys: tile_m, tile_n, occupancy, "
+     "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, persistent, max_seq_k"),
+    # pydantic's own wording, rewritten
+    ({"autotune": {"sm_90": {"min_gain": 2}}},
+     "autotune.sm_90.min_gain: must be a number in [0.0, 1.0], got 2"),
+    ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"] * 5}},
+      "score_mod": "score - slope[h]"},
+     'tensors.slope.shape: must have at most 4 entries, got ["heads", "heads", "heads", "heads", '
+     '"heads"]'),
+    # bools and floats are not integers, in a choice of numbers too
+    ({"q_subtiles": True}, "q_subtiles: must be an integer, got true"),
+    ({"q_subtiles": 2.0}, "q_subtiles: must be an integer, got 2.0"),
+    ({"head_dim": 128.0}, "head_dim: must be an integer, got 128.0"),
+    # hooks: one "got", and no division by a literal zero
+    ({"score_mod": "score // 2"}, "score_mod: '//' needs integers, got score // 2"),
+    ({"score_mod": "score / 0"}, "score_mod: '/' by zero is undefined, got score / 0"),
+    ({"score_mod": "q_idx // 0 + score"}, "score_mod: '//' by zero is undefined, got q_idx // 0"),
+    ({"score_mod": "score + 1/0"}, "score_mod: '/' by zero is undefined, got 1 / 0"),
+    ({"mask_mod": "q_idx % -0 == 0"}, "mask_mod: '%' by zero is undefined, got q_idx % -0"),
+    ({"score_mod": "score / 0.0"}, "score_mod: '/' by zero is undefined, got score / 0.0"),
+    # a bad tensor is the only line, not also the hooks that use it
+    ({"tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}},
+      "score_mod": "score - Slope[h]"},
+     "tensors: tensor name 'Slope' must be a lowercase identifier"),
+    # targets tileiras compiles for, and the worker warps it takes
+    ({"compile_for": ["sm_999"]},
+     f'compile_for[0]: must be a GPU target tileiras compiles for: {TARGETS}, got "sm_999"'),
+    ({"targets": {"sm_91": {"tile_m": 64, "tile_n": 64}}},
+     f"targets.sm_91: unknown target; allowed: 'default' or {TARGETS}, got \"sm_91\""),
+    ({"autotune": {"sm_91": {}}}, "autotune.sm_91: must be a GPU target tileiras compiles for"),
+    ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_worker_warps": 32}}},
+     "targets.sm_90.num_worker_warps: must be 4 or 8 or null (auto) (tileiras 13.4 compiles no "
+     "other), got 32"),
+    ({"autotune": {"sm_90": {"num_worker_warps": [None, 16]}}},
+     "autotune.sm_90.num_worker_warps[1]: must be 4 or 8 or null (auto)"),
+    # configs the user never wrote are not blamed
+    ({"family": "decode", "gqa_ratio": 128, "max_q_len": 8},
+     "max_q_len: a decode tile packs gqa_ratio x max_q_len query rows, at most 256; gqa_ratio 128 "
+     "allows max_q_len <= 2, got 8"),
+    ({"family": "decode", "gqa_ratio": 64, "max_q_len": 8, "targets": {}},
+     "max_q_len: a decode tile packs gqa_ratio x max_q_len query rows, at most 256; gqa_ratio 64 "
+     "allows max_q_len <= 4, got 8"),
+    ({"pack_gqa": True, "gqa_ratio": 128, "targets": {}},
+     "pack_gqa: true with gqa_ratio 128 needs tile_m >= 128, and the default launch configs have "
+     "tile_m 64; write targets (with default) with tile_m >= 128"),
+    ({"pack_gqa": True, "gqa_ratio": 128, "targets": {"sm_90": {"tile_m": 128, "tile_n": 64}}},
+     "pack_gqa: true with gqa_ratio 128 needs tile_m >= 128, and the default launch configs have "
+     "tile_m 64"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", ONE_LINE, ids=[e.split(":")[0] for _, e in ONE_LINE])
+def test_one_line_in_the_projects_words(overrides, expected):
+    lines = _lines({"name": "ok", **overrides})
+    assert len(lines) == 1 and lines[0].startswith(f"specs/bad.yaml: {expected}"), lines
+    assert "Input should" not in lines[0] and "after validation" not in lines[0]
+    assert lines[0].count(", got ") <= 1
+
+
+def test_a_written_target_is_still_blamed_for_its_own_tile():
+    (line,) = _lines({"name": "ok", "pack_gqa": True, "gqa_ratio": 128, "targets": {
+        "default": {"tile_m": 128, "tile_n": 64}, "sm_90": {"tile_m": 64, "tile_n": 64}}})
+    assert line.startswith("specs/bad.yaml: targets.sm_90.tile_m: pack_gqa needs tile_m >= gqa_ratio 128")
+
+
+def test_decode_rows_at_the_limit_are_fine():
+    spec = validate_spec({"name": "ok", "family": "decode", "gqa_ratio": 128, "max_q_len": 2})
+    assert spec.targets["default"].tile_m == 256
+
+
+@pytest.mark.parametrize("name", sorted(
+    {"seed", "dropout_p", "q_descale", "k_descale", "v_descale", "seq_lens", "page_table",
+     "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "q_shift", "block_map",
+     "sinks", "out", "scale", "q_offset", "k_cache", "v_cache", "max_seq_len"}))
+def test_launcher_argument_names_are_not_tensor_names(name):
+    (line,) = _lines({"name": "ok", "tensors": {name: {"dtype": "float32", "shape": ["heads"]}},
+                      "score_mod": f"score - {name}[h]"})
+    assert line.startswith(f"specs/bad.yaml: tensors: tensor name '{name}' must be")
+
+
+def _signature_names(path) -> set:
+    """The argument names of a generated module's entry points."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and (
+                node.name in ("attention", "_forward", "_backward", "make_block_map")
+                or node.name.startswith("_op_")):
+            args = node.args
+            names |= {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+    return names
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_reserved_names_cover_every_generated_signature(path):
+    """Every argument a shipped module's entry points take is reserved (so a hook
+    tensor of that name cannot make a duplicate argument)."""
+    module = ROOT / "generated" / f"{path.stem}.py"
+    if not module.is_file():
+        pytest.skip(f"{module} not generated")
+    spec = load_spec(path)
+    missing = _signature_names(module) - set(spec.tensors) - RESERVED_NAMES - {"ctx", "inputs",
+                                                                             "output", "_dlse"}
+    assert not missing, f"{module.name}: add {sorted(missing)} to LAUNCHER_ARGUMENTS"
+
+
+# --- the command line ------------------------------------------------------------------
+
+
+def _run(capsys, *args):
+    """main() in-process: (exit code, stdout, stderr lines)."""
+    from specgen.commands.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    (tmp_path / "README.md").write_text("# a file, not a folder\n")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+SPEC = "specs/fmha_gqa_causal.yaml"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["build", SPEC, "--no-compile", "--gen", "README.md"], "--gen README.md: exists and is not a folder"),
+    (["build", SPEC, "--no-compile", "--gen", "specs/fmha_alibi.yaml"],
+     "--gen specs/fmha_alibi.yaml: exists and is not a folder"),
+    (["build", SPEC, "--no-compile", "--gen", ""], "--gen: expected a folder, got ''"),
+    (["build", SPEC, "--no-compile", "--gen", "README.md/sub"],
+     "specgen build: README.md/sub: Not a directory"),
+    (["test", SPEC, "--emulate", "--gen", "README.md"], "--gen README.md: exists and is not a folder"),
+    (["schema", "--file", "specs"], "--file specs: exists and is not a regular file"),
+    (["schema", "--file", "nowhere/schema.json"], "--file nowhere/schema.json: no such folder nowhere"),
+    (["schema", "--file", ""], "--file: expected a file name, got ''"),
+    (["docs", "--root", "README.md"],
+     "docs: README.md is not a specgen project (it has no specs/ or bench/results/)"),
+    (["docs", "--root", "specs"],
+     "docs: specs is not a specgen project (it has no specs/ or bench/results/)"),
+    (["build", SPEC, "--check", "--force"],
+     "specgen build: --check and --force cannot be combined (--check writes nothing)"),
+    (["test", SPEC, "--fuzz", "5", "--fuzz-case", "0:1"],
+     "specgen test: --fuzz and --fuzz-case cannot be combined (--fuzz-case replays one case)"),
+    (["test", SPEC, "--quick", "--fuzz", "1"],
+     "specgen test: --quick and --fuzz cannot be combined (--fuzz draws its own shapes)"),
+    (["diff", "--templates", SPEC, "--set", "causal=false"],
+     "diff: --templates re-renders specs as they are; it takes no --set"),
+    (["build", SPEC, "--no-compile", "--targets", "sm_90,,sm_100"],
+     "--targets: expected a comma-separated list like sm_90,sm_100 without empty items, got "
+     "'sm_90,,sm_100'"),
+    (["build", SPEC, "--no-compile", "--targets", "sm_90,sm_90"],
+     "--targets: lists sm_90 twice, got 'sm_90,sm_90'"),
+    (["build", SPEC, "--no-compile", "--targets", "sm_91"],
+     f"--targets: 'sm_91' must be a GPU target tileiras compiles for: {TARGETS}"),
+    (["diff", SPEC, "--no-compile", "--set", "head_dim=" + "9" * 5000],
+     "--set head_dim: invalid YAML: a number too long to read"),
+    (["diff", SPEC, "--no-compile", "--set", "head_dim=" + "[" * 3000 + "]" * 3000],
+     "--set head_dim: invalid YAML: nested too deeply"),
+    (["diff", SPEC, "--no-compile", "--set", "head_dim=0200"],
+     '--set head_dim: head_dim: must be an integer, got "0200"'),
+    # argparse's own errors: one line
+    (["build"], "specgen build: error: the following arguments are required: PATH"),
+    (["build", SPEC, "--bogus"], "specgen: error: unrecognized arguments: --bogus"),
+    (["nope"], "specgen: error: argument COMMAND: invalid choice: 'nope'"),
+    (["test", SPEC, "--fuzz", "x"], "specgen test: error: argument --fuzz: invalid int value: 'x'"),
+])
+def test_cli_misuse_is_one_line_and_exit_2(project, capsys, args, expected):
+    before = sorted(p.relative_to(project) for p in project.rglob("*"))
+    code, _, err = _run(capsys, *args)
+    assert code == 2 and len(err) == 1 and err[0].startswith(expected), err
+    assert sorted(p.relative_to(project) for p in project.rglob("*")) == before  # nothing written
+
+
+def test_schema_file_replaces_a_regular_file(project, capsys):
+    target = project / "schema.json"
+    target.write_text("old")
+    assert _run(capsys, "schema", "--file", target)[0] == 0
+    assert target.read_text().startswith("{")
+
+
+@pytest.mark.parametrize("args", [
+    ["specs/fmha_alibi.yaml", "specs/fmha_gqa_causal.yaml"],
+    ["specs/fmha_alibi.yaml", "specs/fmha_gqa_causal.yaml", "--json"],
+    ["specs/fmha_alibi.yaml", "--set", "score_mod=score * 2 - slope[h]"],
+])
+def test_diff_shows_hooks_by_their_source(project, capsys, args):
+    code, out, err = _run(capsys, "diff", *args, "--no-compile", "--stat")
+    assert code == 1 and err == [], err
+    if "--json" in args:
+        import json
+
+        plan = {c["field"]: c for c in json.loads(out)["plan"]}
+        assert plan["score_mod"]["a"] == "score - slope[h] * (q_idx - kv_idx)"
+        assert plan["score_mod"]["b"] is None
+    else:
+        assert 'score_mod: "score - slope[h] * (q_idx - kv_idx)" → ' in out
+
+
+def test_the_emulator_rewrites_device_names_not_tensor_names():
+    from specgen.check.emulate import _NoDevice
+
+    source = ('t = {"cuda": cuda}\n'
+              'device = torch.device("cuda" if device is None else device)\n'
+              'ok = device.type != "cuda"\n'
+              'other = torch.device("cuda", 0)\n')
+    text = ast.unparse(_NoDevice().visit(ast.parse(source)))
+    assert "{'cuda': cuda}" in text
+    assert "torch.device('cpu' if device is None else device)" in text
+    assert "device.type != 'cpu'" in text and "torch.device('cpu', 0)" in text
+
+
+def test_a_tensor_named_cuda_renders_and_imports_in_the_emulator(tmp_path):
+    from specgen.check.emulate import load_module
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+
+    spec = validate_spec({"name": "cuda_tensor", "causal": True, "head_dim": 64,
+                          "tensors": {"cuda": {"dtype": "float32", "shape": ["heads"]}},
+                          "score_mod": "score - cuda[h] * (q_idx - kv_idx)"})
+    source = render(make_plan(spec), "specs/cuda_tensor.yaml").text
+    compile(source, "cuda_tensor.py", "exec")  # no duplicate argument
+    path = tmp_path / "cuda_tensor.py"
+    path.write_text(source)
+    module = load_module(path, source=source)
+    assert "cuda" in module.attention.__code__.co_varnames

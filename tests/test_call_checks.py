@@ -3,6 +3,8 @@ CPU with their kernels emulated (specgen.check.emulate), and a launch that a bad
 argument should have stopped fails the test. Each bad call is a ValueError before
 any launch; each good neighbour reaches the launch."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -21,28 +23,43 @@ _MODULES = {}
 
 
 def _module(name):
-    """The generated module ``name`` with its kernels emulated and ct.launch patched
-    to raise Launched (loaded once per process)."""
+    """The generated module ``name`` with its kernels emulated (loaded once per process)."""
     if name not in _MODULES:
-        mod = emulate.load_module(ROOT / "generated" / f"{name}.py", name=f"_call_checks_{name}")
-
-        def launch(stream, grid, kernel, args, **kwargs):
-            raise Launched(getattr(kernel, "_pyfunc", kernel).__name__)
-
-        mod.ct.launch = launch
-        _MODULES[name] = mod
+        _MODULES[name] = emulate.load_module(ROOT / "generated" / f"{name}.py", name=f"_call_checks_{name}")
     return _MODULES[name]
 
 
-def _refused(call, message):
-    with emulate.emulating(), pytest.raises(ValueError) as info:
-        call()
-    assert message in str(info.value)
+@contextlib.contextmanager
+def _no_launch(monkeypatch):
+    """Emulated tiles, and every module's ct.launch raising Launched. Patched for the
+    call only: a training module's custom op is registered once per process under its
+    spec's name, so another test's module of that name may run through this one's."""
+    def launch(stream, grid, kernel, args, **kwargs):
+        raise Launched(getattr(kernel, "_pyfunc", kernel).__name__)
+
+    with monkeypatch.context() as patch, emulate.emulating():
+        for mod in _MODULES.values():
+            patch.setattr(mod.ct, "launch", launch)
+        yield
 
 
-def _launches(call):
-    with emulate.emulating(), pytest.raises(Launched):
-        call()
+@pytest.fixture
+def refused(monkeypatch):
+    def check(call, message):
+        with _no_launch(monkeypatch), pytest.raises(ValueError) as info:
+            call()
+        assert message in str(info.value)
+
+    return check
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    def check(call):
+        with _no_launch(monkeypatch), pytest.raises(Launched):
+            call()
+
+    return check
 
 
 def _gen(seed=0):
@@ -53,37 +70,37 @@ def _gen(seed=0):
 
 
 @pytest.mark.parametrize("name", ["fmha_mha_bf16", "fmha_gqa_causal"])
-def test_prefill_out_must_not_overlap_k_or_v(name):
+def test_prefill_out_must_not_overlap_k_or_v(name, refused, launches):
     mod = _module(name)
     q, k, v = random_qkv(mod.SPEC, 1, 2, 64, 64, generator=_gen(), device="cpu")
     if q.shape == k.shape:
-        _refused(lambda: mod.attention(q, k, v, out=k), "out must not overlap k")
-        _refused(lambda: mod.attention(q, k, v, out=v), "out must not overlap v")
+        refused(lambda: mod.attention(q, k, v, out=k), "out must not overlap k")
+        refused(lambda: mod.attention(q, k, v, out=v), "out must not overlap v")
     # A view of a buffer that also holds v (an interleaved fused layout).
     fused = torch.zeros(1, q.shape[1], 64, 2 * q.shape[3], dtype=q.dtype)
     v_in = fused[..., q.shape[3]:][:, : v.shape[1]]
-    _refused(lambda: mod.attention(q, k, v_in, out=fused[..., : q.shape[3]]), "out must not overlap v")
+    refused(lambda: mod.attention(q, k, v_in, out=fused[..., : q.shape[3]]), "out must not overlap v")
     # In place of q, and a separate buffer, are accepted.
-    _launches(lambda: mod.attention(q, k, v, out=q))
-    _launches(lambda: mod.attention(q, k, v, out=torch.empty_like(q)))
+    launches(lambda: mod.attention(q, k, v, out=q))
+    launches(lambda: mod.attention(q, k, v, out=torch.empty_like(q)))
 
 
-def test_prefill_out_must_not_repeat_elements():
+def test_prefill_out_must_not_repeat_elements(refused):
     mod = _module("fmha_mha_bf16")
     q, k, v = random_qkv(mod.SPEC, 2, 2, 64, 64, generator=_gen(), device="cpu")
     out = torch.empty(1, *q.shape[1:], dtype=q.dtype).expand(q.shape)
-    _refused(lambda: mod.attention(q, k, v, out=out), "out must not repeat elements (a stride of 0)")
+    refused(lambda: mod.attention(q, k, v, out=out), "out must not repeat elements (a stride of 0)")
 
 
-def test_decode_out_checks():
+def test_decode_out_checks(refused, launches):
     mod = _module("fmha_decode_gqa8_bf16")
     batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
     q, k_cache, v_cache, seq_lens = batch.args()[:4]
     in_cache = k_cache[:, : q.shape[2]].view(q.shape)  # the first keys' rows, seen as an output
-    _refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=in_cache), "out must not overlap k_cache")
+    refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=in_cache), "out must not overlap k_cache")
     strided = torch.empty(*q.shape[:3], 2 * q.shape[3], dtype=q.dtype)[..., ::2]
-    _refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=strided), "out must be contiguous in head_dim")
-    _launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=torch.empty_like(q)))
+    refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=strided), "out must be contiguous in head_dim")
+    launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=torch.empty_like(q)))
 
 
 # --- the softmax scale -------------------------------------------------------------
@@ -91,7 +108,7 @@ def test_decode_out_checks():
 
 @pytest.mark.parametrize("name", ["fmha_mha_bf16", "fmha_decode_gqa8_bf16", "fmha_train_gqa_causal"])
 @pytest.mark.parametrize("scale", [1e39, 1e-60, 0.0, float("inf"), True, "0.1"])
-def test_scale_outside_float32_is_refused(name, scale):
+def test_scale_outside_float32_is_refused(name, scale, refused):
     mod = _module(name)
     if "decode" in name:
         batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
@@ -99,34 +116,34 @@ def test_scale_outside_float32_is_refused(name, scale):
     else:
         args = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
     message = "positive float or None" if isinstance(scale, (bool, str)) else "float32's normal range"
-    _refused(lambda: mod.attention(*args, scale=scale), message)
+    refused(lambda: mod.attention(*args, scale=scale), message)
 
 
 # --- decode caches -----------------------------------------------------------------
 
 
-def test_contiguous_decode_cache_must_hold_the_batch():
+def test_contiguous_decode_cache_must_hold_the_batch(refused):
     mod = _module("fmha_decode_gqa8_bf16")
     batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
     q, k_cache, v_cache, seq_lens = batch.args()[:4]
-    _refused(lambda: mod.attention(q, k_cache[:1], v_cache[:1], seq_lens), "the caches must hold q's batch of 2 sequences")
+    refused(lambda: mod.attention(q, k_cache[:1], v_cache[:1], seq_lens), "the caches must hold q's batch of 2 sequences")
 
 
-def test_paged_decode_page_table_needs_a_column():
+def test_paged_decode_page_table_needs_a_column(refused, launches):
     mod = _module("fmha_decode_paged_mtp")
     batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
     q, k_cache, v_cache, seq_lens, page_table = batch.args()[:5]
-    _refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, page_table[:, :0]),
+    refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, page_table[:, :0]),
              "page_table must have at least one column")
-    _launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, page_table))
+    launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, page_table))
 
 
-def test_transposed_v_cache_checks_the_dtype():
+def test_transposed_v_cache_checks_the_dtype(refused):
     mod = _module("fmha_decode_gqa8_fp8kv")
     batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
     k_cache = batch.args()[1]
     v_rows = torch.zeros(k_cache.shape, dtype=torch.bfloat16)
-    _refused(lambda: mod.transposed_v_cache(v_rows), "v_cache must be a 4-D torch.float8_e4m3fn")
+    refused(lambda: mod.transposed_v_cache(v_rows), "v_cache must be a 4-D torch.float8_e4m3fn")
 
 
 # --- varlen cumulative lengths -----------------------------------------------------
@@ -138,20 +155,20 @@ def _i32(values):
 
 @pytest.mark.parametrize("cu_q", [[0, 40, 5, 46], [3, 5, 45, 46], [0, 5, 45, 90], [0, 5, 30, 31]],
                          ids=["decreasing", "not-from-0", "past-total", "short-of-total"])
-def test_varlen_cu_seqlens_read_on_the_host_are_checked(cu_q):
+def test_varlen_cu_seqlens_read_on_the_host_are_checked(cu_q, refused, launches):
     mod = _module("fmha_varlen_llama")
     packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1)], 1, generator=_gen(), device="cpu")
     q, k, v = packed.q, packed.k, packed.v
-    _refused(lambda: mod.attention(q, k, v, cu_seqlens_q=_i32(cu_q), cu_seqlens_k=packed.cu_seqlens_k),
+    refused(lambda: mod.attention(q, k, v, cu_seqlens_q=_i32(cu_q), cu_seqlens_k=packed.cu_seqlens_k),
              "cu_seqlens_q must rise from 0 to 46 (the packed total), never decreasing")
-    _launches(lambda: mod.attention(q, k, v, cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=packed.cu_seqlens_k))
+    launches(lambda: mod.attention(q, k, v, cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=packed.cu_seqlens_k))
 
 
-def test_varlen_without_keys_is_refused():
+def test_varlen_without_keys_is_refused(refused):
     mod = _module("fmha_varlen_llama")
     packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1)], 1, generator=_gen(), device="cpu")
     q, k, v = packed.q, packed.k[:0], packed.v[:0]
-    _refused(lambda: mod.attention(q, k, v, cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=_i32([0, 0, 0, 0])),
+    refused(lambda: mod.attention(q, k, v, cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=_i32([0, 0, 0, 0])),
              "k and v must hold at least one key (total_k == 0)")
 
 
@@ -159,7 +176,7 @@ def test_varlen_without_keys_is_refused():
 
 
 @pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_varlen_llama"])
-def test_forward_only_module_refuses_inputs_that_require_grad(name):
+def test_forward_only_module_refuses_inputs_that_require_grad(name, refused, launches):
     mod = _module(name)
     if name == "fmha_varlen_llama":
         packed = random_packed(mod.SPEC, [(5, 30), (40, 60)], 1, generator=_gen(), device="cpu")
@@ -168,16 +185,16 @@ def test_forward_only_module_refuses_inputs_that_require_grad(name):
         q, k, v = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
         kwargs = {}
     q.requires_grad_()
-    _refused(lambda: mod.attention(q, k, v, **kwargs), "this module has no backward")
+    refused(lambda: mod.attention(q, k, v, **kwargs), "this module has no backward")
     with torch.no_grad():
-        _launches(lambda: mod.attention(q, k, v, **kwargs))
+        launches(lambda: mod.attention(q, k, v, **kwargs))
 
 
-def test_forward_only_module_refuses_hook_tensors_that_require_grad():
+def test_forward_only_module_refuses_hook_tensors_that_require_grad(refused):
     mod = _module("fmha_alibi")
     q, k, v = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
     slope = torch.ones(q.shape[1], requires_grad=True)
-    _refused(lambda: mod.attention(q, k, v, slope=slope), "this module has no backward")
+    refused(lambda: mod.attention(q, k, v, slope=slope), "this module has no backward")
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -187,24 +204,24 @@ def test_forward_only_module_refuses_hook_tensors_that_require_grad():
     ({"q_offset": True}, "q_offset must be an int, got True"),
     ({"q_offset": np.int64(3)}, "q_offset must be an int, got"),
 ])
-def test_training_module_checks_scalars_before_its_op(kwargs, message):
+def test_training_module_checks_scalars_before_its_op(kwargs, message, refused):
     mod = _module("fmha_train_gqa_causal")
     q, k, v = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
-    _refused(lambda: mod.attention(q, k, v, **kwargs), message)
+    refused(lambda: mod.attention(q, k, v, **kwargs), message)
 
 
-def test_training_module_checks_tensors_before_its_op():
+def test_training_module_checks_tensors_before_its_op(refused):
     mod = _module("fmha_train_gqa_causal")
     q, k, v = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
-    _refused(lambda: mod.attention([1.0], k, v), "q must be a torch.Tensor, got list")
+    refused(lambda: mod.attention([1.0], k, v), "q must be a torch.Tensor, got list")
 
 
-def test_backward_checks_out_and_lse():
+def test_backward_checks_out_and_lse(refused, launches):
     mod = _module("fmha_train_gqa_causal")
     q, k, v = random_qkv(mod.SPEC, 1, 1, 40, 40, generator=_gen(), device="cpu")
     lse = torch.zeros(q.shape[:3])
-    _refused(lambda: mod._backward(q, k, v, q, torch.zeros(3), torch.zeros_like(q), 0.1, 0),
+    refused(lambda: mod._backward(q, k, v, q, torch.zeros(3), torch.zeros_like(q), 0.1, 0),
              "lse must be a torch.float32 tensor of shape (1, 4, 40)")
-    _refused(lambda: mod._backward(q, k, v, q[:, :, :5], lse, torch.zeros_like(q[:, :, :5]), 0.1, 0),
+    refused(lambda: mod._backward(q, k, v, q[:, :, :5], lse, torch.zeros_like(q[:, :, :5]), 0.1, 0),
              "out must be a torch.bfloat16 tensor of shape (1, 4, 40, 128)")
-    _launches(lambda: mod._backward(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), 0.1, 0))
+    launches(lambda: mod._backward(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), 0.1, 0))

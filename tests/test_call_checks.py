@@ -225,3 +225,9 @@ def test_backward_checks_out_and_lse(refused, launches):
     refused(lambda: mod._backward(q, k, v, q[:, :, :5], lse, torch.zeros_like(q[:, :, :5]), 0.1, 0),
              "out must be a torch.bfloat16 tensor of shape (1, 4, 40, 128)")
     launches(lambda: mod._backward(q, k, v, torch.zeros_like(q), lse, torch.zeros_like(q), 0.1, 0))
+
+
+def test_the_scale_range_written_out_is_float32s():
+    float32 = torch.finfo(torch.float32)
+    for name in ("fmha_mha_bf16", "fmha_decode_gqa8_bf16"):
+        assert _module(name)._FLOAT32_NORMAL == (float32.tiny, float32.max)

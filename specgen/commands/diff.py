@@ -153,7 +153,6 @@ def plan_summary(plan: Plan) -> dict:
     """The derived values worth comparing (the spec itself is section 1)."""
     skip = {"spec", "spec_dict", "targets", "optimizations"}
     out = {f.name: _plain(getattr(plan, f.name)) for f in fields(plan) if f.name not in skip}
-    out["compile_for"] = list(out["compile_for"])
     out["kernel_constants"] = list(plan.kernel_constants)
     for t in plan.targets:
         out[f"tiles.{t.name}"] = "; ".join(c.describe() for c in t.configs)

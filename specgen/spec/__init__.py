@@ -7,7 +7,6 @@ from specgen.spec.fields import (
     DEFAULT_TARGET,
     HINT_DEFAULTS,
     HINT_FIELDS,
-    TARGET_RE,
     TUNABLE_FIELDS,
     AutotuneSpace,
     LaunchConfig,
@@ -25,7 +24,7 @@ from specgen.spec.load import (
 from specgen.spec.model import Spec
 
 __all__ = [
-    "DEFAULT_TARGET", "HINT_DEFAULTS", "HINT_FIELDS", "TARGET_RE", "TUNABLE_FIELDS",
+    "DEFAULT_TARGET", "HINT_DEFAULTS", "HINT_FIELDS", "TUNABLE_FIELDS",
     "AutotuneSpace", "LaunchConfig", "Spec", "TargetConfig", "compact_config", "decode_rows",
     "json_schema", "load_spec", "parse_spec_text", "spec_to_dict", "validate_spec",
 ]

@@ -27,7 +27,6 @@ class Problems(ValueError):
         self.items = items
 
 
-TARGET_RE = re.compile(r"^sm_[1-9][0-9]{1,2}[a-z]?$")
 # The GPU targets tileiras compiles for: the --gpu-name values of `tileiras --help`
 # (nvidia-cuda-tileiras 13.4.92; cuda.tile itself keeps no list). A name outside it
 # would only fail later, in the compiler.
@@ -43,9 +42,13 @@ def target_problem(value: str) -> str | None:
     return f"must be a GPU target tileiras compiles for: {', '.join(KNOWN_TARGETS)}"
 
 
+# The most rows or keys a tile holds (tile_m's and tile_n's bound).
+MAX_TILE = 256
+
+
 def _power_of_two_tile(value: int) -> int:
-    if value < 16 or value > 256 or value & (value - 1):
-        raise ValueError("must be a power of two in [16, 256]")
+    if value < 16 or value > MAX_TILE or value & (value - 1):
+        raise ValueError(f"must be a power of two in [16, {MAX_TILE}]")
     return value
 
 

@@ -17,6 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 from specgen.spec.defaults import measured_targets
 from specgen.spec.fields import (
     DEFAULT_TARGET,
+    MAX_TILE,
     RESERVED_NAMES,
     TENSOR_NAME_RE,
     AutotuneSpace,
@@ -38,8 +39,6 @@ from specgen.spec.fields import (
 # False while a spec written without targets is validated with the configs filled in
 # for it: a check that a filled config fails then names the user's fields instead.
 _TARGETS_WRITTEN: ContextVar[bool] = ContextVar("targets_written", default=True)
-# The most query rows a tile holds (tile_m's bound).
-MAX_TILE_ROWS = 256
 
 
 def _indexes(expression: str, tensor: str) -> bool:
@@ -299,10 +298,10 @@ class Spec(_Strict):
     @classmethod
     def _decode_rows_fit(cls, value: int, info) -> int:
         ratio = info.data.get("gqa_ratio")
-        if info.data.get("family") == "decode" and ratio and decode_rows(ratio, value) > MAX_TILE_ROWS:
+        if info.data.get("family") == "decode" and ratio and decode_rows(ratio, value) > MAX_TILE:
             raise ValueError(
-                f"a decode tile packs gqa_ratio x max_q_len query rows, at most {MAX_TILE_ROWS}; "
-                f"gqa_ratio {ratio} allows max_q_len <= {max(1, MAX_TILE_ROWS // ratio)}")
+                f"a decode tile packs gqa_ratio x max_q_len query rows, at most {MAX_TILE}; "
+                f"gqa_ratio {ratio} allows max_q_len <= {max(1, MAX_TILE // ratio)}")
         return value
 
     @field_validator("targets", mode="after")

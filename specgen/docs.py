@@ -290,7 +290,9 @@ INTRO = """\
 A spec is a YAML file validated by a strict Pydantic model (`specgen.spec.Spec`):
 unknown keys, wrong types (a quoted `"true"` is not a bool) and out-of-range values
 are errors, each reported on one line as `<file>: <field.path>: <what is allowed>,
-got <value>`. Every field but `name` has a default, so `name: x` plus
+got <value>`. Scalars are read as YAML 1.2 reads them: a boolean is `true` or
+`false`, never `yes` or `on`; an integer is plain decimal (`0200` and `0x80` are
+refused, not read as octal or hex). Every field but `name` has a default, so `name: x` plus
 `causal: true` is a whole spec.
 
 The same model ships as a JSON Schema, [`specs/schema.json`](../specs/schema.json)

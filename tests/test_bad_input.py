@@ -60,6 +60,22 @@ def test_floats_are_read_in_yaml_1_2_form(text, value):
     assert parse_spec_text(f"softcap: {text}\n") == {"softcap": value}
 
 
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "Yes", "OFF"])
+def test_yaml_1_1_booleans_are_strings(tmp_path, word):
+    # YAML 1.1 (PyYAML's default) would read these as true/false.
+    assert parse_spec_text(f"causal: {word}\n") == {"causal": word}
+    assert _text_lines(tmp_path, f"name: a\ncausal: {word}\n") == [
+        f'causal: must be true or false, got "{word}"']
+
+
+@pytest.mark.parametrize("word,value", [
+    ("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False),
+    ("FALSE", False),
+])
+def test_yaml_1_2_booleans_read_as_booleans(word, value):
+    assert parse_spec_text(f"causal: {word}\n") == {"causal": value}
+
+
 def test_plain_integers_still_read_as_integers():
     assert parse_spec_text("a: 128\nb: -1\nc: +4\nd: 0\n") == {"a": 128, "b": -1, "c": 4, "d": 0}
 

@@ -68,11 +68,20 @@ _UniqueKeyLoader.add_constructor(
 # optional sign and no leading zero (`0200` stays a string, so it is refused as one
 # rather than read as 200 or 128), and a float is the 1.2 form (`5e1`, `1.5e-3`,
 # `.5`, `.inf`, `.nan`); anything else is a string and gets the field's type error.
+# Booleans are 1.2's too: `true`/`false` (any of three casings); YAML 1.1's `yes`,
+# `no`, `on`, `off` and `y` stay strings, so `causal: on` is refused, not read as true.
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_BOOL_TAG = "tag:yaml.org,2002:bool"
 _UniqueKeyLoader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    first: [
+        (tag, regexp)
+        for tag, regexp in resolvers
+        if tag not in (_INT_TAG, _FLOAT_TAG, _BOOL_TAG)
+    ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+_UniqueKeyLoader.add_implicit_resolver(
+    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 _UniqueKeyLoader.add_implicit_resolver(
     _INT_TAG, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
 _UniqueKeyLoader.add_implicit_resolver(

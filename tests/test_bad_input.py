@@ -123,6 +123,14 @@ ONE_LINE = [
     ({"score_mod": "score + 1/0"}, "score_mod: '/' by zero is undefined, got 1 / 0"),
     ({"mask_mod": "q_idx % -0 == 0"}, "mask_mod: '%' by zero is undefined, got q_idx % -0"),
     ({"score_mod": "score / 0.0"}, "score_mod: '/' by zero is undefined, got score / 0.0"),
+    # ... nor by arithmetic that is zero whatever the indices
+    ({"mask_mod": "kv_idx % (q_idx - q_idx) == 0"},
+     "mask_mod: '%' by zero is undefined, got kv_idx % (q_idx - q_idx)"),
+    ({"score_mod": "score / (2 * h - h - h)"},
+     "score_mod: '/' by zero is undefined, got score / (2 * h - h - h)"),
+    ({"score_mod": "score + q_idx // (0 * kv_idx)"},
+     "score_mod: '//' by zero is undefined, got q_idx // (0 * kv_idx)"),
+    ({"score_mod": "score / -(1.5 - 0.5 * 3)"}, "score_mod: '/' by zero is undefined"),
     # a bad tensor is the only line, not also the hooks that use it
     ({"tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}},
       "score_mod": "score - Slope[h]"},
@@ -160,6 +168,15 @@ def test_one_line_in_the_projects_words(overrides, expected):
     assert len(lines) == 1 and lines[0].startswith(f"specs/bad.yaml: {expected}"), lines
     assert "Input should" not in lines[0] and "after validation" not in lines[0]
     assert lines[0].count(", got ") <= 1
+
+
+@pytest.mark.parametrize("hook", [
+    "score / (q_idx - kv_idx + 1)",  # zero at some positions only: the hook's business
+    "score + q_idx // (h - 2 * h + 3 * h + 1)",
+    "score / (2 * h + 0.5 - 2 * h + 0.5)",
+])
+def test_a_divisor_that_is_not_always_zero_is_allowed(hook):
+    assert validate_spec({"name": "ok", "score_mod": hook}).score_mod is not None
 
 
 def test_a_written_target_is_still_blamed_for_its_own_tile():

@@ -87,11 +87,35 @@ class Hook:
 
 
 def _is_zero(node: ast.AST) -> bool:
-    """A literal zero, signed or not (0, 0.0, -0): the checker folds no other constants."""
+    """Whether a divisor is zero whatever the indices: a literal zero (0, 0.0, -0), or
+    arithmetic that cancels (``q_idx - q_idx``, ``2 * h - h - h``, ``0 * kv_idx``)."""
     while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         node = node.operand
-    return (isinstance(node, ast.Constant) and not isinstance(node.value, bool)
-            and isinstance(node.value, (int, float)) and node.value == 0)
+    if isinstance(node, ast.Constant):
+        return (not isinstance(node.value, bool) and isinstance(node.value, (int, float))
+                and node.value == 0)
+    if not isinstance(node, ast.BinOp):
+        return False  # a name, a tensor element or a call: not zero by its form
+    import sympy as sp  # only for a compound divisor, so plain specs do not pay the import
+
+    leaves: dict[str, sp.Symbol] = {}
+
+    def convert(item: ast.AST):
+        if isinstance(item, ast.Constant) and type(item.value) in (int, float):
+            return sp.nsimplify(item.value)
+        if isinstance(item, ast.UnaryOp) and isinstance(item.op, (ast.USub, ast.UAdd)):
+            operand = convert(item.operand)
+            return -operand if isinstance(item.op, ast.USub) else operand
+        if isinstance(item, ast.BinOp) and isinstance(item.op, (ast.Add, ast.Sub, ast.Mult)):
+            left, right = convert(item.left), convert(item.right)
+            return {ast.Add: left + right, ast.Sub: left - right,
+                    ast.Mult: left * right}[type(item.op)]
+        # Anything else (a name, a subscript, //, %, a call) is one opaque value; the
+        # same text is the same value.
+        text = ast.unparse(item)
+        return leaves.setdefault(text, sp.Symbol(f"_x{len(leaves)}"))
+
+    return sp.expand(convert(node)) == 0
 
 
 def _node_name(node: ast.AST) -> str:

@@ -266,9 +266,9 @@ SPEC = "specs/fmha_gqa_causal.yaml"
     (["schema", "--file", "nowhere/schema.json"], "--file nowhere/schema.json: no such folder nowhere"),
     (["schema", "--file", ""], "--file: expected a file name, got ''"),
     (["docs", "--root", "README.md"],
-     "docs: README.md is not a specgen project (it has no specs/ or bench/results/)"),
+     "specgen docs: README.md is not a specgen project (it has no specs/ or bench/results/)"),
     (["docs", "--root", "specs"],
-     "docs: specs is not a specgen project (it has no specs/ or bench/results/)"),
+     "specgen docs: specs is not a specgen project (it has no specs/ or bench/results/)"),
     (["build", SPEC, "--check", "--force"],
      "specgen build: --check and --force cannot be combined (--check writes nothing)"),
     (["test", SPEC, "--fuzz", "5", "--fuzz-case", "0:1"],
@@ -276,7 +276,7 @@ SPEC = "specs/fmha_gqa_causal.yaml"
     (["test", SPEC, "--quick", "--fuzz", "1"],
      "specgen test: --quick and --fuzz cannot be combined (--fuzz draws its own shapes)"),
     (["diff", "--templates", SPEC, "--set", "causal=false"],
-     "diff: --templates re-renders specs as they are; it takes no --set"),
+     "specgen diff: --templates re-renders specs as they are; it takes no --set"),
     (["build", SPEC, "--no-compile", "--targets", "sm_90,,sm_100"],
      "--targets: expected a comma-separated list like sm_90,sm_100 without empty items, got "
      "'sm_90,,sm_100'"),
@@ -292,7 +292,12 @@ SPEC = "specs/fmha_gqa_causal.yaml"
      '--set head_dim: head_dim: must be an integer, got "0200"'),
     # argparse's own errors: one line
     (["build"], "specgen build: error: the following arguments are required: PATH"),
-    (["build", SPEC, "--bogus"], "specgen: error: unrecognized arguments: --bogus"),
+    (["build", SPEC, "--bogus"], "specgen build: error: unrecognized arguments: --bogus"),
+    # an unknown option is named before a missing PATH, and a unique prefix is no unknown
+    (["build", "--bogus"], "specgen build: error: unrecognized arguments: --bogus"),
+    (["build", "--bogus=3", "--gen", "x"], "specgen build: error: unrecognized arguments: --bogus=3"),
+    (["build", "--ge", "x"], "specgen build: error: the following arguments are required: PATH"),
+    (["diff"], "specgen diff: give two specs or modules"),
     (["nope"], "specgen: error: argument COMMAND: invalid choice: 'nope'"),
     (["test", SPEC, "--fuzz", "x"], "specgen test: error: argument --fuzz: invalid int value: 'x'"),
 ])

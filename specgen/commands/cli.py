@@ -16,8 +16,37 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with its errors in one line (``specgen build: error: ...``), exit 2,
     as every other bad input; ``--help`` still shows the usage."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
+        # argparse reports missing positionals before unknown options, so
+        # `specgen build --bogus` would blame the missing PATH; the option the user
+        # mistyped is the better first line.
+        if message.startswith("the following arguments are required"):
+            unknown = self.unknown_options(getattr(self, "_given", []))
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def unknown_options(self, tokens: list[str]) -> list[str]:
+        """The tokens that look like options this parser does not take (a unique
+        prefix of a long option counts as that option, as argparse reads it)."""
+        known = list(self._option_string_actions)
+        unknown = []
+        for token in tokens:
+            if token == "--":
+                break
+            if not token.startswith("-") or token == "-" or token[1:2].isdigit():
+                continue
+            name = token.split("=", 1)[0]
+            if name in known:
+                continue
+            if name.startswith("--") and sum(k.startswith(name) for k in known) == 1:
+                continue
+            unknown.append(token)
+        return unknown
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -214,7 +243,12 @@ def _refuse_together(args, *pairs: tuple[str, str, str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     # torch warns at import when NumPy is not installed; specgen needs no NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named for the command they were given to, not the top level
+        print(f"specgen {args.command}: error: unrecognized arguments: {' '.join(extra)}",
+              file=sys.stderr)
+        return 2
     try:
         return _run(args)
     except SpecgenError as exc:
@@ -285,22 +319,22 @@ def _run(args) -> int:
             from specgen.commands.explore import run_variants
 
             if args.paths:
-                raise UsageError("bench: give either SPEC paths or --variants FILE, not both")
+                raise UsageError("specgen bench: give either SPEC paths or --variants FILE, not both")
             if args.seqs:
-                raise UsageError("bench: --seqs does not apply to --variants (the file's "
+                raise UsageError("specgen bench: --seqs does not apply to --variants (the file's "
                                  "shapes.seqs sets the lengths)")
             run_variants(Path(args.variants), _folder(args.results, "--results"),
                          baselines=parse_baselines(args.baselines or "cudnn"))
             return 0
         if not args.paths:
-            raise UsageError("bench: give at least one SPEC path (or --variants FILE)")
+            raise UsageError("specgen bench: give at least one SPEC path (or --variants FILE)")
         suite = parse_suite(args.suite)
         shapes = None
         if args.seqs:
             from specgen.commands.tune import parse_seqs
 
             if suite == "decode":
-                raise UsageError("bench: --seqs applies to the prefill and backward suites; the "
+                raise UsageError("specgen bench: --seqs applies to the prefill and backward suites; the "
                                  "decode suite's shapes are (batch, cache length) pairs")
             shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
         run_suite(suite, args.paths, results=_folder(args.results, "--results"),
@@ -318,7 +352,7 @@ def _run(args) -> int:
         try:
             changed = write_docs(Path(args.root), check=args.check)
         except DocsError as exc:
-            raise UsageError(f"docs: {exc}") from None
+            raise UsageError(f"specgen docs: {exc}") from None
         for name in changed:
             print(f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}")
         if not changed:

@@ -459,13 +459,13 @@ def run_diff(
     """Exit 0 identical, 1 different, 2 bad input (as diff(1) does)."""
     if templates:
         if sets:
-            raise UsageError("diff: --templates re-renders specs as they are; it takes no --set")
+            raise UsageError("specgen diff: --templates re-renders specs as they are; it takes no --set")
         reports = template_reports(paths or ["specs"], gen_dir)
     else:
         if sets and len(paths) != 1:
-            raise UsageError("diff: --set takes exactly one spec or module (A)")
+            raise UsageError("specgen diff: --set takes exactly one spec or module (A)")
         if not sets and len(paths) != 2:
-            raise UsageError("diff: give two specs or modules (A B), or one with --set key=value")
+            raise UsageError("specgen diff: give two specs or modules (A B), or one with --set key=value")
         data_a, side_a = load_side(paths[0])
         side_b = variant_side(data_a, side_a, sets) if sets else load_side(paths[1])[1]
         if compiled and not as_json:

@@ -277,3 +277,24 @@ def test_decode_build_compiles_the_pdl_value_the_generated_launcher_picks(pdl):
     module = load_module_from_source(plan.module_name, render(plan, "specs/v.yaml").text, "v.py")
     for target in ("sm_80", "sm_86", "sm_90", "sm_100", "sm_120"):
         assert pdl_value(plan, target) is module.use_pdl(int(target[3:-1])), target
+
+
+def test_known_targets_are_the_installed_tileiras_targets():
+    """The spec refuses targets outside KNOWN_TARGETS (written out from `tileiras
+    --help`); a tileiras that lists others must update that list, not go unnoticed."""
+    import subprocess
+
+    from cuda.tile._compile import _find_compiler_bin
+
+    from specgen.spec.fields import KNOWN_TARGETS
+
+    try:
+        binary = _find_compiler_bin().path
+    except Exception as exc:  # noqa: BLE001 - no compiler: nothing to compare with
+        pytest.skip(f"no tileiras found: {exc}")
+    text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
+    section = text.split("--gpu-name=", 1)[-1].split("\n  -", 1)[0]
+    listed = tuple(re.findall(r"^\s+=(sm_\d+)\s", section, re.M))
+    assert listed, f"no --gpu-name values found in `{binary} --help`"
+    assert listed == KNOWN_TARGETS, (
+        f"{binary} compiles for {listed}; specgen.spec.fields.KNOWN_TARGETS says {KNOWN_TARGETS}")

@@ -29,7 +29,8 @@ class Problems(ValueError):
 
 # The GPU targets tileiras compiles for: the --gpu-name values of `tileiras --help`
 # (nvidia-cuda-tileiras 13.4.92; cuda.tile itself keeps no list). A name outside it
-# would only fail later, in the compiler.
+# would only fail later, in the compiler. tests/test_compile.py compares it with the
+# installed tileiras.
 KNOWN_TARGETS = ("sm_80", "sm_86", "sm_87", "sm_88", "sm_89", "sm_90", "sm_100", "sm_103",
                  "sm_107", "sm_110", "sm_120", "sm_121")
 MAX_SPEC_BYTES = 1 << 20

@@ -231,3 +231,66 @@ def test_the_scale_range_written_out_is_float32s():
     float32 = torch.finfo(torch.float32)
     for name in ("fmha_mha_bf16", "fmha_decode_gqa8_bf16"):
         assert _module(name)._FLOAT32_NORMAL == (float32.tiny, float32.max)
+
+
+# --- block maps and the tensors they were built from --------------------------------
+
+
+def _built_map(mod, *args, **kwargs):
+    """make_block_map with its map kernel emulated (really run, not stubbed)."""
+    with emulate.emulating():
+        return mod.make_block_map(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["fmha_document_mask", "fmha_train_document"])
+def test_a_block_map_follows_the_tensors_it_was_built_from(name, refused, launches):
+    mod = _module(name)
+    batch, seq = 1, 200
+    q, k, v = random_qkv(mod.SPEC, batch, 4, seq, seq, generator=_gen(), device="cpu")
+    doc = torch.zeros(batch, seq, dtype=torch.int32)
+    doc[:, 100:] = 1
+    block_map = _built_map(mod, batch, q.shape[1], seq, seq, doc=doc)
+    launches(lambda: mod.attention(q, k, v, doc=doc, block_map=block_map))
+    launches(lambda: mod.attention(q, k, v, doc=doc[:], block_map=block_map))  # a view: the same memory
+    # Equal values in other memory: the map cannot tell without reading them (a sync).
+    refused(lambda: mod.attention(q, k, v, doc=doc.clone(), block_map=block_map),
+            "block_map was built from another doc tensor")
+    doc[0, 150] = 0  # one more token in the first document: the map is stale
+    refused(lambda: mod.attention(q, k, v, doc=doc, block_map=block_map),
+            "doc was written after block_map was built")
+    fresh = _built_map(mod, batch, q.shape[1], seq, seq, doc=doc)
+    launches(lambda: mod.attention(q, k, v, doc=doc, block_map=fresh))
+
+
+def test_a_decode_block_map_is_refused_once_seq_lens_advance(refused, launches):
+    mod = _module("fmha_decode_chunked_local")
+    batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens = batch.args()[:4]
+    heads, capacity = q.shape[1] * q.shape[2], k_cache.shape[1]
+    block_map = _built_map(mod, seq_lens, heads, capacity)
+    launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, block_map=block_map))
+    seq_lens += 1  # the next step, without a new map
+    refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, block_map=block_map),
+            "seq_lens was written after block_map was built")
+    refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens.clone(), block_map=block_map),
+            "block_map was built from another seq_lens tensor")
+    step = _built_map(mod, seq_lens, heads, capacity)
+    launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, block_map=step))
+
+
+def test_a_block_map_of_another_module_is_named_so(refused):
+    mask, window = _module("fmha_document_mask"), _module("fmha_window_document")
+    q, k, v = random_qkv(window.SPEC, 1, 4, 64, 64, generator=_gen(), device="cpu")
+    doc = torch.zeros(1, 64, dtype=torch.int32)
+    other = _built_map(mask, 1, q.shape[1], 64, 64, doc=doc)
+    refused(lambda: window.attention(q, k, v, doc=doc, block_map=other),
+            "block_map was built by another module (_call_checks_fmha_document_mask)")
+    refused(lambda: window.attention(q, k, v, doc=doc, block_map="map"),
+            "block_map must be a BlockMap (make_block_map) or None, got str")
+
+
+def test_make_block_map_takes_backward_as_a_bool():
+    mod = _module("fmha_train_document")
+    doc = torch.zeros(1, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="backward must be True or False, got 'no'"):
+        _built_map(mod, 1, 4, 64, 64, doc=doc, backward="no")

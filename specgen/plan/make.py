@@ -401,6 +401,13 @@ class Plan:
         return {name: param for name, param, _, _ in self.extra_tensors}
 
     @property
+    def map_tensors(self) -> tuple[str, ...]:
+        """The extra tensors a block map depends on: those the mask_mod reads, in
+        the spec's order (a score_mod's tensors do not change which tiles are seen)."""
+        read = {g.tensor for g in self.mask_mod.gathers} if self.mask_mod else set()
+        return tuple(name for name, _, _, _ in self.extra_tensors if name in read)
+
+    @property
     def needs_rows(self) -> bool:
         """The kernel computes each row's absolute position (masks and hooks)."""
         return (bool(self.row_mask) or self.dropout

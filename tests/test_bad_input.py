@@ -273,6 +273,8 @@ SPEC = "specs/fmha_gqa_causal.yaml"
      "specgen build: --check and --force cannot be combined (--check writes nothing)"),
     (["test", SPEC, "--fuzz", "5", "--fuzz-case", "0:1"],
      "specgen test: --fuzz and --fuzz-case cannot be combined (--fuzz-case replays one case)"),
+    (["test", SPEC, "--seed", "5", "--fuzz-case", "0:1"],
+     "specgen test: --seed and --fuzz-case cannot be combined (the case names its own seed"),
     (["test", SPEC, "--quick", "--fuzz", "1"],
      "specgen test: --quick and --fuzz cannot be combined (--fuzz draws its own shapes)"),
     (["diff", "--templates", SPEC, "--set", "causal=false"],

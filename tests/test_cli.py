@@ -224,7 +224,12 @@ def test_python_m_and_console_script_agree(project):
      "--baselines: unknown xformers; allowed: cudnn, flash, flex"),
     ([], "bench: give at least one SPEC path"),
     (["--seqs", "2k", "specs/fmha_gqa_causal.yaml"],
-     "--seqs: expected comma-separated positive lengths like 2048,8192, got '2k'"),
+     "--seqs: expected comma-separated lengths in [1, 1048576] like 2048,8192, got '2k'"),
+    # a run that would time nothing is refused before the GPU is asked for
+    (["--suite", "decode", "specs/fmha_gqa_causal.yaml"],
+     "--suite decode: nothing to time: fmha_gqa_causal is not a decode spec (use --suite prefill)"),
+    (["specs/fmha_decode_gqa8_bf16.yaml"],
+     "--suite prefill: nothing to time: fmha_decode_gqa8_bf16 is a decode spec (use --suite decode)"),
     (["--suite", "decode", "--seqs", "2048", "specs/fmha_gqa_causal.yaml"],
      "bench: --seqs applies to the prefill and backward suites"),
     (["--variants", "bench/variants/hopper_qk_ahead.yaml", "--seqs", "2048"],

@@ -42,7 +42,29 @@ def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
      "variant 'x': targets.sm_90.tile_m: must be a power of two in [16, 256], got 100"),
     ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [loop_split]\n", "expected key.path=value"),
     ("spec: specs/fmha_gqa_causal.yaml\nbogus: 1\nvariants:\n  x: []\n", "bogus"),
-    ("spec: [\n", "not valid YAML"),
+    ("spec: [\n", "invalid YAML"),
+    # duplicate keys, as in a spec file
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  a: []\n  a: [prescale_q=true]\n",
+     "invalid YAML: line 4, column 3: duplicate key 'a'"),
+    # an assignment's error names the file and the variant, not --set
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [nokey]\n",
+     "v.yaml: variant 'x': expected key.path=value, got 'nokey'"),
+    # what would be timed on another call than the first variant's
+    ("spec: specs/fmha_decode_gqa8_bf16.yaml\nvariants:\n  x: []\n",
+     "variant 'x': bench --variants times dense prefill calls; a decode spec"),
+    ("spec: specs/fmha_varlen_llama.yaml\nvariants:\n  x: []\n", "variant 'x': bench --variants "
+     "times dense prefill calls; varlen"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  a: []\n  b: [gqa_ratio=1, head_dim=64]\n",
+     "variant 'b': changes head_dim, gqa_ratio from variant 'a'"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  a: []\n  b: [dtype=bfloat16]\n",
+     "variant 'b': changes dtype from variant 'a'"),
+    ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  a|b: []\n", "variant 'a|b': a label is"),
+    # shapes the suite could not run
+    ("spec: specs/fmha_gqa_causal.yaml\nshapes: {seqs: [0]}\nvariants:\n  x: []\n", "shapes.seqs.0"),
+    ("spec: specs/fmha_gqa_causal.yaml\nshapes: {seqs: [10000000000]}\nvariants:\n  x: []\n",
+     "shapes.seqs.0"),
+    ("spec: specs/fmha_gqa_causal.yaml\nshapes: {heads: 3}\nvariants:\n  x: []\n",
+     "shapes.heads: 3 query heads are not a multiple of gqa_ratio 4"),
     ("spec: specs/fmha_document_mask.yaml\nvariants:\n  x: []\n",
      "variant 'x': the cuDNN baseline of bench --variants cannot run it (SDPA cuDNN has no mask_mod)"),
     ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [softcap=30.0]\n",
@@ -64,6 +86,21 @@ def test_bench_variants_cli_errors():
     assert neither.returncode == 2 and "at least one SPEC" in neither.stderr
     missing = specgen("bench", "--variants", "no/such.yaml", cwd=ROOT)
     assert missing.returncode == 2 and "no/such.yaml: cannot read" in missing.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "decode"], "--suite decode does not apply to --variants"),
+    (["--suite", "bogus"], "--suite bogus does not apply to --variants"),
+    (["--gen", "README.md"], "--gen does not apply to --variants"),
+    (["--baselines", ""], "--baselines: expected comma-separated names"),
+    (["--baselines", ","], "--baselines: expected comma-separated names"),
+])
+def test_bench_variants_refuses_options_it_would_ignore(capsys, monkeypatch, args, message):
+    from specgen.commands.cli import main
+
+    monkeypatch.chdir(ROOT)
+    assert main(["bench", "--variants", "bench/variants/hopper_causal.yaml", *args]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_markdown_table_has_one_row_per_variant_and_the_cudnn_row():

@@ -117,7 +117,8 @@ def test_write_back_adds_a_missing_target():
 def test_parse_seqs():
     assert parse_seqs("8192, 2048,2048") == [2048, 8192]
     assert parse_seqs(None) is None
-    for bad in ("", "a,b", "0,1024"):
+    assert parse_seqs(" 1 ,1048576") == [1, 1 << 20]
+    for bad in ("", "a,b", "0,1024", "1_024", "+8", "\u00b2", "1048577", "99999999999999"):
         with pytest.raises(UsageError, match="--seqs"):
             parse_seqs(bad)
 
@@ -135,6 +136,8 @@ def test_shipped_optimised_specs_declare_an_sm_90_space():
     (["specs/fmha_gqa_causal.yaml", "--target", "hopper"], "--target: 'hopper' must be a GPU target tileiras compiles for"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--seqs", "x"], "--seqs: expected"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--confirm", "-1"], "--confirm: expected a count"),
+    (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--confirm", "\u00b2"],
+     "--confirm: expected a count in [0, 64], got '\u00b2'"),
     (["specs/fmha_gqa_causal.yaml", "--target", "sm_90", "--suite", "nope"], "--suite: unknown"),
 ])
 def test_tune_errors_exit_2_with_one_line(args, message):

@@ -521,7 +521,11 @@ def label(name: str) -> str:
 
 def parse_baselines(text: str) -> tuple[str, ...]:
     """--baselines: comma-separated registry names, in the order given."""
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    parts = [n.strip() for n in text.split(",")]
+    if not all(parts):
+        raise UsageError(f"--baselines: expected comma-separated names from {', '.join(NAMES)}, "
+                         f"got {text!r}")
+    names = tuple(dict.fromkeys(parts))
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise UsageError(

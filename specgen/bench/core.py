@@ -586,6 +586,16 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
 
     plans = load_plans(paths)
     suite.check([plan for _, plan in plans])
+    # Bad input before the GPU is asked for: a run that would time nothing, and
+    # shapes a spec cannot take.
+    skipped = {plan.module_name: suite.skip(plan) for _, plan in plans}
+    if all(skipped.values()):
+        raise UsageError(f"--suite {suite.name}: nothing to time: " + "; ".join(
+            f"{name} is {why}" if why.startswith(("a ", "not ")) else f"{name}: {why}"
+            for name, why in skipped.items()))
+    for _, plan in plans:
+        if not skipped[plan.module_name]:
+            suite.shapes(plan, shapes)
     torch = require_cuda("bench")  # before rendering: without a GPU, say so at once
     require_unpatched_launch()
     jobs = load_jobs(paths, gen, plans)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -90,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     test.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
     test.add_argument("--quick", action="store_true", help="a smaller shape matrix")
-    test.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    test.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     test.add_argument("--fuzz", type=int, default=0, metavar="N",
                       help="N random valid shapes per spec instead of the matrix (batch, "
                       "heads, lengths, q_offset, strided views; decode: ragged lengths and "
@@ -293,8 +294,12 @@ def _run(args) -> int:
         _refuse_together(args, ("--fuzz", "--fuzz-case", "--fuzz-case replays one case"),
                          ("--quick", "--fuzz", "--fuzz draws its own shapes"),
                          ("--quick", "--fuzz-case", "--fuzz-case replays its own shape"))
+        if args.seed is not None and args.fuzz_case:
+            raise UsageError("specgen test: --seed and --fuzz-case cannot be combined (the case "
+                             "names its own seed, SEED:INDEX)")
         case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
-        return run_test(args.paths, _folder(args.gen, "--gen"), quick=args.quick, seed=args.seed,
+        return run_test(args.paths, _folder(args.gen, "--gen"), quick=args.quick,
+                        seed=0 if args.seed is None else args.seed,
                         fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs,
                         emulate=args.emulate)
     if args.command == "tune":
@@ -305,7 +310,7 @@ def _run(args) -> int:
         target = parse_targets(args.target, "--target")
         if len(target) != 1:
             raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
-        if not args.confirm.isdigit() or int(args.confirm) > 64:
+        if not re.fullmatch(r"[0-9]{1,2}", args.confirm) or int(args.confirm) > 64:
             raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
         return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)),
                         _folder(args.results, "--results"),
@@ -315,6 +320,8 @@ def _run(args) -> int:
         from specgen.bench import parse_suite, run_suite
         from specgen.bench.baselines import parse_baselines
 
+        if args.variants == "":
+            raise UsageError("specgen bench: --variants: expected a variants file, got ''")
         if args.variants:
             from specgen.commands.explore import run_variants
 
@@ -323,8 +330,14 @@ def _run(args) -> int:
             if args.seqs:
                 raise UsageError("specgen bench: --seqs does not apply to --variants (the file's "
                                  "shapes.seqs sets the lengths)")
+            if args.suite != "prefill":
+                raise UsageError(f"specgen bench: --suite {args.suite} does not apply to --variants "
+                                 "(variants are timed as prefill calls)")
+            if args.gen != "generated":
+                raise UsageError("specgen bench: --gen does not apply to --variants (the variants "
+                                 "are rendered to a temporary folder)")
             run_variants(Path(args.variants), _folder(args.results, "--results"),
-                         baselines=parse_baselines(args.baselines or "cudnn"))
+                         baselines=parse_baselines("cudnn" if args.baselines is None else args.baselines))
             return 0
         if not args.paths:
             raise UsageError("specgen bench: give at least one SPEC path (or --variants FILE)")
@@ -339,7 +352,8 @@ def _run(args) -> int:
             shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
         run_suite(suite, args.paths, results=_folder(args.results, "--results"),
                   gen=_folder(args.gen, "--gen"), shapes=shapes,
-                  baselines=parse_baselines(args.baselines or "cudnn,flash,flex"))
+                  baselines=parse_baselines("cudnn,flash,flex" if args.baselines is None
+                                            else args.baselines))
         return 0
     if args.command == "diff":
         from specgen.commands.diff import run_diff

@@ -60,17 +60,18 @@ def load_side(path_text: str) -> tuple[dict, Side]:
     return data, Side(str(path), plan, render(plan, path.as_posix()).text)
 
 
-def apply_sets(data: dict, assignments: list[str]) -> dict:
-    """A copy of spec data with `key.path=value` assignments (values parsed as YAML)."""
+def apply_sets(data: dict, assignments: list[str], where: str = "--set") -> dict:
+    """A copy of spec data with `key.path=value` assignments (values parsed as YAML).
+    ``where`` names the assignments' origin in errors (a variants file's variant)."""
     data = copy.deepcopy(data)
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key.strip():
-            raise UsageError(f"--set: expected key.path=value, got {assignment!r}")
+            raise UsageError(f"{where}: expected key.path=value, got {assignment!r}")
         try:
             # The loader of spec files: the same numbers, and its guards against
             # numbers too long to read and nesting too deep.
-            value = parse_spec_text(raw, f"--set {key.strip()}") if raw.strip() else None
+            value = parse_spec_text(raw, f"{where} {key.strip()}") if raw.strip() else None
         except SpecError as exc:
             raise UsageError("\n".join(exc.lines())) from None
         node = data
@@ -80,7 +81,7 @@ def apply_sets(data: dict, assignments: list[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise UsageError(f"--set {key}: {part} is not a mapping")
+                raise UsageError(f"{where} {key}: {part} is not a mapping")
             node = child
         node[parts[-1]] = value
     return data

@@ -25,27 +25,38 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Annotated, Callable, Literal, Optional, Sequence
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specgen.bench.baselines import REGISTRY
 from specgen.bench.baselines import label as baseline_label
+from specgen.commands.tune import MAX_SEQ
 from specgen.errors import SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import render
-from specgen.spec import load_spec, spec_to_dict, validate_spec
+from specgen.spec import load_spec, parse_spec_text, spec_to_dict, validate_spec
 
 
 class Shapes(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     batch: int = Field(4, ge=1, le=1024)
     heads: int = Field(32, ge=1, le=1024)
-    seqs: list[int] = Field(default_factory=lambda: [2048, 8192], min_length=1)
+    seqs: list[Annotated[int, Field(ge=1, le=MAX_SEQ)]] = Field(
+        default_factory=lambda: [2048, 8192], min_length=1)
+
+
+# What a variant may not change: the call every variant is timed with (and checked
+# against one fp64 reference of) is made from the first variant's spec.
+CALL_FIELDS = ("family", "dtype", "out_dtype", "kv_dtype", "head_dim", "v_head_dim", "gqa_ratio",
+               "causal", "window", "softcap", "tensors", "score_mod", "mask_mod", "block_sparse",
+               "dropout", "varlen", "sinks", "return_lse")
+# Variant labels become table cells and JSON keys: plain words.
+LABEL = r"[A-Za-z0-9][A-Za-z0-9 _.:+=,()/-]{0,63}"
 
 
 class VariantsFile(BaseModel):
@@ -101,12 +112,13 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
     from specgen.commands.diff import apply_sets
 
     try:
-        raw = yaml.safe_load(path.read_text())
+        # The spec files' loader: duplicate keys and YAML 1.1 scalars refused alike.
+        raw = parse_spec_text(path.read_text(), path)
         config = VariantsFile.model_validate(raw)
     except OSError as exc:
         raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    except SpecError as exc:
+        raise UsageError("\n".join(exc.lines())) from None
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
@@ -114,11 +126,30 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
     base = spec_to_dict(load_spec(config.spec))
     plans, sources = {}, {}
     for label, assignments in config.variants.items():
-        data = apply_sets(base, config.base + assignments)
+        where = f"{path}: variant {label!r}"
+        if not re.fullmatch(LABEL, label):
+            raise UsageError(f"{where}: a label is 1-64 letters, digits, spaces and _.:+=,()/- "
+                             "(it names a table row)")
+        data = apply_sets(base, config.base + assignments, where)
         try:
-            plan = make_plan(validate_spec(data, f"{path}: variant {label!r}"))
+            plan = make_plan(validate_spec(data, where))
         except SpecError as exc:
             raise UsageError("\n".join(exc.lines())) from None
+        if plan.spec.family != "prefill" or plan.varlen:
+            raise UsageError(f"{where}: bench --variants times dense prefill calls; "
+                             f"{'a decode spec' if plan.spec.family != 'prefill' else 'varlen'} "
+                             "is timed with specgen bench")
+        if plans:
+            first_label, first = next(iter(plans.items()))
+            changed = [name for name in CALL_FIELDS
+                       if plan.spec_dict.get(name) != first.spec_dict.get(name)]
+            if changed:
+                raise UsageError(f"{where}: changes {', '.join(changed)} from variant "
+                                 f"{first_label!r}; every variant is timed on the same call, so "
+                                 "only how it is computed may differ")
+        if config.shapes.heads % plan.group_size:
+            raise UsageError(f"{path}: shapes.heads: {config.shapes.heads} query heads are not "
+                             f"a multiple of gqa_ratio {plan.group_size}")
         # Every variant is timed beside cuDNN: what it cannot compute is refused here,
         # before any GPU is asked for.
         why = REGISTRY["cudnn"].limits("prefill", plan)

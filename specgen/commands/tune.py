@@ -20,6 +20,7 @@ import io
 import itertools
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,15 +56,21 @@ def launch_grid(plan, config: dict, seq_q: int, batch_heads: int, sm_count: int)
     return (tiles, batch_heads, 1)
 
 
+# The longest length --seqs and a variants file take: far past one GPU's memory at
+# the suites' B4 Hq32, and within the kernels' int32 positions.
+MAX_SEQ = 1 << 20
+
+
 def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
     if text is None:
         return None
-    try:
-        seqs = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        seqs = []
-    if not seqs or seqs[0] < 1:
-        raise UsageError(f"--seqs: expected comma-separated positive lengths like 2048,8192, got {text!r}")
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    # Plain decimal digits: int() would also take "1_024", "+8" and "²".
+    seqs = sorted({int(part) for part in parts}) if all(
+        re.fullmatch(r"[0-9]{1,8}", part) for part in parts) else []
+    if not seqs or seqs[0] < 1 or seqs[-1] > MAX_SEQ:
+        raise UsageError(f"--seqs: expected comma-separated lengths in [1, {MAX_SEQ}] like "
+                         f"2048,8192, got {text!r}")
     return seqs
 
 

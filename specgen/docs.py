@@ -558,7 +558,8 @@ def _spec_summary(spec: Spec) -> str:
             parts.append(f"{name} {_number(getattr(spec, name))}")
     for name in ("score_mod", "mask_mod"):
         if getattr(spec, name):
-            parts.append(f"{name} `{getattr(spec, name)}`")
+            # A | inside backticks still splits a markdown table's cell.
+            parts.append(f"{name} `{getattr(spec, name)}`".replace("|", "\\|"))
     parts += [n for n in ("sinks", "dropout", "varlen", "return_lse", "backward") if getattr(spec, n)]
     # The optimisations a spec turns off (all are on by default).
     if spec.family == "prefill":

@@ -78,7 +78,10 @@ def test_registry_names_default_set_and_labels():
 
 def test_baseline_names_are_checked():
     assert parse_baselines("cudnn,flex") == ("cudnn", "flex")
-    assert parse_baselines(" fa3 , cudnn,fa3,") == ("fa3", "cudnn")
+    assert parse_baselines(" fa3 , cudnn,fa3") == ("fa3", "cudnn")
+    for empty in ("", ",", "fa3,", "cudnn,,flex"):  # an empty item is a typo, not "none"
+        with pytest.raises(UsageError, match="--baselines: expected comma-separated names"):
+            parse_baselines(empty)
     with pytest.raises(UsageError, match="unknown xformers; allowed: cudnn, flash, flex, fa3, tilegym"):
         parse_baselines("cudnn,xformers")
 

@@ -19,9 +19,10 @@ def require_cuda(command: str):
     import torch
 
     if not torch.cuda.is_available():
+        hint = "; --emulate runs the checks on the CPU" if command == "test" else ""
         raise UsageError(
             f"specgen {command}: needs a CUDA GPU, and torch.cuda.is_available() is "
-            f"False (torch {torch.__version__})"
+            f"False (torch {torch.__version__}){hint}"
         )
     return torch
 

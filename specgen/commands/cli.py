@@ -180,8 +180,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="diff A against A with this field changed, e.g. fast_math.exp2=false "
                       "(repeatable; values are YAML)")
     diff.add_argument("--templates", action="store_true",
-                      help="re-render specs with the working-tree templates and diff them "
-                      "against the committed generated/")
+                      help="re-render specs with the installed templates (a checkout's "
+                      "working tree) and diff them against the modules in --gen")
     diff.add_argument("--stat", action="store_true", help="source section: counts only")
     diff.add_argument("--json", action="store_true", help="machine-readable output")
     diff.add_argument("--no-compile", action="store_true", help="skip the compiled section")
@@ -190,7 +190,12 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--gen", default="generated", metavar="DIR",
                       help="folder of generated modules (default: generated)")
 
-    schema = sub.add_parser("schema", help="print the spec's JSON Schema")
+    schema = sub.add_parser(
+        "schema",
+        help="print the spec's JSON Schema",
+        description="Print the JSON Schema of the spec model (what specs/schema.json "
+        "holds), or write it to --file. Exit 0 ok, 2 bad input.",
+    )
     schema.add_argument("--file", metavar="FILE", help="write it to FILE instead of stdout")
 
     docs = sub.add_parser(
@@ -198,7 +203,8 @@ def _parser() -> argparse.ArgumentParser:
         help="regenerate the generated pages of docs/ (the spec field reference from the "
         "Pydantic model, the performance page from bench/results)",
         description="Regenerate docs/spec-reference.md and docs/performance.md in the "
-        "project at --root. Exit 0 in step (or written), 1 with --check when a page drifted.",
+        "project at --root. Exit 0 in step (or written), 1 with --check when a page drifted, "
+        "2 bad input (a --root that is no specgen project).",
     )
     docs.add_argument("--check", action="store_true", help="report drift, write nothing")
     docs.add_argument("--root", default=".", metavar="DIR", help="project folder (default: .)")
@@ -254,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except SpecgenError as exc:
         for line in exc.lines():
+            if isinstance(exc, UsageError) and line.startswith("--"):
+                line = f"specgen {args.command}: {line}"  # an option's error: whose option
             print(line, file=sys.stderr)
         return exc.exit_code
     except OSError as exc:

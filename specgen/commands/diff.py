@@ -11,9 +11,10 @@ import json
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from specgen.errors import CompileError, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
@@ -232,19 +233,27 @@ def _variant_label(symbol: str, plan: Plan) -> str:
         return symbol
 
 
-def compiled_section(a: Side, b: Side) -> list[dict]:
+def compiled_section(a: Side, b: Side, log: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Each side compiled for every target of either; ``log`` gets a line per cubin
+    set as it is done (a compile takes seconds to minutes)."""
     from specgen.compile.export import compile_target
 
     targets = list(dict.fromkeys(a.plan.compile_for + b.plan.compile_for))
     rows = []
+    total, done = 2 * len(targets), 0
     for target in targets:
         row: dict[str, Any] = {"target": target}
         for key, side in (("a", a), ("b", b)):
+            started = time.monotonic()
             try:
                 result = compile_target(side.plan, side.source, f"{side.plan.module_name}.py", target)
             except CompileError as exc:
                 row[key] = {"error": str(exc)}
                 continue
+            finally:
+                done += 1
+                if log:
+                    log(f"  [{done}/{total}] {key} {target}  {time.monotonic() - started:.1f} s")
             usage = [resource_usage(path, side.plan) for path in result.paths]
             row[key] = {"cubin_bytes": result.size,
                         "kernels": None if None in usage else [k for u in usage for k in u]}
@@ -479,7 +488,8 @@ def run_diff(
             sys.stdout.flush()
             print("diff: compiling a and b for their targets (cached cubins are instant)...",
                   file=sys.stderr, flush=True)
-            report["compiled"] = compiled_section(side_a, side_b)
+            report["compiled"] = compiled_section(
+                side_a, side_b, lambda line: print(line, file=sys.stderr, flush=True))
             tail = format_tail(report).split("\n4. Compiled\n", 1)[-1]
             sys.stdout.write(tail)
             return 1 if differs(report) else 0
@@ -495,13 +505,15 @@ def run_diff(
 
 
 def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
-    """Each spec re-rendered with the working-tree templates against generated/."""
+    """Each spec re-rendered with the installed templates (a checkout's working tree)
+    against its module as written in gen_dir."""
     from specgen.compile.jobs import load_jobs
 
     reports = []
     for job in load_jobs(paths, gen_dir):
         committed = job.out_path.read_text(encoding="utf-8") if job.out_path.is_file() else ""
-        a = Side(f"{job.out_path} (committed)", job.plan, committed)
-        b = Side(f"{job.out_path} (working-tree templates)", job.plan, job.rendered.text)
+        a = Side(f"{job.out_path} (as written)", job.plan, committed)
+        b = Side(f"{job.out_path} (re-rendered with the installed templates)", job.plan,
+                 job.rendered.text)
         reports.append(build_report(a, b, compiled=False, results_dir=Path("/nonexistent")))
     return reports

@@ -185,7 +185,8 @@ def compile_jobs(
     workers: int,
     log: Callable[[str], None],
 ) -> tuple[list[CompileResult], list[str]]:
-    """AOT-compile every job for its targets; progress one line per cubin."""
+    """AOT-compile every job for its targets; progress one line per module and
+    target (its cubins together: one per launch config)."""
     tasks = [
         (job, target)
         for job in jobs
@@ -211,7 +212,8 @@ def compile_jobs(
                 except CompileError as exc:
                     yield job, target, exc
             return
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
+        pool_size = min(workers, len(tasks))
+        with ProcessPoolExecutor(max_workers=pool_size) as pool:
             futures = {
                 pool.submit(
                     compile_target, job.plan, job.rendered.text, str(job.out_path), target
@@ -219,12 +221,22 @@ def compile_jobs(
                 for job, target in tasks
             }
             pending, start = set(futures), time.monotonic()
+            seen_running: dict = {}  # future -> when a heartbeat first saw it running
             while pending:
                 done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
-                if not done:  # a cubin can take minutes: say what is still running
-                    names = sorted(f"{j.plan.module_name} {t}" for j, t in map(futures.get, pending))
+                if not done:  # a cubin can take minutes: say what is running, and for how long
+                    now = time.monotonic()
+                    # The pool hands out work in submission order and marks one call
+                    # beyond its workers as running: the first `pool_size` are.
+                    running = [f for f in futures if f in pending and f.running()][:pool_size]
+                    for future in running:
+                        seen_running.setdefault(future, now)
+                    names = sorted(
+                        f"{futures[f][0].plan.module_name} {futures[f][1]} "
+                        f"({now - seen_running[f]:.0f}+ s)" for f in running)
                     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-                    log(f"  still compiling ({time.monotonic() - start:.0f} s): {shown}")
+                    queued = len(pending) - len(running)
+                    log(f"  still compiling ({now - start:.0f} s in all, {queued} queued): {shown}")
                 for future in done:
                     job, target = futures[future]
                     try:

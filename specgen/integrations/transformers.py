@@ -237,7 +237,7 @@ def register(module_or_spec: Union[ModuleType, str, Path], name: str = "specgen"
     except ImportError as exc:
         raise ImportError(
             "specgen.integrations.transformers needs transformers>=4.56 "
-            "(pip install 'specgen[transformers]')"
+            "(pip install 'transformers>=4.56')"
         ) from exc
     module = load_kernel_module(module_or_spec)
     function = make_attention_function(module)

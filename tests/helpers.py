@@ -42,6 +42,31 @@ def decode_variant_data(name: str, overrides: dict) -> dict:
             **overrides}
 
 
+def _forward_only_prefill_specs() -> list[str]:
+    """Shipped prefill specs without a backward, float8 aside (it has none)."""
+    import yaml
+
+    names = []
+    for path in sorted((ROOT / "specs").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if (isinstance(data, dict) and "name" in data and data.get("family", "prefill") == "prefill"
+                and data.get("dtype") != "float8_e4m3fn" and not data.get("backward")):
+            names.append(path.stem)
+    return names
+
+
+FORWARD_ONLY_PREFILL_SPECS = _forward_only_prefill_specs()
+
+
+def trained_spec_data(name: str) -> dict:
+    """The shipped spec ``name`` with backward: true (and a name of its own)."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
+    data.update(backward=True, name=f"{name}_trained")
+    return data
+
+
 def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
     """(plan, module source) of a spec given as data."""
     from specgen.emit.render import render

@@ -15,12 +15,14 @@ from specgen.check.runner import Case, case_verdict, run_case
 
 from .helpers import (
     DECODE_SPEC_NAMES,
+    FORWARD_ONLY_PREFILL_SPECS,
     ROOT,
     SPEC_NAMES,
     VARLEN_SPEC_NAMES,
     decode_variant_data,
     prefill_variant_data,
     render_spec_data,
+    trained_spec_data,
 )
 
 
@@ -679,3 +681,18 @@ def test_the_v_transpose_kernel_copies_v_exactly(label):
             module.transposed_v(torch.zeros(1, 1, 4, width))  # float32
         with pytest.raises(ValueError, match="v must be a"):
             module.transposed_v(torch.zeros(1, 1, width, 4).to(dtype).transpose(2, 3))
+
+
+# --- backward: true on every shipped prefill spec ------------------------------------
+
+
+
+@pytest.mark.parametrize("name", FORWARD_ONLY_PREFILL_SPECS)
+def test_every_shipped_prefill_spec_trains_when_emulated(name):
+    """Each shipped forward-only prefill spec (float8 aside: it has no backward) with
+    backward: true renders a module whose gradients pass FlashAttention's rule
+    against fp64 autograd, on a ragged chunked-prefill case."""
+    module = _emulated(trained_spec_data(name), f"trained_{name}", f"specs/{name}.yaml")
+    case = _cases(module.SPEC)[0]
+    row = _run(module, case)
+    assert row["ok"] and row.get("grad_ok"), f"{name}: {case_verdict(row)}"

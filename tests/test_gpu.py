@@ -14,7 +14,16 @@ from specgen.check.cases import (
 )
 from specgen.check.runner import Case, learnable_tensors, run_case
 
-from .helpers import DECODE_SPEC_NAMES, DENSE_SPEC_NAMES, TRAINING_SPEC_NAMES, VARLEN_SPEC_NAMES, generated_module
+from .helpers import (
+    DECODE_SPEC_NAMES,
+    DENSE_SPEC_NAMES,
+    FORWARD_ONLY_PREFILL_SPECS,
+    TRAINING_SPEC_NAMES,
+    VARLEN_SPEC_NAMES,
+    generated_module,
+    render_spec_data,
+    trained_spec_data,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -795,6 +804,25 @@ VARLEN_BACKWARD_VARIANTS = {
     "varlen_non_causal_mha_d80": {"varlen": True, "backward": True, "causal": False, "block_remap": None,
                                   "gqa_ratio": 1, "head_dim": 80},
 }
+
+
+@pytest.mark.parametrize("name", FORWARD_ONLY_PREFILL_SPECS)
+def test_every_shipped_prefill_spec_trains(name):
+    """Each shipped forward-only prefill spec (float8 aside) with backward: true:
+    outputs and gradients on the quick check matrix (ragged lengths, chunked
+    prefill, a transposed layout), by FlashAttention's rule against fp64."""
+    from specgen.check.runner import case_matrix
+    from specgen.compile.export import load_module_from_source
+
+    plan, source = render_spec_data(trained_spec_data(name), f"specs/{name}.yaml")
+    mod = load_module_from_source(plan.module_name, source, f"{plan.module_name}.py")
+    for index, case in enumerate(case_matrix(True, mod.SPEC)):
+        row = run_case(torch, mod, case, torch.Generator(device="cuda").manual_seed(index))
+        if case.lengths == ((1, 1),) or (not case.lengths and case.seq_k == 1):
+            # One key: dq and dk are the rounding noise of D (see the varlen test).
+            assert row["out_ok"], row
+            continue
+        assert row["ok"] and row["grad_ok"], (case.label(mod.SPEC["gqa_ratio"]), row)
 
 
 @pytest.mark.parametrize("variant", sorted(VARLEN_BACKWARD_VARIANTS))

@@ -145,6 +145,32 @@ def error_cases(rank, world, options):
     kern1 = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=1)
     odd = [t[:, :1] for t in parts]
     seen["heads"] = _expect_error(lambda: ContextParallelAttention(kern1, mode="ulysses")(*odd)) if world > 1 else "n/a"
+    # What one rank alone gets wrong or does differently: each would have left the
+    # others waiting in a transfer, or computed a wrong result without an error.
+    first = rank == 0
+    seen["scale_type"] = _expect_error(lambda: attn(*parts, scale="abc" if first else None))
+    seen["scale_range"] = _expect_error(lambda: attn(*parts, scale=-1.0 if first else None))
+    seen["scale_differs"] = _expect_error(lambda: attn(*parts, scale=0.5 if first else None))
+    seen["unknown_kwarg"] = _expect_error(lambda: attn(*parts, **({"q_offset": 4} if first else {})))
+    strided = parts[0].transpose(2, 3).contiguous().transpose(2, 3)
+    seen["strided"] = _expect_error(lambda: attn(strided if first else parts[0], parts[1], parts[2]))
+    other = ContextParallelAttention(kern, mode="ulysses" if first else "ring", layout="zigzag")
+    seen["mode_differs"] = _expect_error(lambda: other(*parts))
+    relaid = ContextParallelAttention(kern, mode="ring", layout="contiguous" if first else "zigzag")
+    seen["layout_differs"] = _expect_error(lambda: relaid(*parts))
+    wants = [t.clone().requires_grad_(first) for t in parts]
+    seen["grads_differ"] = _expect_error(lambda: attn(*wants))
+    # A packed batch: cu_seqlens must be the same everywhere, from 0.
+    packed_kern = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2, varlen=True)
+    packed_attn = ContextParallelAttention(packed_kern, mode="ring", layout="zigzag")
+    rows = 8 * world
+    pq, pk, pv = (torch.zeros(rows // world, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4 * world, rows], dtype=torch.int32)
+    moved = torch.tensor([0, 2 * world, rows], dtype=torch.int32)
+    seen["cu_differs"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=moved if first else cu))
+    seen["cu_start"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu + 2 * world))
+    seen["max_seqlen"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu,
+                                                            max_seqlen=1 if first else None))
     # After all that, a good call.
     whole = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2)
     ref = whole.forward(q, k, v, whole.default_scale(), 0)[0]

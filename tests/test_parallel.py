@@ -179,6 +179,26 @@ def test_bad_input_raises_on_every_rank(tmp_path):
             ("rank 0's inputs are invalid" in seen["dtype"]), (rank, seen)
         assert "seq_len 18 needs shards of 9 rows on 2 ranks, got 8" in seen["seq_len"], seen
         assert "the query heads (1) must divide by the world size (2)" in seen["heads"], seen
+        alone = {  # a problem of rank 0's own: named there, pointed at elsewhere
+            "scale_type": "scale must be a positive float or None, got 'abc'",
+            "scale_range": "scale must be a positive finite float in float32's normal range",
+            "unknown_kwarg": "unexpected keyword argument(s): q_offset",
+            "strided": "q must be contiguous in head_dim (stride 1)",
+            "max_seqlen": "max_seqlen must be None or an int from the longest sequence (8)",
+        }
+        for key, words in alone.items():
+            assert (words in seen[key]) if rank == 0 else ("rank 0's inputs are invalid" in seen[key]), \
+                (rank, key, seen[key])
+        differ = {  # each rank fine alone, the ranks not alike: the same message everywhere
+            "scale_differs": "every rank must use the same scale: rank 0 has 0.5, rank 1 has 0.353553",
+            "mode_differs": "every rank must agree on the mode: rank 1 differs from rank 0",
+            "layout_differs": "every rank must agree on the layout: rank 1 differs from rank 0",
+            "grads_differ": "every rank must agree on whether gradients are needed",
+            "cu_differs": "every rank must agree on cu_seqlens: rank 1 differs from rank 0",
+        }
+        for key, words in differ.items():
+            assert words in seen[key], (rank, key, seen[key])
+        assert f"rank {rank}: cu_seqlens must start at 0, got 4" in seen["cu_start"], seen
         assert seen["after"] < 1e-6
 
 

@@ -16,6 +16,9 @@ leaving the others waiting in a transfer that never comes.
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -52,6 +55,8 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
             return f"{name} must have head_dim {width}, got {t.shape[-1]}"
         if t.device != q.device:
             return f"q, k and v must be on one device, got {name} on {t.device}"
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            return f"{name} must be contiguous in head_dim (stride 1), got strides {t.stride()}"
     seq = 0 if varlen else 2
     heads = 1
     if k.shape[:-1] != v.shape[:-1]:
@@ -67,8 +72,36 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
     return None
 
 
-def _signature(q, k, v) -> list[int]:
-    return [*q.shape, *k.shape, *v.shape, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1]
+# What every rank must agree on, in the order the signature lists it, with the
+# number of ints each takes.
+_SIGNATURE = (("q/k/v shapes", 12), ("the dtype", 1), ("the spec", 1), ("the mode", 1),
+              ("the layout", 1), ("scale", 1), ("whether gradients are needed", 1),
+              ("cu_seqlens", 1), ("max_seqlen", 1))
+_WIDTH = sum(n for _, n in _SIGNATURE)
+
+
+def _scale_problem(scale) -> str | None:
+    """The kernels' own test of the softmax scale: a positive float32 normal number."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return f"scale must be a positive float or None, got {scale!r}"
+    if not 1.1754943508222875e-38 <= scale <= 3.4028234663852886e38:
+        return f"scale must be a positive finite float in float32's normal range, got {scale!r}"
+    return None
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _signature(q, k, v, *, spec: str, mode: str, layout: str, scale: float, grads: bool,
+               cu_seqlens=None, max_seqlen=None) -> list[int]:
+    shapes = [*q.shape, *k.shape, *v.shape]
+    shapes += [-1] * (12 - len(shapes))  # packed shards are 3-D
+    cu = -1 if cu_seqlens is None else zlib.crc32(struct.pack(f"<{cu_seqlens.numel()}q",
+                                                              *cu_seqlens.tolist()))
+    return [*shapes, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, _crc(spec),
+            MODES.index(mode), _crc(layout), struct.unpack("<q", struct.pack("<d", scale))[0],
+            int(grads), cu, -1 if max_seqlen is None else max_seqlen]
 
 
 def agree(group, problem: str | None, signature: list[int]) -> None:
@@ -80,11 +113,10 @@ def agree(group, problem: str | None, signature: list[int]) -> None:
             raise ValueError(problem)
         return
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    width = 16
-    mine = torch.full((width + 1,), -1, dtype=torch.int64)
+    mine = torch.full((_WIDTH + 1,), -1, dtype=torch.int64)
     mine[0] = 1 if problem else 0
-    mine[1:1 + min(width, len(signature))] = torch.tensor(signature[:width], dtype=torch.int64)
-    parts = [torch.empty(width + 1, dtype=torch.int64, device=device) for _ in range(world)]
+    mine[1:1 + min(_WIDTH, len(signature))] = torch.tensor(signature[:_WIDTH], dtype=torch.int64)
+    parts = [torch.empty(_WIDTH + 1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(parts, mine.to(device), group=group)
     everyone = torch.stack(parts).cpu()
     rank = dist.get_rank(group)
@@ -96,14 +128,29 @@ def agree(group, problem: str | None, signature: list[int]) -> None:
                          "no rank starts the attention")
     for r in range(world):
         if not torch.equal(everyone[r], everyone[0]):
-            raise ValueError(
-                "every rank must hold an equal shard of the same shapes and dtype: rank 0 has "
-                f"q/k/v shapes {_describe(everyone[0])}, rank {r} has {_describe(everyone[r])}")
+            raise ValueError(_mismatch(everyone[0, 1:].tolist(), everyone[r, 1:].tolist(), r))
 
 
-def _describe(row) -> str:
-    values = [int(x) for x in row[1:] if int(x) >= 0]
-    return str(values[:-1])
+def _mismatch(first: list[int], other: list[int], rank: int) -> str:
+    """Which agreed item rank ``rank`` holds differently from rank 0."""
+    start = 0
+    for what, width in _SIGNATURE:
+        a, b = first[start:start + width], other[start:start + width]
+        start += width
+        if a == b:
+            continue
+        if what == "q/k/v shapes":
+            return ("every rank must hold an equal shard of the same shapes: rank 0 has q/k/v "
+                    f"shapes {[x for x in a if x >= 0]}, rank {rank} has {[x for x in b if x >= 0]}")
+        if what == "scale":
+            def show(bits):
+                return struct.unpack("<d", struct.pack("<q", bits[0]))[0]
+            return f"every rank must use the same scale: rank 0 has {show(a):g}, rank {rank} has {show(b):g}"
+        if what == "max_seqlen":
+            return (f"every rank must pass the same max_seqlen: rank 0 has {a[0] if a[0] >= 0 else None}, "
+                    f"rank {rank} has {b[0] if b[0] >= 0 else None}")
+        return f"every rank must agree on {what}: rank {rank} differs from rank 0"
+    return f"rank {rank}'s call differs from rank 0's"
 
 
 class ContextParallelAttention:
@@ -144,7 +191,8 @@ class ContextParallelAttention:
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.ring = rings.Ring(self.group) if mode == "ring" else None
 
-    def __call__(self, q, k, v, *, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None):
+    def __call__(self, q, k, v, *, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None,
+                 **unknown):
         """This rank's output shard ([B, Hq, L, Dv], or [T, Hq, Dv] packed), in q's
         dtype; differentiable in q, k and v when the spec has a backward.
 
@@ -162,14 +210,26 @@ class ContextParallelAttention:
             ValueError: on every rank, before any transfer, if the inputs do not fit.
         """
         kernel = self.kernel
-        scale = kernel.default_scale() if scale is None else float(scale)
-        problem = _local_problem(kernel, q, k, v, kernel.varlen)
+        # Every problem, an argument's type included, is found before the ranks compare
+        # notes: a rank that raised alone would leave the others waiting.
+        problem = None
+        if unknown:
+            problem = f"unexpected keyword argument(s): {', '.join(sorted(unknown))}"
+        if problem is None and scale is not None:
+            problem = _scale_problem(scale)
         if problem is None:
-            problem = self._shape_problem(q, k, seq_len, cu_seqlens)
-        if problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) \
-                and not kernel.has_backward:
+            problem = _local_problem(kernel, q, k, v, kernel.varlen)
+        if problem is None:
+            problem = self._shape_problem(q, k, seq_len, cu_seqlens, max_seqlen)
+        grads = problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if grads and not kernel.has_backward:
             problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
-        signature = _signature(q, k, v) if problem is None else []
+        if problem is None:
+            scale = kernel.default_scale() if scale is None else float(scale)
+        signature = [] if problem else _signature(
+            q, k, v, spec=kernel.name, mode=self.mode, layout=self.layout, scale=scale, grads=grads,
+            cu_seqlens=cu_seqlens if kernel.varlen else None,
+            max_seqlen=max_seqlen if kernel.varlen else None)
         agree(self.group, problem, signature)
         if self.mode == "ulysses":
             return self._ulysses(q, k, v, scale, cu_seqlens, max_seqlen)
@@ -183,31 +243,46 @@ class ContextParallelAttention:
         out, _ = rings.RingAttention.apply(q, k, v, kernel, self.ring, plans, scale)
         return out
 
-    def _shape_problem(self, q, k, seq_len, cu_seqlens) -> str | None:
+    def _heads_problem(self, q, k) -> str | None:
+        if self.mode != "ulysses":
+            return None
+        for name, heads in (("query", q.shape[1]), ("kv", k.shape[1])):
+            if heads % self.world_size:
+                return (f"all-to-all mode scatters heads over the ranks: the {name} heads ({heads}) "
+                        f"must divide by the world size ({self.world_size}); use mode='ring'")
+        return None
+
+    def _shape_problem(self, q, k, seq_len, cu_seqlens, max_seqlen=None) -> str | None:
         world = self.world_size
         if self.kernel.varlen:
-            if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
-                return "cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative lengths"
-            lengths = cu_seqlens.diff().tolist()
-            uneven = [n for n in lengths if n % world or n < 0]
+            if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1
+                    or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2):
+                return ("cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative "
+                        "lengths, 0 first (at least 2 entries)")
+            values = cu_seqlens.tolist()
+            if values[0] != 0:
+                return f"cu_seqlens must start at 0, got {values[0]}"
+            lengths = [b - a for a, b in zip(values, values[1:])]
+            if min(lengths) < 0:
+                return "cu_seqlens must not decrease"
+            uneven = [n for n in lengths if n % world]
             if uneven:
                 return (f"every packed sequence's length must divide by the world size ({world}) "
                         f"so that each rank holds an equal shard of it; got {uneven[0]}")
-            if int(cu_seqlens[-1]) != q.shape[0] * world:
-                return (f"cu_seqlens ends at {int(cu_seqlens[-1])}, but {world} shards of {q.shape[0]} "
+            if values[-1] != q.shape[0] * world:
+                return (f"cu_seqlens ends at {values[-1]}, but {world} shards of {q.shape[0]} "
                         f"rows hold {q.shape[0] * world}")
-            return None
+            if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                           or not max(lengths) <= max_seqlen <= values[-1]):
+                return (f"max_seqlen must be None or an int from the longest sequence ({max(lengths)}) "
+                        f"to the packed total ({values[-1]}), got {max_seqlen!r}")
+            return self._heads_problem(q, k)
         if cu_seqlens is not None:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
         if seq_len is not None and seq_len != q.shape[2] * world:
             return (f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
                     f"got {q.shape[2]}")
-        if self.mode == "ulysses":
-            for name, heads in (("query", q.shape[1]), ("kv", k.shape[1])):
-                if heads % world:
-                    return (f"all-to-all mode scatters heads over the ranks: the {name} heads ({heads}) "
-                            f"must divide by the world size ({world}); use mode='ring'")
-        return None
+        return self._heads_problem(q, k)
 
     def _ulysses(self, q, k, v, scale, cu_seqlens, max_seqlen):
         group, world = self.group, self.world_size

@@ -82,6 +82,10 @@ def test_padded_batch_falls_back_to_sdpa_with_one_warning():
     ({"causal": False}, "the layer is causal and the spec has causal: false"),
     ({"window": {"left": 63, "right": None}}, "needs a layer with sliding_window == left + 1"),
     ({"softcap": 30.0}, "the layer's soft-cap is None and the spec's softcap is 30.0"),
+    ({"dtype": "bfloat16"}, "the layer's query is torch.float32 with head_dim 32; the spec has "
+                            "dtype bfloat16 and head_dim 32"),
+    ({"head_dim": 64}, "the layer's query is torch.float32 with head_dim 32; the spec has dtype "
+                       "float32 and head_dim 64"),
 ])
 def test_mismatched_spec_is_refused_before_any_launch(fields, message):
     module = stand_in(**fields)
@@ -89,6 +93,31 @@ def test_mismatched_spec_is_refused_before_any_launch(fields, message):
     model = tiny_qwen2("specgen-cpu-bad")
     with pytest.raises(ValueError, match=re.escape(message)), torch.no_grad():
         model(torch.zeros((1, 8), dtype=torch.long))
+    assert module.calls == []
+
+
+@pytest.mark.parametrize("fields", [{"dtype": "bfloat16"}, {"head_dim": 64}])
+def test_a_spec_of_another_dtype_or_head_dim_is_refused_on_padded_batches_too(fields):
+    """A padded batch goes to sdpa; it is still checked, so a model the kernel cannot
+    serve fails on its first call, whatever the batch."""
+    module = stand_in(**fields)
+    function = tf_integration.register(module, name="specgen-cpu-bad-padded")
+    model = tiny_qwen2("specgen-cpu-bad-padded")
+    ids = torch.zeros((2, 8), dtype=torch.long)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.raises(ValueError, match="the spec has dtype"), torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert function.stats == {"kernel": 0, "fallback": 0}
+
+
+def test_output_attentions_is_refused():
+    module = stand_in()
+    tf_integration.register(module, name="specgen-cpu-weights")
+    model = tiny_qwen2("specgen-cpu-weights")
+    with pytest.raises(ValueError, match="output_attentions=True asks for the attention weights"), \
+            torch.no_grad():
+        model(torch.zeros((1, 8), dtype=torch.long), output_attentions=True)
     assert module.calls == []
 
 
@@ -106,6 +135,7 @@ def test_gradients_need_a_backward_spec():
     ("specs/fmha_varlen_llama.yaml", "varlen"),
     ("specs/fmha_fp8_llama.yaml", "float8_e4m3fn"),
     ("specs/fmha_alibi.yaml", "tensors:"),
+    ("specs/fmha_chunked_local.yaml", "a score_mod or mask_mod"),
     ("no.such.module", "cannot import 'no.such.module'"),
     ("generated/nope.py", "no generated module at generated/nope.py"),
     (42, "expected a generated module, a module name or a spec path, got int"),

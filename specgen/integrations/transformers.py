@@ -20,8 +20,10 @@ both kinds of call, and the first fallback warns once.
 What the layer asks for is checked against the spec before any launch, with a
 ValueError that names both sides: causal or not, the GQA ratio, a sliding window
 (window.left == sliding_window - 1), a soft-cap, sinks (``s_aux``), dropout, and
-gradients (only a ``backward: true`` spec is differentiable). Head dim, dtype and
-device are checked by the generated ``attention`` itself.
+gradients (only a ``backward: true`` spec is differentiable), the dtype and head
+dims, and ``output_attentions`` (the kernel forms no weights to return). These
+checks run on the fallback's calls too. The device is checked by the generated
+``attention`` itself.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleTy
             ("varlen (packed sequences take cu_seqlens)", spec.get("varlen")),
             ("float8_e4m3fn (needs descales)", spec.get("dtype") == "float8_e4m3fn"),
             ("tensors: (hook tensors have no source in a transformers layer)", spec.get("tensors")),
+            ("a score_mod or mask_mod (a transformers layer's attention is plain; the hook "
+             "would change what the model computes)", spec.get("score_mod") or spec.get("mask_mod")),
             ("return_lse", spec.get("return_lse")),
         ) if bad
     ]
@@ -122,10 +126,26 @@ def make_attention_function(module: ModuleType) -> Callable:
     window = spec.get("window")
     name = spec.get("name")
     stats = {"kernel": 0, "fallback": 0}
+    dtype, head_dim = getattr(torch, spec["dtype"]), spec["head_dim"]
+    v_head_dim = spec.get("v_head_dim") or head_dim
 
-    def check(layer, query, key, dropout: float, kwargs) -> dict:
-        """Kernel keyword arguments for this call, or a ValueError naming the mismatch."""
+    def check(layer, query, key, value, dropout: float, kwargs) -> dict:
+        """Kernel keyword arguments for this call, or a ValueError naming the mismatch.
+        Run on every call, the fallback's too: a model the kernel cannot serve fails
+        at once, not only on the batches without a mask."""
         extra: dict[str, Any] = {}
+        if kwargs.get("output_attentions"):
+            raise ValueError(
+                f"specgen {name}: output_attentions=True asks for the attention weights, "
+                "which the kernel never forms; use attn_implementation='eager' for them"
+            )
+        for what, t, want in (("query", query, head_dim), ("key", key, head_dim),
+                              ("value", value, v_head_dim)):
+            if t.dtype != dtype or t.shape[-1] != want:
+                raise ValueError(
+                    f"specgen {name}: the layer's {what} is {t.dtype} with head_dim "
+                    f"{t.shape[-1]}; the spec has dtype {spec.get('dtype')} and head_dim {want}"
+                )
         is_causal = kwargs.get("is_causal")
         if is_causal is None:
             is_causal = getattr(layer, "is_causal", True)
@@ -177,7 +197,7 @@ def make_attention_function(module: ModuleType) -> Callable:
 
     def attention_function(layer, query, key, value, attention_mask, scaling=None,
                            dropout=0.0, **kwargs):
-        extra = check(layer, query, key, float(dropout or 0.0), kwargs)
+        extra = check(layer, query, key, value, float(dropout or 0.0), kwargs)
         if attention_mask is not None:
             stats["fallback"] += 1
             if stats["fallback"] == 1:

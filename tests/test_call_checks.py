@@ -294,3 +294,17 @@ def test_make_block_map_takes_backward_as_a_bool():
     doc = torch.zeros(1, 64, dtype=torch.int32)
     with pytest.raises(ValueError, match="backward must be True or False, got 'no'"):
         _built_map(mod, 1, 4, 64, 64, doc=doc, backward="no")
+
+
+def test_block_maps_of_inference_tensors(refused, launches):
+    """Under torch.inference_mode tensors keep no version counter: the map still
+    checks that the call passes the tensor it was built from."""
+    mod = _module("fmha_decode_chunked_local")
+    with torch.inference_mode():
+        batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+        q, k_cache, v_cache, seq_lens = batch.args()[:4]
+        heads, capacity = q.shape[1] * q.shape[2], k_cache.shape[1]
+        block_map = _built_map(mod, seq_lens, heads, capacity)
+        launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, block_map=block_map))
+        refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens.clone(), block_map=block_map),
+                "block_map was built from another seq_lens tensor")

@@ -714,18 +714,23 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path
     scripts' ``{"device": "<name>", ...}`` (their device read once, here), or None
     where a file names no device or is not JSON. A bench result of an unknown suite
     or schema version, or one kept both plain and gzipped, raises DocsError."""
-    from specgen.bench.core import read_result_text, result_stem, upgrade
+    from specgen.bench.core import ResultError, checked_result, read_result_json, result_stem, upgrade
 
     bench, other, stems = [], {}, {}
     paths = sorted([*results_dir.rglob("*.json"), *results_dir.rglob("*.json.gz")], key=result_stem)
+    suite_named = re.compile(r".+-(" + "|".join(SUITES) + r")\.json(\.gz)?")
     for path in paths:
         try:
-            data = json.loads(read_result_text(path))
-        except (OSError, ValueError):
-            if path.name.endswith(".gz"):  # the experiments' own files: listed as they are
+            data = read_result_json(path)
+        except ResultError as exc:
+            # The experiments' own gzipped files are listed as they are; a file named as
+            # a bench result (<spec>-<suite>.json) or any plain .json must read.
+            if path.name.endswith(".gz") and not suite_named.fullmatch(path.name):
                 other[path] = None
                 continue
-            raise
+            raise DocsError(str(exc)) from None
+        if suite_named.fullmatch(path.name) and not isinstance(data, dict):
+            raise DocsError(f"{path}: a bench result is a JSON object, got {type(data).__name__}")
         if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)
                 and "rows" in data):
             device = data.get("device") if isinstance(data, dict) else None
@@ -740,9 +745,10 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path
         if suite not in SUITES:
             raise DocsError(f"{path}: bench result of suite {suite!r}; specgen.docs reads {SUITES}")
         try:
+            checked_result(path, data)  # every field the tables read, of the right type
             data = upgrade(data)
-        except ValueError as exc:
-            raise DocsError(f"{path}: {exc}") from None
+        except ResultError as exc:
+            raise DocsError(str(exc)) from None
         if not data["rows"]:
             raise DocsError(f"{path}: a bench result without rows")
         bench.append((path, data))

@@ -112,6 +112,10 @@ ONE_LINE = [
       "score_mod": "score - slope[h]"},
      'tensors.slope.shape: must have at most 4 entries, got ["heads", "heads", "heads", "heads", '
      '"heads"]'),
+    # a module name that would shadow what the generated code (or its user) imports
+    ({"name": "torch"}, "name: must not be the name of a Python standard-library module nor of "
+                        "torch, cuda, triton, numpy, specgen, generated"),
+    ({"name": "random"}, "name: must not be the name of a Python standard-library module"),
     # bools and floats are not integers, in a choice of numbers too
     ({"q_subtiles": True}, "q_subtiles: must be an integer, got true"),
     ({"q_subtiles": 2.0}, "q_subtiles: must be an integer, got 2.0"),
@@ -247,6 +251,16 @@ def project(tmp_path, monkeypatch):
 
     shutil.copytree(ROOT / "specs", tmp_path / "specs")
     (tmp_path / "README.md").write_text("# a file, not a folder\n")
+    (tmp_path / "bad.py").write_text("def f(:\n")
+    (tmp_path / "literal.py").write_text('SPEC = {"a": foo()}\n')
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    results = tmp_path / "broken" / "gpu"
+    results.mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "results" / "h200" / "fmha_gqa_causal-prefill.json.gz", results)
+    (results / "fmha_prefix_lm-prefill.json").write_text('{"schema": 3,')
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "a.yaml").symlink_to("b.yaml")
+    (tmp_path / "loop" / "b.yaml").symlink_to("a.yaml")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -292,6 +306,17 @@ SPEC = "specs/fmha_gqa_causal.yaml"
      "--set head_dim: invalid YAML: nested too deeply"),
     (["diff", SPEC, "--no-compile", "--set", "head_dim=0200"],
      '--set head_dim: head_dim: must be an integer, got "0200"'),
+    # diff's inputs: a module that is not one, text that is not UTF-8, a --results file
+    (["diff", "bad.py", SPEC, "--no-compile"], "bad.py: not a generated module (not Python: line 1"),
+    (["diff", "literal.py", SPEC, "--no-compile"],
+     "literal.py: not a generated module (its SPEC is not a literal mapping)"),
+    (["diff", "latin1.yaml", SPEC, "--no-compile"], "latin1.yaml: file is not UTF-8 text"),
+    (["diff", SPEC, "specs/fmha_prefix_lm.yaml", "--no-compile", "--results", "README.md"],
+     "--results README.md: exists and is not a folder"),
+    (["diff", SPEC, "specs/fmha_prefix_lm.yaml", "--no-compile", "--results", "broken"],
+     "specgen diff: --results: broken/gpu/fmha_prefix_lm-prefill.json: not valid JSON"),
+    # build: a symlink loop among the specs
+    (["build", "loop", "--no-compile"], "loop/a.yaml: a symlink loop"),
     # argparse's own errors: one line
     (["build"], "specgen build: error: the following arguments are required: PATH"),
     (["build", SPEC, "--bogus"], "specgen build: error: unrecognized arguments: --bogus"),

@@ -294,3 +294,53 @@ def test_gzipped_script_results_are_listed_with_the_other_files(tmp_path):
     page = performance_markdown(tmp_path / "results")
     assert "\n## NVIDIA H200 ([`" in page and "/results/h200/`](" in page  # the folder's link
     assert "\n- `ceiling-run.json.gz`\n" in page
+
+
+def _broken(data: dict, change: str) -> dict:
+    import copy
+
+    data = copy.deepcopy(data)
+    if change == "no specgen timing":
+        del data["rows"][0]["timings"]["specgen"]
+    elif change == "rows a string":
+        data["rows"] = "x"
+    elif change == "device a string":
+        data["device"] = "H100"
+    elif change == "ms a string":
+        data["rows"][0]["timings"]["specgen"]["ms"] = "fast"
+    elif change == "unknown key":
+        data["bogus"] = 1
+    elif change == "schema a bool":
+        data["schema"] = True
+    return data
+
+
+@pytest.mark.parametrize("name,content,words", [
+    ("a-prefill.json", b'{"schema": 3, "rows": [', "not valid JSON (line 1, column 24)"),
+    ("a-prefill.json", b"", "not valid JSON"),
+    ("a-prefill.json", b"\xff\xfe{}", "not UTF-8 text"),
+    ("a-prefill.json.gz", b"\x1f\x8b\x08\x00\x00", "cannot read"),
+    ("a-prefill.json.gz", b"not gzip at all", "cannot read"),
+    ("a-prefill.json", b"[1, 2]", "a bench result is a JSON object"),
+] + [("a-prefill.json", change, "not a bench result of this schema") for change in (
+    "no specgen timing", "rows a string", "device a string", "ms a string", "unknown key",
+    "schema a bool")])
+def test_a_broken_results_file_is_one_error_naming_it(tmp_path, name, content, words):
+    """Truncated, undecodable or wrong-schema results are refused with the file named
+    (exit 2 from the CLI), never a traceback; `specgen diff` reads them the same way."""
+    import json
+
+    from specgen.bench.core import ResultError, load_result
+    from specgen.docs import DocsError, performance_markdown
+
+    good = json.loads((ROOT / "bench" / "results" / "h200" / "fa3" / "fmha_gqa8_bf16-prefill.json").read_text())
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    if isinstance(content, str):
+        content = json.dumps(_broken(good, content)).encode()
+    (folder / name).write_bytes(content)
+    with pytest.raises(DocsError, match=re.escape(words)) as info:
+        performance_markdown(tmp_path / "results")
+    assert str(folder / name) in str(info.value)
+    with pytest.raises(ResultError, match=re.escape(words)):
+        load_result(folder / name)

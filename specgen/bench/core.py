@@ -152,7 +152,7 @@ def upgrade(data: dict) -> dict:
     version = data.pop("schema", None)
     if version is None:
         version = data.pop("schema_version", 1)
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int) or version > SCHEMA_VERSION:
         raise ValueError(f"schema: expected a version up to {SCHEMA_VERSION}, got {version!r}")
     if version < 3 and data.get("suite") == "decode":
         data["rows"] = [_upgrade_decode_row(r, version) for r in data["rows"]]
@@ -188,10 +188,50 @@ def find_result(stem: Path) -> Optional[Path]:
     return None
 
 
+class ResultError(ValueError):
+    """A results file that cannot be read as a bench result; the message names it."""
+
+
+def checked_result(path: Path, data: Any) -> BenchResult:
+    """``data`` read from ``path``, upgraded to the current schema and validated."""
+    from pydantic import ValidationError
+
+    if not isinstance(data, dict):
+        raise ResultError(f"{path}: a bench result is a JSON object, got {type(data).__name__}")
+    try:
+        data = upgrade(data)
+        result = BenchResult.model_validate(data)
+        for i, row in enumerate(result.rows):
+            if "specgen" not in row.timings:
+                raise ResultError(f"{path}: not a bench result of this schema: "
+                                  f"rows.{i}.timings: specgen's timing is missing")
+        return result
+    except ResultError:
+        raise
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+        raise ResultError(f"{path}: not a bench result of this schema: {where}: {error['msg']}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ResultError(f"{path}: not a bench result of this schema: {exc}") from None
+
+
+def read_result_json(path: Path) -> Any:
+    """The JSON of a results file, or ResultError naming the file and what is wrong."""
+    try:
+        return json.loads(read_result_text(path))
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise ResultError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    except UnicodeDecodeError:
+        raise ResultError(f"{path}: not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise ResultError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+
+
 def load_result(path: Path) -> BenchResult:
     """A results file (.json or .json.gz) of any suite and schema (older ones upgraded
-    in memory)."""
-    return BenchResult.model_validate(upgrade(json.loads(read_result_text(path))))
+    in memory); ResultError (a ValueError) names the file when it is not one."""
+    return checked_result(path, read_result_json(path))
 
 
 def speedups(timings: dict[str, Timing]) -> dict[str, Optional[float]]:

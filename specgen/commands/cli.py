@@ -367,7 +367,8 @@ def _run(args) -> int:
         from specgen.commands.diff import run_diff
 
         return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
-                        not args.no_compile, Path(args.results), _folder(args.gen, "--gen"))
+                        not args.no_compile, _folder(args.results, "--results"),
+                        _folder(args.gen, "--gen"))
     if args.command == "docs":
         from specgen.docs import DocsError, write_docs
 

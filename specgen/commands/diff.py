@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from specgen.errors import CompileError, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import HEADER_RE, render
-from specgen.spec import parse_spec_text, validate_spec
+from specgen.spec import parse_spec_text, read_spec_text, validate_spec
 from specgen.spec.hooks import Hook
 
 ARROW = "→"
@@ -37,14 +37,29 @@ class Side:
 # --- loading the two sides ------------------------------------------------------
 
 
-def _spec_data_from_module(path: Path) -> dict:
+# A generated module is far larger than a spec (the largest shipped is about 90 KB).
+MAX_MODULE_BYTES = 8 << 20
+
+
+def _spec_data_from_module(path: Path, text: str) -> dict:
     """The SPEC dict of a generated module, read without importing it."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    try:
+        tree = ast.parse(text, str(path))
+    except SyntaxError as exc:
+        raise UsageError(f"{path}: not a generated module (not Python: line {exc.lineno}: "
+                         f"{exc.msg})") from None
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "SPEC" for t in node.targets
         ):
-            return ast.literal_eval(node.value)
+            try:
+                data = ast.literal_eval(node.value)
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                data = None
+            if not isinstance(data, dict):
+                raise UsageError(f"{path}: not a generated module (its SPEC is not a literal "
+                                 "mapping)")
+            return data
     raise UsageError(f"{path}: not a generated module (no SPEC = {{...}})")
 
 
@@ -53,10 +68,11 @@ def load_side(path_text: str) -> tuple[dict, Side]:
     if not path.is_file():
         raise UsageError(f"{path_text}: no such spec file or generated module")
     if path.suffix == ".py":
-        data = _spec_data_from_module(path)
+        text = read_spec_text(path, MAX_MODULE_BYTES)
+        data = _spec_data_from_module(path, text)
         plan = make_plan(validate_spec(data, path))
-        return data, Side(str(path), plan, path.read_text(encoding="utf-8"))
-    data = parse_spec_text(path.read_text(encoding="utf-8"), path)
+        return data, Side(str(path), plan, text)
+    data = parse_spec_text(read_spec_text(path), path)
     plan = make_plan(validate_spec(data, path))
     return data, Side(str(path), plan, render(plan, path.as_posix()).text)
 
@@ -233,6 +249,10 @@ def _variant_label(symbol: str, plan: Plan) -> str:
         return symbol
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def compiled_section(a: Side, b: Side, log: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Each side compiled for every target of either; ``log`` gets a line per cubin
     set as it is done (a compile takes seconds to minutes)."""
@@ -276,14 +296,17 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
             suite = stem.name[len(a.plan.module_name) + 1 :]
             path_a = find_result(stem)
             path_b = find_result(device_dir / f"{b.plan.module_name}-{suite}")
-            if path_b is None:
+            if path_a is None or path_b is None:  # (a folder or a broken link by that name)
                 continue
-            if suite == "decode":
-                block = _decode_performance(path_a, path_b)
-                if block:
-                    out.append(block)
-                continue
-            ra, rb = load_result(path_a), load_result(path_b)
+            try:
+                if suite == "decode":
+                    block = _decode_performance(path_a, path_b)
+                    if block:
+                        out.append(block)
+                    continue
+                ra, rb = load_result(path_a), load_result(path_b)
+            except ValueError as exc:  # ResultError: the file and what is wrong with it
+                raise UsageError(f"specgen diff: --results: {exc}") from None
             by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
             rows = [
                 {"seq": r.seq_q, "a_tflops": r.timings["specgen"].tflops,
@@ -301,12 +324,13 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
 def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
     """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
     (above 1: b is faster). None unless both files have the steady-state schema."""
-    from specgen.bench.core import load_result, read_result_text
+    from specgen.bench.core import checked_result, read_result_json
 
     # Schema 1 timed one call per graph: not comparable with the steady state.
-    if 1 in [json.loads(read_result_text(p)).get("schema_version", 3) for p in (path_a, path_b)]:
+    raw = [read_result_json(p) for p in (path_a, path_b)]
+    if any(isinstance(d, dict) and d.get("schema_version", 3) == 1 for d in raw):
         return None
-    ra, rb = load_result(path_a), load_result(path_b)
+    ra, rb = checked_result(path_a, raw[0]), checked_result(path_b, raw[1])
     by_shape = {(r.batch, r.heads_kv, r.seq_k): 1000 * r.timings["specgen"].ms for r in rb.rows
                 if r.timings["specgen"].ms}
     rows = []
@@ -441,7 +465,7 @@ def build_report(a: Side, b: Side, compiled: bool, results_dir: Path) -> dict:
         "spec": spec_section(a, b),
         "plan": plan_section(a, b),
         "source": source_section(a, b),
-        "compiled": compiled_section(a, b) if compiled else None,
+        "compiled": compiled_section(a, b, _stderr) if compiled else None,
         "performance": performance_section(a, b, results_dir),
     }
 
@@ -488,8 +512,7 @@ def run_diff(
             sys.stdout.flush()
             print("diff: compiling a and b for their targets (cached cubins are instant)...",
                   file=sys.stderr, flush=True)
-            report["compiled"] = compiled_section(
-                side_a, side_b, lambda line: print(line, file=sys.stderr, flush=True))
+            report["compiled"] = compiled_section(side_a, side_b, _stderr)
             tail = format_tail(report).split("\n4. Compiled\n", 1)[-1]
             sys.stdout.write(tail)
             return 1 if differs(report) else 0

@@ -37,14 +37,24 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            found += sorted(p for p in path.iterdir() if p.suffix in SPEC_SUFFIXES)
+            # Files only: a folder named x.yaml is not a spec (nor is a broken link).
+            found += sorted(p for p in path.iterdir() if p.suffix in SPEC_SUFFIXES
+                            and (p.is_file() or p.is_symlink()))
         elif path.is_file():
             found.append(path)
         else:
             raise UsageError(f"{raw}: no such spec file or directory")
     if not found:
         raise UsageError("no spec files (*.yaml, *.yml) found in " + ", ".join(map(str, paths)))
-    unique = list(dict.fromkeys(p.resolve() for p in found))
+    resolved = []
+    for p in found:
+        try:
+            resolved.append(p.resolve(strict=True))
+        except RuntimeError:  # Python 3.11-3.12 report a symlink loop so
+            raise UsageError(f"{p}: a symlink loop") from None
+        except OSError as exc:
+            raise UsageError(f"{p}: {exc.strerror or exc}") from None
+    unique = list(dict.fromkeys(resolved))
     return [Path(os.path.relpath(p)) if _is_under_cwd(p) else p for p in unique]
 
 

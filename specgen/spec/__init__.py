@@ -18,6 +18,7 @@ from specgen.spec.load import (
     json_schema,
     load_spec,
     parse_spec_text,
+    read_spec_text,
     spec_to_dict,
     validate_spec,
 )
@@ -26,5 +27,6 @@ from specgen.spec.model import Spec
 __all__ = [
     "DEFAULT_TARGET", "HINT_DEFAULTS", "HINT_FIELDS", "TUNABLE_FIELDS",
     "AutotuneSpace", "LaunchConfig", "Spec", "TargetConfig", "compact_config", "decode_rows",
-    "json_schema", "load_spec", "parse_spec_text", "spec_to_dict", "validate_spec",
+    "json_schema", "load_spec", "parse_spec_text", "read_spec_text", "spec_to_dict",
+    "validate_spec",
 ]

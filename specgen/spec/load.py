@@ -277,20 +277,25 @@ def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
                                     f"{sys.get_int_max_str_digits()} digits)")]) from None
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Read, parse and validate one YAML spec file."""
+def read_spec_text(path: str | Path, limit: int = MAX_SPEC_BYTES) -> str:
+    """A spec file's (or generated module's) text: at most ``limit`` bytes of UTF-8;
+    SpecError naming the file otherwise."""
     path = Path(path)
     try:
-        if path.stat().st_size > MAX_SPEC_BYTES:
-            raise SpecError(path, [("", f"file is larger than {MAX_SPEC_BYTES} bytes")])
+        if path.stat().st_size > limit:
+            raise SpecError(path, [("", f"file is larger than {limit} bytes")])
         raw = path.read_bytes()
     except OSError as exc:
         raise SpecError(path, [("", f"cannot read: {exc.strerror}")]) from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(path, [("", "file is not UTF-8 text")]) from None
-    return validate_spec(parse_spec_text(text, path), path)
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read, parse and validate one YAML spec file."""
+    return validate_spec(parse_spec_text(read_spec_text(path), path), path)
 
 
 def compact_config(data: dict) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import keyword
 import re
+import sys
 from contextvars import ContextVar
 from typing import Annotated, Literal, Optional, Union
 
@@ -38,6 +39,9 @@ from specgen.spec.fields import (
 
 # False while a spec written without targets is validated with the configs filled in
 # for it: a check that a filled config fails then names the user's fields instead.
+# Packages a generated module imports or sits beside: a spec named after one would
+# shadow it.
+SHADOWED_PACKAGES = ("torch", "cuda", "triton", "numpy", "specgen", "generated")
 _TARGETS_WRITTEN: ContextVar[bool] = ContextVar("targets_written", default=True)
 
 
@@ -57,7 +61,9 @@ class Spec(_Strict):
     )
 
     name: str = Field(
-        description="Python identifier (not a keyword); the module is generated/<name>.py.",
+        description="Python identifier (not a keyword, nor the name of a standard-library "
+        "module or of torch, cuda, triton, numpy, specgen or generated); the module is "
+        "generated/<name>.py.",
     )
     family: Literal["prefill", "decode"] = Field(
         "prefill",
@@ -291,6 +297,13 @@ class Spec(_Strict):
             raise ValueError(
                 "must be a Python identifier that is not a keyword and does not "
                 "start with '_' (letters, digits, '_'; at most 100 characters)"
+            )
+        if value in sys.stdlib_module_names or value in SHADOWED_PACKAGES:
+            # generated/<name>.py, copied beside a user's code, would be imported in
+            # place of that module (by the generated code itself: torch, math, os).
+            raise ValueError(
+                "must not be the name of a Python standard-library module nor of "
+                f"{', '.join(SHADOWED_PACKAGES)} (generated/<name>.py would shadow it)"
             )
         return value
 

@@ -344,3 +344,26 @@ def test_a_broken_results_file_is_one_error_naming_it(tmp_path, name, content, w
     assert str(folder / name) in str(info.value)
     with pytest.raises(ResultError, match=re.escape(words)):
         load_result(folder / name)
+
+
+def test_a_bad_spec_in_specs_is_one_error_and_specs_ship_by_name(tmp_path):
+    """The docs read specs as `specgen build` does: a spec that does not load is one
+    DocsError naming it; a spec ships under its name, whatever its file is called."""
+    import shutil
+
+    from specgen.docs import DocsError, performance_markdown, spec_reference_markdown
+
+    specs, results = tmp_path / "specs", tmp_path / "bench" / "results" / "gpu"
+    specs.mkdir()
+    results.mkdir(parents=True)
+    shutil.copy(ROOT / "specs" / "fmha_gqa_causal.yaml", specs / "renamed.yml")
+    shutil.copy(ROOT / "bench" / "results" / "h200" / "fmha_gqa_causal-prefill.json.gz", results)
+    page = performance_markdown(tmp_path / "bench" / "results", specs)
+    assert "#### `fmha_gqa_causal`, prefill" in page and "do not ship" not in page
+    assert "[`fmha_gqa_causal`](" in spec_reference_markdown(specs)
+    (specs / "bad.yaml").write_bytes(b"\xff\xfe")
+    with pytest.raises(DocsError, match=re.escape(f"{specs / 'bad.yaml'}: file is not UTF-8 text")):
+        spec_reference_markdown(specs)
+    (specs / "bad.yaml").write_text("name: x\nbogus: 1\n")
+    with pytest.raises(DocsError, match="bogus: unknown key"):
+        performance_markdown(tmp_path / "bench" / "results", specs)

@@ -195,3 +195,33 @@ def test_tune_launches_the_grid_the_generated_launcher_launches(case, seq):
     grids = [grid for kernel, grid in launches if kernel == plan.kernel_name]
     assert grids == [tuple(launch_grid(plan, config, seq, q.shape[0] * q.shape[1], 132))], (launches, config)
 
+
+
+@pytest.mark.parametrize("bom,newline", [("", "\n"), ("", "\r\n"), ("\ufeff", "\r\n"), ("\ufeff", "\n")])
+def test_a_tuned_spec_keeps_its_byte_order_mark_and_line_endings(tmp_path, bom, newline):
+    from specgen.commands.tune import rewrite_spec_file
+    from specgen.spec import load_spec
+
+    path = tmp_path / "t.yaml"
+    path.write_bytes((bom + SPEC_TEXT.replace("\n", newline)).encode())
+    assert rewrite_spec_file(path, lambda text: write_back(text, "t.yaml", "sm_90", B, []))
+    raw = path.read_bytes().decode()
+    assert raw.startswith(bom) and raw.count("\n") == raw.count(newline) > 0
+    assert "\r\n" not in raw or newline == "\r\n"
+    assert load_spec(path).targets["sm_90"].tile_m == B["tile_m"]
+    before = path.read_bytes()
+    assert not rewrite_spec_file(path, lambda text: text) and path.read_bytes() == before
+
+
+def test_tune_refuses_a_hand_edited_module_before_searching(tmp_path):
+    """Found after the search, it left the spec rewritten and the module stale."""
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "generated").mkdir()
+    spec = (ROOT / "specs" / "fmha_gqa_causal.yaml").read_text()
+    (tmp_path / "specs" / "fmha_gqa_causal.yaml").write_text(spec)
+    module = (ROOT / "generated" / "fmha_gqa_causal.py").read_text()
+    (tmp_path / "generated" / "fmha_gqa_causal.py").write_text(module + "# my change\n")
+    result = specgen("tune", "specs/fmha_gqa_causal.yaml", "--target", "sm_90", cwd=tmp_path)
+    assert result.returncode == 2 and "generated/fmha_gqa_causal.py: edited by hand" in result.stderr, \
+        result.stderr
+    assert (tmp_path / "specs" / "fmha_gqa_causal.yaml").read_text() == spec

@@ -230,6 +230,23 @@ def _hints(config: dict) -> dict:
             for name in HINT_FIELDS}
 
 
+def rewrite_spec_file(path: Path, rewrite: Callable[[str], str]) -> bool:
+    """Replace a spec file's text by ``rewrite(text)`` (given and returning "\n" line
+    ends), keeping the file's byte-order mark and line endings; atomically, and only
+    on a change. Returns whether the file changed."""
+    from specgen.compile.export import atomic_write
+
+    raw = path.read_bytes().decode("utf-8")
+    bom = "\ufeff" if raw.startswith("\ufeff") else ""
+    newline = "\r\n" if "\r\n" in raw else "\n"
+    text = raw[len(bom):].replace("\r\n", "\n")
+    new_text = rewrite(text)
+    if new_text == text:
+        return False
+    atomic_write(path, (bom + new_text.replace("\n", newline)).encode("utf-8"))
+    return True
+
+
 def run_tune(
     path: Path,
     target: str,
@@ -281,6 +298,15 @@ def run_tune(
     seqs = sorted(seqs or suite_seqs)
     heads = suite_heads(heads, spec.gqa_ratio)
 
+    # A hand-edited module would be refused after the search, with the spec already
+    # rewritten: refuse it before anything runs.
+    if not dry_run:
+        from specgen.emit.render import hand_edited
+
+        generated = gen_dir / f"{spec.name}.py"
+        if generated.is_file() and hand_edited(generated.read_text(encoding="utf-8")):
+            raise UsageError(f"{generated}: edited by hand; tune would not overwrite it (move it "
+                             "away, or run specgen build --force first, or use --dry-run)")
     torch = require_cuda("tune")
     import cuda.tile as ct
     from cuda.tile.tune import exhaustive_search
@@ -465,14 +491,13 @@ def run_tune(
     if dry_run:
         log("--dry-run: the spec is unchanged")
         return 0
-    text = path.read_text(encoding="utf-8")
     tuned = TargetConfig.model_validate({**_clean(own), "by_seq_k": [_clean(b) for b in buckets]})
     current = spec.targets.get(target)
-    new_text = text if current == tuned else write_back(text, str(path), target, own, buckets)
-    if new_text == text:
+    changed = current != tuned and rewrite_spec_file(
+        path, lambda text: write_back(text, str(path), target, own, buckets))
+    if not changed:
         log(f"{path}: unchanged (already tuned to these configs)")
     else:
-        atomic_write(path, new_text.encode())
         log(f"{path}: targets.{target} updated")
     jobs = load_jobs([str(path)], gen_dir)
     refused = write_jobs(jobs, gen_dir, force=False, log=log)

@@ -535,7 +535,8 @@ def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
     reports = []
     for job in load_jobs(paths, gen_dir):
         committed = job.out_path.read_text(encoding="utf-8") if job.out_path.is_file() else ""
-        a = Side(f"{job.out_path} (as written)", job.plan, committed)
+        a = Side(f"{job.out_path} ({'as written' if job.out_path.is_file() else 'missing'})",
+                 job.plan, committed)
         b = Side(f"{job.out_path} (re-rendered with the installed templates)", job.plan,
                  job.rendered.text)
         reports.append(build_report(a, b, compiled=False, results_dir=Path("/nonexistent")))

@@ -5,6 +5,7 @@ semantics (tile spaces, padding, undefined behaviour) and the kernel bugs it mus
 catch are tested beside them."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -696,3 +697,41 @@ def test_every_shipped_prefill_spec_trains_when_emulated(name):
     case = _cases(module.SPEC)[0]
     row = _run(module, case)
     assert row["ok"] and row.get("grad_ok"), f"{name}: {case_verdict(row)}"
+
+
+# --- random valid specs compute what the reference computes -------------------------
+
+NUMERIC_EXAMPLES = int(os.environ.get("SPECGEN_NUMERIC_FUZZ_EXAMPLES", "12"))
+
+
+def _random_spec_matches_the_reference(data):
+    """A random valid spec (the render fuzzer's strategies), emulated on the CPU on
+    one ragged case: out (and gradients, with backward: true) against fp64."""
+    from hypothesis import assume
+
+    from specgen.errors import SpecError
+    from specgen.spec import validate_spec
+
+    try:
+        validate_spec(data, "fuzz.yaml")
+    except SpecError:
+        assume(False)
+    module = _emulated(data, f"numeric_{data['name']}_{abs(hash(repr(data)))}")
+    case = _cases(module.SPEC)[0]
+    row = _run(module, case, seed=len(repr(data)))
+    assert row["ok"], f"{data}\n{case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+
+
+def _numeric(strategy):
+    from hypothesis import HealthCheck, given, settings
+
+    return settings(max_examples=NUMERIC_EXAMPLES, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])(
+        given(strategy)(_random_spec_matches_the_reference))
+
+
+pytest.importorskip("hypothesis")
+from .test_fuzz import decode_specs, prefill_specs  # noqa: E402
+
+test_random_valid_prefill_specs_match_the_reference_when_emulated = _numeric(prefill_specs())
+test_random_valid_decode_specs_match_the_reference_when_emulated = _numeric(decode_specs())

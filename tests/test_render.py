@@ -156,7 +156,7 @@ VISIBLE = [
      '{"max_seq_k": None, "tile_m": 128, "tile_n": 32, "occupancy": 1}', True),
     ("targets.sm_90.num_worker_warps", 4, "num_worker_warps=ct.ByTarget(sm_90=4)", True),
     ("targets.sm_90.num_ctas", 2, "num_ctas=ct.ByTarget(sm_90=2)", True),
-    ("targets.sm_90.opt_level", 2, "opt_level=ct.ByTarget(sm_90=2)", True),
+    ("targets.sm_90.opt_level", 2, "opt_level=ct.ByTarget(sm_90=2, default=3)", True),
     ("targets.sm_90.by_seq_k", [{"max_seq_k": 4096, "tile_m": 64, "tile_n": 32, "occupancy": 3}],
      '"hints": {"occupancy": 3, "num_worker_warps": None}', True),
     ("prescale_q", False, "q = (q.astype(ct.float32) * scale).astype(Q.dtype)", False),
@@ -304,3 +304,16 @@ def test_float8_attention_waits_for_the_v_transpose_before_reading_v():
     transpose = kernel_source(text, "fmha_transpose_v_")
     assert transpose.split('"""')[2].strip().splitlines()[2].strip() == "ct.grid_dependency_control_launch_dependents()"
     assert "programmatic_dependent_launch=pdl" in text and "pdl = bool(v_transposed and V_PDL) and _device_configs(q.device)[1] >= 9" in text
+
+
+def test_an_opt_level_left_out_is_the_compilers_3_in_a_by_target():
+    """cuTile's ct.ByTarget takes a number for opt_level (None crashed the compile of
+    the target that left it out, found by the GPU spec fuzzer)."""
+    from .helpers import render_spec_data
+
+    data = {"name": "mixed_opt", "targets": {
+        "default": {"tile_m": 64, "tile_n": 64, "occupancy": 1, "opt_level": 0},
+        "sm_90": {"tile_m": 64, "tile_n": 64, "occupancy": 1}}}
+    plan, source = render_spec_data(data)
+    assert "opt_level=ct.ByTarget(sm_90=3, default=0)" in plan.kernel_options
+    assert "None" not in plan.kernel_options.split("opt_level=")[1]

@@ -609,8 +609,11 @@ def _kernel_options(targets: tuple[TargetPlan, ...]) -> str:
     """The @ct.kernel options: per target through ct.ByTarget, plain if all agree."""
     parts = []
     for option in HINT_FIELDS:
-        values = [(t.name, t.hints.get(option)) for t in targets]
-        if all(v is None for _, v in values):
+        # A hint left out is the compiler's default: None where cuTile takes None, 3
+        # for opt_level, which ct.ByTarget must be given as a number.
+        values = [(t.name, HINT_DEFAULTS[option] if t.hints.get(option) is None
+                   else t.hints.get(option)) for t in targets]
+        if all(v == HINT_DEFAULTS[option] for _, v in values):
             continue
         default = values[0][1]
         others = [(n, v) for n, v in values[1:] if v != default]

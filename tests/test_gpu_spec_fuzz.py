@@ -40,7 +40,7 @@ def _case(spec: dict) -> Case:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("stream", range(8))
 def test_random_valid_specs_match_the_reference_on_the_gpu(stream):
-    drawn = [0]
+    drawn, ran = [0], [0]
 
     @seed(1000 + stream)
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -54,6 +54,7 @@ def test_random_valid_specs_match_the_reference_on_the_gpu(stream):
             validate_spec(data, "fuzz.yaml")
         except SpecError:
             assume(False)
+        ran[0] += 1
         plan, source = render_spec_data(data, "specs/fuzz.yaml")
         module = load_module_from_source(f"gpu_fuzz_{plan.module_name}", source,
                                          f"gpu_fuzz_{plan.module_name}.py")
@@ -62,3 +63,4 @@ def test_random_valid_specs_match_the_reference_on_the_gpu(stream):
         assert row["ok"], f"{data}\n{case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
 
     check()
+    assert ran[0] >= EXAMPLES, f"only {ran[0]} of {EXAMPLES} drawn specs were valid and ran"

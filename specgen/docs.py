@@ -958,9 +958,21 @@ def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
     """A context-parallel run (bench/context_parallel/bench.py): per S and phase,
     TFLOPS per GPU against torch's context parallel, the scaling efficiency and the
     hidden share of the transfers."""
-    data = json.loads(path.read_text())
-    rows = data["rows"]
-    first = rows[0]
+    from specgen.bench.core import ResultError, read_result_json
+
+    try:
+        data = read_result_json(path)
+        rows = data["rows"]
+        first = rows[0]
+        return _context_parallel_lines(path, data_path_base, data, rows, first)
+    except ResultError as exc:
+        raise DocsError(str(exc)) from None
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise DocsError(f"{path}: not a context-parallel result of this form ({exc!r})") from None
+
+
+def _context_parallel_lines(path: Path, data_path_base: Path, data: dict, rows: list,
+                            first: dict) -> list[str]:
     lines = [
         "### Context parallelism",
         "",

@@ -174,7 +174,9 @@ def test_decode_performance_compares_steady_state_microseconds(tmp_path):
     result = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
                   "--no-compile")
     block = json.loads(result.stdout)["performance"][0]
-    committed = {name: json.loads((ROOT / f"bench/results/h200/{name}-decode.json").read_text())
+    from specgen.bench.core import find_result, read_result_text
+
+    committed = {name: json.loads(read_result_text(find_result(ROOT / f"bench/results/h200/{name}-decode")))
                  for name in ("fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp")}
     assert block["suite"] == "decode" and block["unit"] == "µs"
     first = block["rows"][0]

@@ -588,11 +588,12 @@ def _spec_summary(spec: Spec) -> str:
 def _load_specs(specs_dir: Path) -> list[tuple[Path, Spec]]:
     """Every spec file (*.yaml, *.yml) in ``specs_dir`` with its validated spec, as
     `specgen build` reads them; DocsError naming the file and field otherwise."""
+    from specgen.compile.jobs import SPEC_SUFFIXES
     from specgen.errors import SpecError
     from specgen.spec import load_spec
 
     specs = []
-    for path in sorted(p for p in specs_dir.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file()):
+    for path in sorted(p for p in specs_dir.iterdir() if p.suffix in SPEC_SUFFIXES and p.is_file()):
         try:
             specs.append((path, load_spec(path)))
         except SpecError as exc:
@@ -961,18 +962,16 @@ def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
     from specgen.bench.core import ResultError, read_result_json
 
     try:
-        data = read_result_json(path)
-        rows = data["rows"]
-        first = rows[0]
-        return _context_parallel_lines(path, data_path_base, data, rows, first)
+        return _context_parallel_lines(path, data_path_base, read_result_json(path))
     except ResultError as exc:
         raise DocsError(str(exc)) from None
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise DocsError(f"{path}: not a context-parallel result of this form ({exc!r})") from None
 
 
-def _context_parallel_lines(path: Path, data_path_base: Path, data: dict, rows: list,
-                            first: dict) -> list[str]:
+def _context_parallel_lines(path: Path, data_path_base: Path, data: dict) -> list[str]:
+    rows = data["rows"]
+    first = rows[0]
     lines = [
         "### Context parallelism",
         "",

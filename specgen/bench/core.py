@@ -199,21 +199,18 @@ def checked_result(path: Path, data: Any) -> BenchResult:
     if not isinstance(data, dict):
         raise ResultError(f"{path}: a bench result is a JSON object, got {type(data).__name__}")
     try:
-        data = upgrade(data)
-        result = BenchResult.model_validate(data)
-        for i, row in enumerate(result.rows):
-            if "specgen" not in row.timings:
-                raise ResultError(f"{path}: not a bench result of this schema: "
-                                  f"rows.{i}.timings: specgen's timing is missing")
-        return result
-    except ResultError:
-        raise
+        result = BenchResult.model_validate(upgrade(data))
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(p) for p in error["loc"]) or "(top level)"
         raise ResultError(f"{path}: not a bench result of this schema: {where}: {error['msg']}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ResultError(f"{path}: not a bench result of this schema: {exc}") from None
+    for i, row in enumerate(result.rows):
+        if "specgen" not in row.timings:
+            raise ResultError(f"{path}: not a bench result of this schema: "
+                              f"rows.{i}.timings: specgen's timing is missing")
+    return result
 
 
 def read_result_json(path: Path) -> Any:

@@ -284,7 +284,7 @@ def compiled_section(a: Side, b: Side, log: Optional[Callable[[str], None]] = No
 def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
     """Where both specs were benchmarked on one device in the same suite: TFLOPS per
     sequence length (prefill, backward), or steady-state µs per shape (decode)."""
-    from specgen.bench.core import find_result, load_result, result_stem
+    from specgen.bench.core import ResultError, find_result, load_result, result_stem
 
     out = []
     if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
@@ -305,7 +305,7 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
                         out.append(block)
                     continue
                 ra, rb = load_result(path_a), load_result(path_b)
-            except ValueError as exc:  # ResultError: the file and what is wrong with it
+            except ResultError as exc:  # the file and what is wrong with it
                 raise UsageError(f"specgen diff: --results: {exc}") from None
             by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
             rows = [

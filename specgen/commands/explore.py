@@ -39,7 +39,7 @@ from specgen.commands.tune import MAX_SEQ
 from specgen.errors import SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.emit.render import render
-from specgen.spec import load_spec, parse_spec_text, spec_to_dict, validate_spec
+from specgen.spec import load_spec, parse_spec_text, read_spec_text, spec_to_dict, validate_spec
 
 
 class Shapes(BaseModel):
@@ -112,11 +112,10 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
     from specgen.commands.diff import apply_sets
 
     try:
-        # The spec files' loader: duplicate keys and YAML 1.1 scalars refused alike.
-        raw = parse_spec_text(path.read_text(), path)
+        # The spec files' reader and loader: size cap, UTF-8, duplicate keys and YAML
+        # 1.1 scalars refused alike.
+        raw = parse_spec_text(read_spec_text(path), path)
         config = VariantsFile.model_validate(raw)
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
     except SpecError as exc:
         raise UsageError("\n".join(exc.lines())) from None
     except ValidationError as exc:

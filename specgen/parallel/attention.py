@@ -84,21 +84,22 @@ def _scale_problem(scale) -> str | None:
     """The kernels' own test of the softmax scale: a positive float32 normal number."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         return f"scale must be a positive float or None, got {scale!r}"
-    if not 1.1754943508222875e-38 <= scale <= 3.4028234663852886e38:
+    limits = torch.finfo(torch.float32)
+    if not limits.tiny <= scale <= limits.max:
         return f"scale must be a positive finite float in float32's normal range, got {scale!r}"
     return None
 
 
-def _crc(text: str) -> int:
-    return zlib.crc32(text.encode())
+def _crc(data: str | bytes) -> int:
+    return zlib.crc32(data.encode() if isinstance(data, str) else data)
 
 
 def _signature(q, k, v, *, spec: str, mode: str, layout: str, scale: float, grads: bool,
                cu_seqlens=None, max_seqlen=None) -> list[int]:
     shapes = [*q.shape, *k.shape, *v.shape]
     shapes += [-1] * (12 - len(shapes))  # packed shards are 3-D
-    cu = -1 if cu_seqlens is None else zlib.crc32(struct.pack(f"<{cu_seqlens.numel()}q",
-                                                              *cu_seqlens.tolist()))
+    cu = -1 if cu_seqlens is None else _crc(struct.pack(f"<{cu_seqlens.numel()}q",
+                                                        *cu_seqlens.tolist()))
     return [*shapes, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, _crc(spec),
             MODES.index(mode), _crc(layout), struct.unpack("<q", struct.pack("<d", scale))[0],
             int(grads), cu, -1 if max_seqlen is None else max_seqlen]

@@ -611,8 +611,8 @@ def _kernel_options(targets: tuple[TargetPlan, ...]) -> str:
     for option in HINT_FIELDS:
         # A hint left out is the compiler's default: None where cuTile takes None, 3
         # for opt_level, which ct.ByTarget must be given as a number.
-        values = [(t.name, HINT_DEFAULTS[option] if t.hints.get(option) is None
-                   else t.hints.get(option)) for t in targets]
+        values = [(t.name, t.hints.get(option)) for t in targets]
+        values = [(n, HINT_DEFAULTS[option] if v is None else v) for n, v in values]
         if all(v == HINT_DEFAULTS[option] for _, v in values):
             continue
         default = values[0][1]

@@ -91,7 +91,9 @@ def test_bench_variants_cli_errors():
 @pytest.mark.parametrize("args,message", [
     (["--suite", "decode"], "--suite decode does not apply to --variants"),
     (["--suite", "bogus"], "--suite bogus does not apply to --variants"),
+    (["--suite", "prefill"], "--suite prefill does not apply to --variants"),
     (["--gen", "README.md"], "--gen does not apply to --variants"),
+    (["--gen", "generated"], "--gen does not apply to --variants"),
     (["--baselines", ""], "--baselines: expected comma-separated names"),
     (["--baselines", ","], "--baselines: expected comma-separated names"),
 ])

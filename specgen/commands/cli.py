@@ -148,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", metavar="FILE",
                        help="time the variants of one spec listed in FILE (YAML) against "
                        "cuDNN (and any other --baselines) instead; see docs/tuning.md for the format")
-    bench.add_argument("--suite", default="prefill",
+    bench.add_argument("--suite", default=None,
                        help="benchmark suite: prefill (B4 Hq32, S 1024..16384), decode (one "
                             "token against a KV cache, B 1..64; CUDA graphs, steady state and one "
                             "call per graph) or backward (the "
@@ -163,7 +163,7 @@ def _parser() -> argparse.ArgumentParser:
                        "suite's 1024..16384, e.g. 2048,8192")
     bench.add_argument("--results", default="bench/results", metavar="DIR",
                        help="results folder; files go to DIR/<gpu>/ (default: bench/results)")
-    bench.add_argument("--gen", default="generated", metavar="DIR",
+    bench.add_argument("--gen", default=None, metavar="DIR",
                        help="folder of generated modules (default: generated)")
 
     diff = sub.add_parser(
@@ -338,10 +338,10 @@ def _run(args) -> int:
             if args.seqs:
                 raise UsageError("specgen bench: --seqs does not apply to --variants (the file's "
                                  "shapes.seqs sets the lengths)")
-            if args.suite != "prefill":
+            if args.suite is not None:
                 raise UsageError(f"specgen bench: --suite {args.suite} does not apply to --variants "
                                  "(variants are timed as prefill calls)")
-            if args.gen != "generated":
+            if args.gen is not None:
                 raise UsageError("specgen bench: --gen does not apply to --variants (the variants "
                                  "are rendered to a temporary folder)")
             run_variants(Path(args.variants), _folder(args.results, "--results"),
@@ -349,7 +349,7 @@ def _run(args) -> int:
             return 0
         if not args.paths:
             raise UsageError("specgen bench: give at least one SPEC path (or --variants FILE)")
-        suite = parse_suite(args.suite)
+        suite = parse_suite("prefill" if args.suite is None else args.suite)
         shapes = None
         if args.seqs:
             from specgen.commands.tune import parse_seqs
@@ -359,7 +359,7 @@ def _run(args) -> int:
                                  "decode suite's shapes are (batch, cache length) pairs")
             shapes = [(None, None, seq) for seq in parse_seqs(args.seqs)]
         run_suite(suite, args.paths, results=_folder(args.results, "--results"),
-                  gen=_folder(args.gen, "--gen"), shapes=shapes,
+                  gen=_folder("generated" if args.gen is None else args.gen, "--gen"), shapes=shapes,
                   baselines=parse_baselines("cudnn,flash,flex" if args.baselines is None
                                             else args.baselines))
         return 0

@@ -262,7 +262,7 @@ def run_tune(
     from specgen.bench.core import tflops
     from specgen.bench.flops import forward_flops
     from specgen.bench.prefill import BATCH, HEADS, SEQS, suite_heads
-    from specgen.compile.jobs import load_jobs, write_jobs
+    from specgen.compile.jobs import hand_edited_file, load_jobs, module_path, write_jobs
     from specgen.check.cases import (
         Comparison,
         compare,
@@ -300,13 +300,10 @@ def run_tune(
 
     # A hand-edited module would be refused after the search, with the spec already
     # rewritten: refuse it before anything runs.
-    if not dry_run:
-        from specgen.emit.render import hand_edited
-
-        generated = gen_dir / f"{spec.name}.py"
-        if generated.is_file() and hand_edited(generated.read_text(encoding="utf-8")):
-            raise UsageError(f"{generated}: edited by hand; tune would not overwrite it (move it "
-                             "away, or run specgen build --force first, or use --dry-run)")
+    generated = module_path(gen_dir, spec.name)
+    if not dry_run and hand_edited_file(generated):
+        raise UsageError(f"{generated}: edited by hand; tune would not overwrite it (move it "
+                         "away, or run specgen build --force first, or use --dry-run)")
     torch = require_cuda("tune")
     import cuda.tile as ct
     from cuda.tile.tune import exhaustive_search

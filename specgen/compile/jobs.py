@@ -94,6 +94,16 @@ def load_plans(paths: Iterable[str | Path]) -> list[tuple[Path, Plan]]:
     return plans
 
 
+def module_path(out_dir: Path, module_name: str) -> Path:
+    """Where a spec's module is written: ``<out_dir>/<name>.py``."""
+    return out_dir / f"{module_name}.py"
+
+
+def hand_edited_file(path: Path) -> bool:
+    """Whether ``path`` is a generated module edited by hand (written only with --force)."""
+    return path.is_file() and hand_edited(path.read_text(encoding="utf-8"))
+
+
 def load_jobs(paths: Iterable[str | Path], out_dir: Path,
               plans: list[tuple[Path, Plan]] | None = None) -> list[Job]:
     """Validate every spec before anything is written (or take ``plans`` of
@@ -104,7 +114,7 @@ def load_jobs(paths: Iterable[str | Path], out_dir: Path,
         Job(
             spec_path,
             plan,
-            out_dir / f"{plan.module_name}.py",
+            module_path(out_dir, plan.module_name),
             render(plan, header_spec_path(spec_path, out_dir)),
         )
         for spec_path, plan in plans
@@ -174,15 +184,11 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
     for job in jobs:
         new = job.rendered.text
         if job.out_path.is_file():
-            old = job.out_path.read_text(encoding="utf-8")
-            if old == new:
+            if job.out_path.read_text(encoding="utf-8") == new:
                 log(f"{job.out_path}: unchanged")
                 continue
-            if hand_edited(old) and not force:
-                refused.append(
-                    f"{job.out_path}: edited by hand, not overwritten "
-                    "(use --force to replace it)"
-                )
+            if not force and hand_edited_file(job.out_path):
+                refused.append(f"{job.out_path}: edited by hand, not overwritten (use --force to replace it)")
                 continue
         atomic_write(job.out_path, new.encode())
         log(f"{job.out_path}: written")

@@ -1,6 +1,14 @@
 """Errors that the CLI turns into one line and an exit code, never a traceback."""
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters (line breaks among them) escaped, so that
+    a name taken from input cannot split or forge a line of a message."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 class SpecgenError(Exception):
     """Base class for expected failures (bad input, failed compile, drift)."""
 
@@ -25,7 +33,7 @@ class SpecError(SpecgenError):
         out = []
         for field, message in self.problems:
             where = f"{self.path}: {field}: " if field else f"{self.path}: "
-            out.append(where + message)
+            out.append(printable(where + message))
         return out
 
 

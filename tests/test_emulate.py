@@ -96,11 +96,13 @@ def test_a_broken_kernel_fails_the_emulated_check(what):
 
 def _own_op(source: str, module_name: str, suffix: str) -> str:
     """A training module's text with its custom op renamed. A module registers its op
-    once per process under its spec's name, and a second module of that name would
-    run the first one's op, and so its kernels."""
-    op = f'OP_NAME = "specgen::{module_name}"'
-    assert source.count(op) == 1
-    return source.replace(op, f'OP_NAME = "specgen::{module_name}_{suffix}"')
+    once per process under its spec's name and hash, and a second module of that
+    spec with other kernels would run the first one's op, and so its kernels."""
+    import re
+
+    op = re.compile(rf'OP_NAME = "specgen::{module_name}_([0-9a-f]+)"')
+    assert len(op.findall(source)) == 1
+    return op.sub(rf'OP_NAME = "specgen::{module_name}_\1_{suffix}"', source)
 
 
 # The same for the backward (text of fmha_train_gqa_causal's dQ kernel, which forms D
@@ -735,3 +737,78 @@ from .test_fuzz import decode_specs, prefill_specs  # noqa: E402
 
 test_random_valid_prefill_specs_match_the_reference_when_emulated = _numeric(prefill_specs())
 test_random_valid_decode_specs_match_the_reference_when_emulated = _numeric(decode_specs())
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_document", "fmha_varlen_llama"])
+def test_a_loss_on_the_returned_lse_reaches_the_gradients(name):
+    """return_lse with backward: true returns a differentiable lse. The check's loss
+    weighs out and lse by random gradients (check_gradients), so a backward that
+    dropped dlse would miss the reference by the lse term; and a loss of lse alone
+    gives gradients, not an error."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text(encoding="utf-8"))
+    module = _emulated({**data, "return_lse": True, "backward": True}, f"lse_grad_{name}",
+                       f"specs/{name}.yaml")
+    for case in _cases(module.SPEC)[:2]:
+        row = _run(module, case)
+        assert row["ok"] and "grad_ratio" in row, f"{name} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}"
+    if module.SPEC["varlen"]:
+        return
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 40, module.SPEC["head_dim"], generator=g).to(torch.bfloat16).requires_grad_()
+               for h in (2 * module.SPEC["gqa_ratio"], 2, 2))
+    extra = {}
+    if "doc" in module.SPEC.get("tensors", {}):
+        extra["doc"] = torch.tensor([[0] * 13 + [1] * 27], dtype=torch.int32)
+    with emulate.emulating():
+        _, lse = module.attention(q, k, v, **extra)
+        weight = torch.randn(lse.shape, generator=g)
+        got = torch.autograd.grad((lse * weight).sum(), (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    _, ref_lse = reference_for(module.SPEC, *leaves, extra)
+    want = torch.autograd.grad((ref_lse * weight.double()).sum(), leaves, allow_unused=True)
+    for name_, a, b in zip("qkv", got, want):
+        b = torch.zeros_like(leaves[0 if name_ == "q" else 2]) if b is None else b  # lse reads no v
+        assert (a.double() - b).abs().max() <= 0.02 * b.abs().max() + 1e-3, name_
+
+
+def test_backward_op_fake_outputs_match_the_real_ones_for_strided_learnable_tensors():
+    """The backward op's fake implementation (what torch.compile traces) gives its
+    outputs the shapes, dtypes and strides the real one returns, also for a learnable
+    table passed transposed and bfloat16 sinks (inductor asserts on a mismatch)."""
+    data = {"name": "fake_strides", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 2,
+            "causal": True, "backward": True, "sinks": True,
+            "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True},
+                        "rel": {"dtype": "float32", "shape": ["heads", 256], "learnable": True}},
+            "score_mod": "score - slope[h] * (q_idx - kv_idx) + rel[h, q_idx - kv_idx]"}
+    module = _emulated(data, "fake_strides")
+    g = torch.Generator().manual_seed(18)
+    q = torch.randn(1, 2, 40, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 40, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(2, generator=g).to(torch.bfloat16)
+    slope, rel = torch.rand(2, generator=g), torch.randn(256, 2, generator=g).t()  # strides (1, 2)
+    dout = torch.randn(q.shape, generator=g).to(q.dtype)
+    with emulate.emulating():
+        out, lse = module._forward(q, k, v, sinks=sinks, slope=slope, rel=rel)
+        args = (q, k, v, out, lse, dout, 0.125, 0, sinks, slope, rel)
+        real = module._op_grads(*args)
+        fake = module._op_grads_fake(*args)
+    for name, r, f in zip(("dq", "dk", "dv", "dsinks", "dslope", "drel"), real, fake):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), name
+
+
+def test_two_specs_of_one_name_keep_their_own_ops():
+    """Two training modules of the same name from different specs (causal and not),
+    loaded in one process: each attention runs its own kernels."""
+    base = {"name": "same_name", "dtype": "bfloat16", "head_dim": 64, "backward": True}
+    causal = _emulated({**base, "causal": True}, "same_name_causal")
+    full = _emulated({**base, "causal": False}, "same_name_full")
+    assert causal.OP_NAME != full.OP_NAME
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 33, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    with emulate.emulating():
+        for module in (causal, full):
+            out = module.attention(q, k, v)
+            ref, _ = reference_for(module.SPEC, q.double(), k.double(), v.double(), {})
+            assert (out.double() - ref).abs().max() < 0.03, module.SPEC["causal"]

@@ -166,7 +166,7 @@ def read_result_text(path: Path) -> str:
     path = Path(path)
     if path.name.endswith(".gz"):
         return gzip.decompress(path.read_bytes()).decode()
-    return path.read_text()
+    return path.read_text(encoding="utf-8")
 
 
 def result_stem(path: Path) -> Path:

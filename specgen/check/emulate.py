@@ -560,7 +560,7 @@ def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
     ``emulating()``). ``sm``: the compute capability its launcher sees, which picks
     its launch configs; ``source``: the module's text, where not the file's."""
     path = Path(path)
-    text = path.read_text() if source is None else source
+    text = path.read_text(encoding="utf-8") if source is None else source
     tree = _NoDevice().visit(ast.parse(text, str(path)))
     ast.fix_missing_locations(tree)
     shim = _TileShim("cuda.tile")

@@ -148,11 +148,13 @@ def check_packed_gradients(torch, module, batch, extra: dict, generator) -> dict
     spec = module.SPEC
 
     def call(q, k, v, extra):
-        return call_kernel(module, q, k, v, extra, **batch.kwargs())[0]
+        out, lse = call_kernel(module, q, k, v, extra, **batch.kwargs())
+        return (out, lse) if spec.get("return_lse") else out
 
     def reference(q, k, v, extra, compute_dtype):
         packed = dataclasses.replace(batch, q=q, k=k, v=v)
-        return packed_reference(spec, packed, extra, compute_dtype=compute_dtype)[0]
+        out, lse = packed_reference(spec, packed, extra, compute_dtype=compute_dtype)
+        return (out, lse) if spec.get("return_lse") else out
 
     learned = ["sinks"] if "sinks" in extra else []
     return _gradient_check(torch, (batch.q, batch.k, batch.v), extra, learned, call, reference,
@@ -164,23 +166,32 @@ def _gradient_check(torch, inputs, extra: dict, learned: list, call, reference, 
     entries of ``extra``, for a random upstream gradient, against those of
     ``reference(q, k, v, extra, compute_dtype) -> out`` in fp64 and in the inputs'
     dtype, by FlashAttention's rule (_fa_rule). The learned entries stay fp64 in
-    both references (the kernels keep them in float32)."""
+    both references (the kernels keep them in float32). Where both return
+    ``(out, lse)`` (a spec with return_lse), the loss weighs lse by a random
+    gradient too (zero on rows that see no key, whose lse is -inf)."""
     dtype = inputs[0].dtype
     leaves = [t.detach().requires_grad_() for t in inputs]
     extra = dict(extra)
     for name in learned:
         extra[name] = extra[name].detach().requires_grad_()
         leaves.append(extra[name])
-    out = call(*leaves[:3], extra)
+    outs = call(*leaves[:3], extra)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
     # out's shape, not q's: v_head_dim may differ from head_dim
-    dout = torch.randn(out.shape, generator=generator, device=out.device).to(dtype)
-    got = torch.autograd.grad(out, leaves, dout)
+    upstream = [torch.randn(outs[0].shape, generator=generator, device=outs[0].device).to(dtype)]
+    if len(outs) == 2:
+        seen = torch.isfinite(outs[1].detach())
+        upstream.append(torch.where(seen, torch.randn(outs[1].shape, generator=generator,
+                                                      device=seen.device), 0.0))
+    got = torch.autograd.grad(outs, leaves, upstream)
 
     def reference_grads(compute_dtype):
         refs = [t.detach().to(compute_dtype if i < 3 else torch.float64).requires_grad_()
                 for i, t in enumerate(leaves)]
         ref = reference(*refs[:3], dict(extra, **dict(zip(learned, refs[3:]))), compute_dtype)
-        return torch.autograd.grad(ref, refs, dout.to(compute_dtype), allow_unused=True)
+        ref = list(ref) if isinstance(ref, tuple) else [ref]
+        grads = [u.to(r.dtype) for u, r in zip(upstream, ref)]
+        return torch.autograd.grad(ref, refs, grads, allow_unused=True)
 
     return _fa_rule(torch, got, reference_grads(torch.float64), reference_grads(dtype))
 
@@ -275,11 +286,11 @@ def check_gradients(torch, module, q, k, v, extra: dict, q_offset: int, generato
     spec = module.SPEC
 
     def call(q, k, v, extra):
-        out = module.attention(q, k, v, q_offset=q_offset, **extra)
-        return out[0] if isinstance(out, tuple) else out
+        return module.attention(q, k, v, q_offset=q_offset, **extra)  # (out, lse) with return_lse
 
     def reference(q, k, v, extra, compute_dtype):
-        return reference_for(spec, q, k, v, extra, q_offset=q_offset, compute_dtype=compute_dtype)[0]
+        out, lse = reference_for(spec, q, k, v, extra, q_offset=q_offset, compute_dtype=compute_dtype)
+        return (out, lse) if spec.get("return_lse") else out
 
     learned = (["sinks"] if "sinks" in extra else []) + learnable_tensors(spec)
     return _gradient_check(torch, (q, k, v), extra, learned, call, reference, generator)

@@ -232,7 +232,7 @@ def run_variants(
     modules = {}
     for i, (label, source) in enumerate(sources.items()):
         file = tmp / f"variant_{i}.py"
-        file.write_text(source)
+        file.write_text(source, encoding="utf-8")
         modules[label] = import_module_file(file)
 
     first = next(iter(plans.values()))

@@ -38,9 +38,10 @@ def write_aot_folder(module_path: Path, source: str, results: list[CompileResult
         for cubin in result.paths:
             name = cubin.name
             keep.add(name)
-            if not (folder / name).is_file() or (folder / name).stat().st_size != cubin.stat().st_size:
-                atomic_write(folder / name, cubin.read_bytes())
-            for entry in json.loads(aot_entries_path(cubin).read_text()):
+            data = cubin.read_bytes()
+            if not (folder / name).is_file() or (folder / name).read_bytes() != data:
+                atomic_write(folder / name, data)
+            for entry in json.loads(aot_entries_path(cubin).read_text(encoding="utf-8")):
                 entries.append({**entry, "cubin": name})
     manifest = {
         "format": AOT_FORMAT,

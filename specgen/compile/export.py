@@ -313,10 +313,12 @@ def backward_signatures(plan: Plan) -> dict:
     # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes
     # that factor and the array it stores the product in.
     q_s = [qkv, ScalarConstraint(ct.float32)] if plan.bwd_prescale else []
+    # A module that returns the LSE takes its gradient in the dQ kernel (DLse, as Lse).
+    lse_grad = plan.spec.return_lse
     return {
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + order + [tile_m, tile_n],
                                convention)],
-        dq: [KernelSignature([qkv] * 5 + [rows, rows, qkv] + q_s + hooks + grads + scalars
+        dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + scalars
                              + [ScalarConstraint(ct.int32)]  # exact_delta
                              + order + list(plan.bwd_dq_tile), convention)],
     }

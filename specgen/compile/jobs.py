@@ -99,9 +99,15 @@ def module_path(out_dir: Path, module_name: str) -> Path:
     return out_dir / f"{module_name}.py"
 
 
+def module_text(path: Path) -> str:
+    """A generated module's text as on disk: bytes that are not UTF-8 are replaced
+    (so such a file reads as edited by hand), line ends are kept."""
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
 def hand_edited_file(path: Path) -> bool:
     """Whether ``path`` is a generated module edited by hand (written only with --force)."""
-    return path.is_file() and hand_edited(path.read_text(encoding="utf-8"))
+    return path.is_file() and hand_edited(module_text(path))
 
 
 def load_jobs(paths: Iterable[str | Path], out_dir: Path,
@@ -149,10 +155,12 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
         if not job.out_path.is_file():
             problems.append(f"{job.out_path}: missing (from {job.spec_path})")
             continue
-        text = job.out_path.read_text(encoding="utf-8")
-        if text == job.rendered.text:
+        text = module_text(job.out_path)
+        if text == job.rendered.text:  # byte for byte: CRLF line ends are drift too
             continue
-        if hand_edited(text):
+        if text.replace("\r\n", "\n") == job.rendered.text:
+            problems.append(f"{job.out_path}: CRLF line ends (a fresh render has LF)")
+        elif hand_edited(text):
             problems.append(f"{job.out_path}: edited by hand (its content no longer matches its header's hash)")
         else:
             problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates")
@@ -166,7 +174,7 @@ def foreign_modules(jobs: list[Job]) -> list[str]:
     for job in jobs:
         if not job.out_path.is_file():
             continue
-        match = HEADER_RE.match(job.out_path.read_text(encoding="utf-8"))
+        match = HEADER_RE.match(module_text(job.out_path))
         if match and match["spec_path"] != job.rendered.spec_path:
             problems.append(
                 f"{job.spec_path}: name: {job.plan.module_name!r} would overwrite {job.out_path}, "
@@ -177,6 +185,10 @@ def foreign_modules(jobs: list[Job]) -> list[str]:
 
 def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str], None]) -> list[str]:
     """Write changed modules atomically; refuse to replace hand-edited ones."""
+    # A folder (or another non-file) where a module goes is found before any write.
+    blocked = [job.out_path for job in jobs if job.out_path.exists() and not job.out_path.is_file()]
+    if blocked:
+        raise UsageError(f"{blocked[0]}: not a file; a generated module goes there (move it away)")
     refused = []
     init = out_dir / "__init__.py"
     if not init.is_file():
@@ -184,7 +196,7 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
     for job in jobs:
         new = job.rendered.text
         if job.out_path.is_file():
-            if job.out_path.read_text(encoding="utf-8") == new:
+            if module_text(job.out_path) == new:
                 log(f"{job.out_path}: unchanged")
                 continue
             if not force and hand_edited_file(job.out_path):
@@ -200,9 +212,11 @@ def compile_jobs(
     targets: tuple[str, ...] | None,
     workers: int,
     log: Callable[[str], None],
+    write_aot: bool = True,
 ) -> tuple[list[CompileResult], list[str]]:
     """AOT-compile every job for its targets; progress one line per module and
-    target (its cubins together: one per launch config)."""
+    target (its cubins together: one per launch config). With ``write_aot``, the
+    cubins of each module that is on disk as rendered go into its .aot folder."""
     tasks = [
         (job, target)
         for job in jobs
@@ -271,9 +285,9 @@ def compile_jobs(
             report(done, outcome)
     order = {(job.plan.module_name, t): i for i, (job, t) in enumerate(tasks)}
     results.sort(key=lambda r: order[(r.module, r.target)])
-    for job in jobs:  # the cubins beside each module, for its first call on a GPU
+    for job in jobs if write_aot else ():  # the cubins beside each module, for its first call on a GPU
         mine = [r for r in results if r.module == job.plan.module_name]
-        if mine and job.out_path.is_file() and job.out_path.read_text() == job.rendered.text:
+        if mine and job.out_path.is_file() and job.out_path.read_bytes() == job.rendered.text.encode():
             write_aot_folder(job.out_path, job.rendered.text, mine)
     return results, failures
 
@@ -317,7 +331,9 @@ def run_build(
             err(line)
         failed = bool(refused)
     if not no_compile:
-        _, failures = compile_jobs(jobs, target_list, workers or default_workers(), log)
+        # --check compiles too (a template change can break a compile) but writes nothing.
+        _, failures = compile_jobs(jobs, target_list, workers or default_workers(), log,
+                                   write_aot=not check)
         for line in failures:
             err(line)
         failed = failed or bool(failures)

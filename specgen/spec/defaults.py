@@ -35,7 +35,7 @@ DEFAULT_DECODE_TILE_N = 64
 @functools.lru_cache(maxsize=None)
 def table() -> tuple[dict, ...]:
     """The shipped entries, in file order."""
-    text = resources.files("specgen.spec").joinpath("default_configs.json").read_text()
+    text = resources.files("specgen.spec").joinpath("default_configs.json").read_text(encoding="utf-8")
     return tuple(json.loads(text)["entries"])
 
 

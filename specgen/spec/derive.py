@@ -16,6 +16,7 @@ slope of the branch they select (at a tie ``max(score, c)`` takes c's, 0).
 from __future__ import annotations
 
 import ast
+import math
 
 import sympy as sp
 
@@ -136,7 +137,8 @@ class _Printer:
         if isinstance(e, sp.Symbol):
             return "score" if e == _SCORE else f"({self.opaque[e]})"
         if e.is_Number:
-            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo):
+            # sympy keeps 1e320 finite; as a float (and in the kernel) it is inf.
+            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo) or not math.isfinite(float(e)):
                 raise ExprError("the derivative is not finite")
             return repr(float(e))
         if isinstance(e, sp.Add):

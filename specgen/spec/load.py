@@ -35,6 +35,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=False):
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # YAML 1.1's `<<`, gone from 1.2
+            raise yaml.constructor.ConstructorError(
+                None, None, "merge keys (<<) are not allowed in a spec; write the keys out",
+                key_node.start_mark)
     loader.flatten_mapping(node)
     seen = {}
     for key_node, _ in node.value:
@@ -72,11 +77,13 @@ _UniqueKeyLoader.add_constructor(
 # `no`, `on`, `off` and `y` stay strings, so `causal: on` is refused, not read as true.
 _INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
 _BOOL_TAG = "tag:yaml.org,2002:bool"
+# Dates are not 1.2 core either: `2001-12-14` stays a string.
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
 _UniqueKeyLoader.yaml_implicit_resolvers = {
     first: [
         (tag, regexp)
         for tag, regexp in resolvers
-        if tag not in (_INT_TAG, _FLOAT_TAG, _BOOL_TAG)
+        if tag not in (_INT_TAG, _FLOAT_TAG, _BOOL_TAG, _TIMESTAMP_TAG)
     ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
@@ -101,6 +108,39 @@ def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
 
 
 _UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
+
+_FLOAT_12 = re.compile(r"[-+]?(?:(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?)"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")
+
+
+def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
+    # An explicit !!float in 1.2's form only (1.1's base 60 `1:30` and `1_0` are gone).
+    text = loader.construct_scalar(node)
+    if not _FLOAT_12.fullmatch(text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a number", node.start_mark)
+    return loader.construct_yaml_float(node)
+
+
+def _construct_bool(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> bool:
+    # An explicit !!bool in 1.2's form only: true or false (not yes, on, y).
+    text = loader.construct_scalar(node)
+    if text not in ("true", "True", "TRUE", "false", "False", "FALSE"):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not true or false", node.start_mark)
+    return text.lower() == "true"
+
+
+def _refuse_tag(loader: _UniqueKeyLoader, node: yaml.Node):
+    raise yaml.constructor.ConstructorError(
+        None, None, f"the tag {node.tag.replace('tag:yaml.org,2002:', '!!')} is not allowed in a spec",
+        node.start_mark)
+
+
+_UniqueKeyLoader.add_constructor(_FLOAT_TAG, _construct_float)
+_UniqueKeyLoader.add_constructor(_BOOL_TAG, _construct_bool)
+for _tag in ("timestamp", "binary", "set", "omap", "pairs"):
+    _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
 
 
 def _show(value: Any) -> str:
@@ -272,7 +312,9 @@ def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
         raise SpecError(path, [("", f"invalid YAML: {where}{detail}")]) from None
     except RecursionError:
         raise SpecError(path, [("", "invalid YAML: nested too deeply")]) from None
-    except ValueError:  # an integer of more than sys.get_int_max_str_digits() digits
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        if "digits" not in str(exc):
+            raise SpecError(path, [("", f"invalid YAML: {exc}")]) from None
         raise SpecError(path, [("", "invalid YAML: a number too long to read (more than "
                                     f"{sys.get_int_max_str_digits()} digits)")]) from None
 

@@ -7,8 +7,8 @@ error formatting live in :mod:`specgen.spec.load`.
 
 from __future__ import annotations
 
+import ast
 import keyword
-import re
 import sys
 from contextvars import ContextVar
 from typing import Annotated, Literal, Optional, Union
@@ -46,8 +46,14 @@ _TARGETS_WRITTEN: ContextVar[bool] = ContextVar("targets_written", default=True)
 
 
 def _indexes(expression: str, tensor: str) -> bool:
-    """The hook expression subscripts the tensor (tensor[...])."""
-    return re.search(rf"\b{tensor}\s*\[", expression) is not None
+    """The hook expression subscripts the tensor (tensor[...]): read from its syntax
+    tree, so a comment or a string that names it does not count."""
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except (SyntaxError, ValueError):
+        return False  # the hook's own check reports it
+    return any(isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name)
+               and node.value.id == tensor for node in ast.walk(tree))
 
 
 class Spec(_Strict):
@@ -464,9 +470,9 @@ class Spec(_Strict):
                     (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]]
 
     def _tensor_problems(self) -> list[tuple[str, str]]:
-        used = " ".join(filter(None, (self.score_mod, self.mask_mod)))
+        hooks = [h for h in (self.score_mod, self.mask_mod) if h]
         return [(f"tensors.{name}", "declared but used by neither score_mod nor mask_mod")
-                for name in self.tensors if not _indexes(used, name)]
+                for name in self.tensors if not any(_indexes(h, name) for h in hooks)]
 
     def _block_sparse_problems(self) -> list[tuple[str, str]]:
         if not self.block_sparse:
@@ -581,6 +587,14 @@ class Spec(_Strict):
             elif self.deterministic:
                 problems.append((where, "true cannot be combined with deterministic: true (its "
                                         "gradient is accumulated with atomic adds)"))
+            else:
+                from specgen.spec.derive import tensor_derivatives
+                from specgen.spec.hooks import ExprError
+
+                try:
+                    tensor_derivatives(self.score_mod, [name])
+                except ExprError as exc:
+                    problems.append((where, f"true needs a score_mod with a derivative in {name}: {exc}"))
         if self.deterministic and not self.backward and self.family == "prefill":
             problems.append(("deterministic", "true needs backward: true"))
         return problems
@@ -625,7 +639,9 @@ class Spec(_Strict):
     @field_validator("kv_dtype")
     @classmethod
     def _kv_dtype(cls, value: Optional[str], info) -> Optional[str]:
-        dtype = info.data.get("dtype")
+        if "dtype" not in info.data:
+            return value  # dtype has its own error; nothing to compare with
+        dtype = info.data["dtype"]
         if value is not None and value not in (dtype, "float8_e4m3fn"):
             raise ValueError(f"must be null, {dtype} (the dtype) or float8_e4m3fn")
         return value
@@ -643,7 +659,7 @@ class Spec(_Strict):
     @field_validator("block_remap")
     @classmethod
     def _check_block_remap(cls, value: Optional[bool], info) -> Optional[bool]:
-        if value and not info.data.get("causal", False):
+        if value and info.data.get("causal") is False:  # (an invalid causal has its own error)
             raise ValueError(
                 "true needs causal: true (non-causal query tiles all do the same "
                 "work); use false or null"

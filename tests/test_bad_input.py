@@ -76,6 +76,63 @@ def test_yaml_1_2_booleans_read_as_booleans(word, value):
     assert parse_spec_text(f"causal: {word}\n") == {"causal": value}
 
 
+@pytest.mark.parametrize("text,expected", [
+    # Explicit tags read YAML 1.2 forms only; 1.1's merge keys, dates and other types are refused.
+    ("causal: !!bool yes", "invalid YAML: line 2, column 9: 'yes' is not true or false"),
+    ("softcap: !!float 1:30", "invalid YAML: line 2, column 10: '1:30' is not a number"),
+    ("softcap: !!float fifty", "invalid YAML: line 2, column 10: 'fifty' is not a number"),
+    ("softcap: !!float 1_0", "invalid YAML: line 2, column 10: '1_0' is not a number"),
+    ("<<: {causal: true}", "invalid YAML: line 2, column 1: merge keys (<<) are not allowed in a spec"),
+    ("softcap: 2001-12-14", 'softcap: must be a finite number, got "2001-12-14"'),
+    ("softcap: !!binary aGk=", "invalid YAML: line 2, column 10: the tag !!binary is not allowed in a spec"),
+    ("compile_for: !!set {sm_90}", "invalid YAML: line 2, column 14: the tag !!set is not allowed in a spec"),
+])
+def test_yaml_1_1_forms_behind_tags_are_refused(tmp_path, text, expected):
+    (line,) = _text_lines(tmp_path, f"name: a\n{text}\n")
+    assert line.startswith(expected), line
+
+
+def test_explicit_1_2_tags_still_read():
+    assert parse_spec_text("a: !!float 1e3\nb: !!bool false\nc: !!int 64\n") == {
+        "a": 1000.0, "b": False, "c": 64}
+
+
+@pytest.mark.parametrize("key", ["caus\\nal", "x\\nspecs/other.yaml: name: forged", "a\\u2028b"])
+def test_a_key_with_a_line_break_stays_on_one_line(tmp_path, key):
+    (line,) = _text_lines(tmp_path, f'name: a\n"{key}": true\n')
+    assert "unknown key" in line and "\n" not in line and "\u2028" not in line
+
+
+@pytest.mark.parametrize("text,expected", [
+    # a second, false line used to follow the first
+    ("dtype: fp8\nkv_dtype: float16", ["dtype: must be one of"]),
+    ("causal: yes\nblock_remap: true", ["causal: must be true or false"]),
+])
+def test_one_bad_field_gives_one_line(tmp_path, text, expected):
+    lines = _text_lines(tmp_path, f"name: a\n{text}\n")
+    assert len(lines) == len(expected) and all(l.startswith(e) for l, e in zip(lines, expected)), lines
+
+
+@pytest.mark.parametrize("score_mod", [
+    "score / 1e-320", "score * 1e200 * 1e200", "tanh(score) / 1e-300 / 1e-300"])
+def test_a_hook_whose_derivative_overflows_is_refused(tmp_path, score_mod):
+    (line,) = _text_lines(tmp_path, f'name: a\nbackward: true\nscore_mod: "{score_mod}"\n')
+    assert line.startswith("backward: true needs a score_mod with a derivative in score: "
+                           "the derivative is not finite"), line
+
+
+def test_a_learnable_tensor_whose_derivative_overflows_is_refused(tmp_path):
+    (line,) = _text_lines(tmp_path, "name: a\nbackward: true\nscore_mod: \"score + exp(slope[h] * 1e308 * 10)\"\n"
+                          "tensors: {slope: {dtype: float32, shape: [heads], learnable: true}}\n")
+    assert line == "tensors.slope.learnable: true needs a score_mod with a derivative in slope: the derivative is not finite"
+
+
+def test_a_tensor_named_only_in_a_hook_comment_is_unused(tmp_path):
+    lines = _text_lines(tmp_path, 'name: a\nscore_mod: "score  # slope[h]"\n'
+                                  "tensors: {slope: {dtype: float32, shape: [heads]}}\n")
+    assert lines == ["tensors.slope: declared but used by neither score_mod nor mask_mod"]
+
+
 def test_plain_integers_still_read_as_integers():
     assert parse_spec_text("a: 128\nb: -1\nc: +4\nd: 0\n") == {"a": 128, "b": -1, "c": 4, "d": 0}
 

@@ -157,6 +157,44 @@ def test_hand_edits_are_detected_and_refused_without_force(project):
     assert forced.returncode == 0 and module.read_text() != edited
 
 
+def test_module_bytes_are_checked_not_just_its_text(project):
+    """CRLF line ends are drift that build rewrites; undecodable bytes read as a hand
+    edit (one line, no traceback); a folder where a module goes stops the build before
+    any write."""
+    _keep(project, ("fmha_mha_bf16", "fmha_gqa_causal"))
+    specgen("build", "specs", "--no-compile", cwd=project)
+    module = project / "generated" / "fmha_mha_bf16.py"
+    fresh = module.read_bytes()
+    module.write_bytes(fresh.replace(b"\n", b"\r\n"))
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1 and "fmha_mha_bf16.py: CRLF line ends" in check.stderr
+    assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
+    assert module.read_bytes() == fresh
+
+    module.write_bytes(b"\xff\xfe\x00")
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1 and "fmha_mha_bf16.py: edited by hand" in check.stderr
+    refused = specgen("build", "specs", "--no-compile", cwd=project)
+    assert refused.returncode == 1 and "use --force" in refused.stderr
+
+    module.unlink()
+    (project / "generated" / "fmha_gqa_causal.py").unlink()
+    module.mkdir()
+    blocked = specgen("build", "specs", "--no-compile", cwd=project)
+    assert blocked.returncode == 2 and "fmha_mha_bf16.py: not a file" in blocked.stderr
+    assert not (project / "generated" / "fmha_gqa_causal.py").exists()  # nothing written
+
+
+def test_a_spec_file_name_with_a_line_break_is_refused(project):
+    _keep(project, ("fmha_mha_bf16",))
+    spec = project / "specs" / "fmha_mha_bf16.yaml"
+    spec.rename(project / "specs" / "x\nprint('ran')\n#.yaml")
+    result = specgen("build", "specs", "--no-compile", cwd=project)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "a spec path with a control character" in result.stderr
+    assert not (project / "generated").exists()
+
+
 def test_out_dir_and_header_path_are_project_relative(project):
     result = specgen("build", project / "specs" / "fmha_mha_bf16.yaml", "--out",
                      project / "gen", "--no-compile", cwd=ROOT)

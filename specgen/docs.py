@@ -233,18 +233,8 @@ DESCRIPTIONS: dict[str, str] = {
 # The key each map of the model is written with.
 PLACEHOLDERS = {"tensors": "<name>", "targets": "<target>", "autotune": "<target>"}
 
-# Top-level fields that belong to one family: a spec of the other family that sets
-# one (to anything but its default) is refused. tests/test_docs.py checks each entry
-# against the validator.
-FAMILY_ONLY = {
-    "kv_dtype": "decode", "max_q_len": "decode", "paged": "decode", "splits": "decode",
-    "pdl": "decode",
-    "out_dtype": "prefill", "v_head_dim": "prefill", "softcap": "prefill",
-    "score_mod": "prefill",
-    "skip_masked_tiles": "prefill", "dropout": "prefill", "varlen": "prefill",
-    "return_lse": "prefill", "loop_split": "prefill", "block_remap": "prefill",
-    "prescale_q": "prefill", "q_subtiles": "prefill", "qk_ahead": "prefill", "backward": "prefill",
-}
+# Top-level fields that belong to one family, as the validator reads them.
+from specgen.spec.model import FAMILY_ONLY  # noqa: E402
 
 # A paragraph under a section's heading, where the fields alone do not explain it.
 SECTION_TEXT = {
@@ -656,8 +646,9 @@ SHAPE_LABELS = {"batch": "B", "heads_q": "Hq", "heads_kv": "Hkv", "seq_q": "Sq",
 DECODE_LABELS = dict(SHAPE_LABELS, seq_k="L", seq_q="q_len")
 
 PERFORMANCE_INTRO = """\
-Every figure on this page is read from the JSON that `specgen bench` wrote under
-[`bench/results/`](../bench/results/); none is typed in by hand. Each run's table is
+Every figure in this page's tables is read from the JSON that `specgen bench` wrote
+under [`bench/results/`](../bench/results/); none is typed in by hand (the † note
+below quotes the experiment log). Each run's table is
 one bench call, in which the kernel and every baseline ran in one process on the
 same inputs, so a ratio always compares timings of one call. Between calls on a
 shared machine, a few percent is noise (see "Noise" in the
@@ -677,11 +668,12 @@ backends, FlexAttention is torch's `flex_attention`, compiled with static shapes
 † A Flex ratio marked † comes from a run that compiled Flex with torch.compile's
 default, which recompiles it for dynamic shapes once a second length is seen: a
 kernel up to 1.5× slower than the static one (packed documents at S=2048: 85
-against 132 TFLOPS on the H200). Such a ratio can overstate specgen's lead; the
+against 132 TFLOPS on the H200; experiments, section 36). Such a ratio can overstate specgen's lead; the
 unmarked ones are against the static kernel. In the decode suite those runs also
 called Flex without a block mask, which on an H100 ran up to 18× slower than with
 one that marks every block full (B1 L8192: 284 against 22 µs; B1 L32768: 1101
-against 60 µs; B64 L4096: about the same): their Flex ratios are not Flex's speed.
+against 60 µs; B64 L4096: about the same; experiments, section 37): their Flex
+ratios are not Flex's speed.
 """
 
 DYNAMIC_MARK = "†"
@@ -822,10 +814,13 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     # The bench's own second table (specgen.bench.prefill.graph_table): rows that carry
     # one-call CUDA-graph times get TFLOPS and ratios from those too.
-    from specgen.bench.core import BenchResult
-    from specgen.bench.prefill import graph_table
+    # And, for a block-sparse spec, the bench's table of the block map's build.
+    from specgen.bench.core import BenchResult, block_map_table
+    from specgen.bench.prefill import REPORT, graph_table
 
-    return lines + graph_table(BenchResult.model_validate(data)) + ["", _files_line(path, link_base), ""]
+    result = BenchResult.model_validate(data)
+    return (lines + graph_table(result) + block_map_table(result, REPORT)
+            + ["", _files_line(path, link_base), ""])
 
 
 def _decode_ratio(row: dict, name: str) -> float | None:
@@ -877,7 +872,10 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
             t = row["timings"].get(name)
             cells.append(f"{t['ms_one_call'] * 1000:.1f}" if t and t.get("ms_one_call") else _cell_error(t))
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + ["", _files_line(path, link_base), ""]
+    from specgen.bench.core import BenchResult, block_map_table
+    from specgen.bench.decode import REPORT
+
+    return lines + block_map_table(BenchResult.model_validate(data), REPORT) + ["", _files_line(path, link_base), ""]
 
 
 SHORT_LABELS = {"cudnn": "cuDNN", "flash": "FA2", "flex": "Flex", "fa3": "FA3", "tilegym": "TileGym"}

@@ -5,7 +5,7 @@ top level holds nothing but the template's own statements; a sample compiles for
 sm_90. Random invalid specs (one fault each, or hostile YAML) get one error line
 naming the file, exit 2, no traceback and no file written.
 
-Examples per test: 500 by default, SPECGEN_FUZZ_EXAMPLES to change (CI keeps 500);
+Examples per test: 30 by default, SPECGEN_FUZZ_EXAMPLES to change;
 the sm_90 compile sample: SPECGEN_FUZZ_COMPILE (default 4).
 """
 

@@ -397,11 +397,11 @@ def format_markdown(result: BenchResult, report: Optional[Report] = None) -> str
         keys = [value(row) for _, value in report.keys]
         lines.append("| " + " | ".join(keys + cells + ratios + [pct]) + " |")
     lines += report.more(result)
-    lines += _block_map_table(result, report)
+    lines += block_map_table(result, report)
     return "\n".join(lines) + "\n"
 
 
-def _block_map_table(result: BenchResult, report: Report) -> list[str]:
+def block_map_table(result: BenchResult, report: Report) -> list[str]:
     """For a block-sparse spec: each row's block map build (timed apart: built once
     and reused, it is not in the times above), its share of one specgen call, and
     the share of the tiles the kernel visits."""

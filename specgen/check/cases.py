@@ -14,7 +14,7 @@ TOLERANCES = {
     "bfloat16": 1e-2,
     # float8 kernels round P to e4m3 (3 mantissa bits) for the P @ V MMA, as
     # FlashAttention-3 does. A float64 reference that differs from the exact one only
-    # by that rounding reached 3.4e-2 on the 200 seed-1 fuzz shapes (bench/NOTES.md
+    # by that rounding reached 3.4e-2 on the 200 seed-1 fuzz shapes (docs/experiments.md,
     # section 20); the kernel's own worst there was 3.3e-2.
     "float8_e4m3fn": 5e-2,
 }

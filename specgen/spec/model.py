@@ -56,6 +56,19 @@ def _indexes(expression: str, tensor: str) -> bool:
                and node.value.id == tensor for node in ast.walk(tree))
 
 
+# Top-level fields that belong to one family: a spec of the other family that sets
+# one (to anything but its default) is refused. The spec reference's family column
+# is made from this table.
+FAMILY_ONLY = {
+    **dict.fromkeys(("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed"),
+                    "decode"),
+    **dict.fromkeys(("v_head_dim", "out_dtype", "softcap", "score_mod", "skip_masked_tiles",
+                     "dropout", "varlen", "return_lse", "block_remap", "loop_split",
+                     "prescale_q", "q_subtiles", "qk_ahead", "pack_gqa", "backward",
+                     "deterministic", "context_parallel"), "prefill"),
+}
+
+
 class Spec(_Strict):
     """An attention kernel: what it computes and how it is built, per GPU target."""
 
@@ -406,12 +419,9 @@ class Spec(_Strict):
 
     def _family_problems(self) -> list[tuple[str, str]]:
         """Each family takes only its own fields (a field another family owns is an error)."""
-        decode_only = ("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed")
-        prefill_only = ("v_head_dim", "out_dtype", "softcap", "score_mod",
-                        "skip_masked_tiles", "dropout", "varlen", "return_lse", "block_remap",
-                        "loop_split", "prescale_q", "q_subtiles", "qk_ahead", "pack_gqa", "backward",
-                        "deterministic",
-                        "context_parallel")
+        decode_only = [n for n, family in FAMILY_ONLY.items() if family == "decode"]
+        prefill_only = [n for n, family in FAMILY_ONLY.items() if family == "prefill"]
+
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default

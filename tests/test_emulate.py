@@ -812,3 +812,17 @@ def test_two_specs_of_one_name_keep_their_own_ops():
             out = module.attention(q, k, v)
             ref, _ = reference_for(module.SPEC, q.double(), k.double(), v.double(), {})
             assert (out.double() - ref).abs().max() < 0.03, module.SPEC["causal"]
+
+
+@pytest.mark.parametrize("lengths", [((20, 30), (0, 70)), ((0, 10), (5, 0)), ((3, 3), (0, 5))],
+                         ids=["no-queries-last", "no-keys-last", "no-queries-short"])
+def test_varlen_sequences_without_queries_or_keys_at_the_end(lengths):
+    """A last sequence with no queries (or no keys) starts at the end of the packed
+    array: its views are taken from a start inside the array, as cuTile requires
+    (the emulator raises otherwise), and its gradients are zero."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "specs" / "fmha_varlen_llama.yaml").read_text(encoding="utf-8"))
+    module = _emulated({**data, "backward": True}, "varlen_edges")
+    row = _run(module, Case(2, 2, 0, 0, lengths=lengths))
+    assert row["ok"] and "grad_ratio" in row, case_verdict(row)

@@ -157,8 +157,11 @@ def attention_reference(
         sink = sinks.to(compute_dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         scores = torch.cat([scores, sink], dim=-1)
     # Row max over visible keys (and the sink); 0 for a row that sees nothing.
-    top = scores.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    if scores.shape[-1] == 0:  # a sequence without keys (packed batches)
+        top = scores.new_zeros((*scores.shape[:-1], 1))
+    else:
+        top = scores.amax(dim=-1, keepdim=True)
+        top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     weights = torch.exp(scores - top)
     norm = weights.sum(dim=-1, keepdim=True)
     if sinks is not None:

@@ -661,6 +661,9 @@ shared machine, a few percent is noise (see "Noise" in the
   ratio is baseline time / specgen time: above 1, specgen is faster.
 - **decode:** µs per call in steady state (many calls replayed in one CUDA graph,
   reading the KV cache from HBM), with the KV bytes read per second.
+- **block-sparse specs:** two more columns give the block map's build (built once per
+  batch, at decode per step, and reused by every call, so timed apart: µs and its
+  share of one specgen call) and the share of all tiles the kernel visits.
 - A baseline that cannot compute a spec reads `n/a` with its reason; the layout line
   of a run says what its inputs were, and whether a baseline ran on other inputs.
 
@@ -796,6 +799,7 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         varying, shape_head = ["seq_q"], ["S"]
     else:
         shape_head = [SHAPE_LABELS[k] for k in varying]
+    map_head, map_cells = _map_columns(rows)
     lines = [
         f"#### `{data['spec']}`, {data['suite']}",
         "",
@@ -803,8 +807,8 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         f"Dense fp16 matmul {data['matmul_tflops']:.0f} TFLOPS in the same run. {_run_meta(data)}.",
         "",
         "| " + " | ".join(shape_head + [f"{_label(n)} TFLOPS (ms)" for n in ["specgen", *baselines]]
-                         + [f"vs {_label(n)}" for n in baselines] + ["specgen % of matmul"]) + " |",
-        "|" + "---:|" * (len(shape_head) + 2 * len(baselines) + 2),
+                         + [f"vs {_label(n)}" for n in baselines] + ["specgen % of matmul"] + map_head) + " |",
+        "|" + "---:|" * (len(shape_head) + 2 * len(baselines) + 2 + len(map_head)),
     ]
     for row in rows:
         cells = [str(row[k]) for k in varying]
@@ -814,16 +818,32 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         cells += [_ratio_cell(row, n, row.get("speedup", {}).get(n)) for n in baselines]
         pct = row["timings"]["specgen"].get("pct_of_matmul")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + map_cells(row)) + " |")
     # The bench's own second table (specgen.bench.prefill.graph_table): rows that carry
     # one-call CUDA-graph times get TFLOPS and ratios from those too.
-    # And, for a block-sparse spec, the bench's table of the block map's build.
-    from specgen.bench.core import BenchResult, block_map_table
-    from specgen.bench.prefill import REPORT, graph_table
+    from specgen.bench.core import BenchResult
+    from specgen.bench.prefill import graph_table
 
-    result = BenchResult.model_validate(data)
-    return (lines + graph_table(result) + block_map_table(result, REPORT)
-            + ["", _files_line(path, link_base), ""])
+    return lines + graph_table(BenchResult.model_validate(data)) + ["", _files_line(path, link_base), ""]
+
+
+def _map_columns(rows: list[dict]) -> tuple[list[str], Any]:
+    """For a block-sparse run: two more columns (the block map's build, µs and share of
+    one specgen call; the share of all tiles visited) and a function giving a row's
+    cells; for a dense run, none."""
+    if not any(r["timings"]["specgen"].get("block_map_ms") is not None for r in rows):
+        return [], lambda row: []
+
+    def cells(row):
+        t = row["timings"]["specgen"]
+        if t.get("block_map_ms") is None:
+            return ["–", "–"]
+        share = f" ({100 * t['block_map_ms'] / t['ms']:.1f}%)" if t.get("ms") else ""
+        visited = t.get("tiles_visited")
+        return [f"{1000 * t['block_map_ms']:.1f}{share}",
+                f"{100 * visited:.1f}%" if visited is not None else "–"]
+
+    return ["map build µs (of a call)", "tiles visited"], cells
 
 
 def _decode_ratio(row: dict, name: str) -> float | None:
@@ -838,6 +858,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     varying, constant = _split_shape(rows, SHAPE_KEYS["decode"])
     head = [DECODE_LABELS[k] for k in varying] + ["splits"]
     names = ["specgen", *baselines]
+    map_head, map_cells = _map_columns(rows)
     lines = [
         f"#### `{data['spec']}`, decode",
         "",
@@ -845,8 +866,8 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         f"{data.get('layout', '')}. Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run. {_run_meta(data)}.",
         "",
         "| " + " | ".join(head + [f"{_label(n)} µs (TB/s)" for n in names]
-                         + ["specgen % of copy"] + [f"vs {_label(n)}" for n in baselines]) + " |",
-        "|" + "---:|" * (len(head) + len(names) + 1 + len(baselines)),
+                         + ["specgen % of copy"] + [f"vs {_label(n)}" for n in baselines] + map_head) + " |",
+        "|" + "---:|" * (len(head) + len(names) + 1 + len(baselines) + len(map_head)),
     ]
 
     def shape(row):
@@ -861,7 +882,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         pct = row["timings"]["specgen"].get("pct_of_copy")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         cells += [_ratio_cell(row, n, _decode_ratio(row, n)) for n in baselines]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + map_cells(row)) + " |")
     lines += [
         "",
         "One call per graph replay (each figure carries the graph's launch floor):",
@@ -875,10 +896,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
             t = row["timings"].get(name)
             cells.append(f"{t['ms_one_call'] * 1000:.1f}" if t and t.get("ms_one_call") else _cell_error(t))
         lines.append("| " + " | ".join(cells) + " |")
-    from specgen.bench.core import BenchResult, block_map_table
-    from specgen.bench.decode import REPORT
-
-    return lines + block_map_table(BenchResult.model_validate(data), REPORT) + ["", _files_line(path, link_base), ""]
+    return lines + ["", _files_line(path, link_base), ""]
 
 
 SHORT_LABELS = {"cudnn": "cuDNN", "flash": "FA2", "flex": "Flex", "fa3": "FA3", "tilegym": "TileGym"}

@@ -165,10 +165,13 @@ def test_performance_reads_every_schema_version(tmp_path):
     h200 = ROOT / "bench" / "results" / "h200"
     folder = tmp_path / "results" / "gpu"
     folder.mkdir(parents=True)
-    current = json.loads((h200 / "fa3" / "fmha_gqa8_bf16-prefill.json").read_text())
+    from specgen.bench.core import find_result, read_result_text
+
+    current = json.loads(read_result_text(find_result(h200 / "fa3" / "fmha_gqa8_bf16-prefill")))
     assert current["schema"] == 3 and "fa3" in current["baselines"]
-    shutil.copy(h200 / "fa3" / "fmha_gqa8_bf16-prefill.json", folder / "a-prefill.json")
-    shutil.copy(h200 / "fmha_gqa8_bf16-prefill.json", folder / "b-prefill.json")  # schema_version 1
+    (folder / "a-prefill.json").write_text(json.dumps(current))
+    (folder / "b-prefill.json").write_text(  # schema_version 1
+        read_result_text(find_result(h200 / "fmha_gqa8_bf16-prefill")))
     shutil.copy(h200 / "fmha_decode_gqa4_bf16-decode.json", folder / "c-decode.json")  # version 2
     page = performance_markdown(tmp_path / "results")
     assert page.count("#### `fmha_gqa8_bf16`, prefill") == 2
@@ -193,15 +196,15 @@ def test_performance_reads_gzipped_bench_results(tmp_path):
     h200 = ROOT / "bench" / "results" / "h200"
     folder = tmp_path / "results" / "gpu"
     folder.mkdir(parents=True)
-    source = h200 / "fmha_chunked_local-prefill.json"
-    (folder / "a-prefill.json.gz").write_bytes(gzip.compress(source.read_bytes()))
+    source = h200 / "fmha_chunked_local-prefill.json.gz"
+    (folder / "a-prefill.json.gz").write_bytes(gzip.compress(gzip.decompress(source.read_bytes())))
     (folder / "a-prefill.md").write_text("| the bench's own table |\n")
-    shutil.copy(source.with_suffix(".png"), folder / "a-prefill.png")
+    shutil.copy(h200 / "fmha_chunked_local-prefill.png", folder / "a-prefill.png")
     page = performance_markdown(tmp_path / "results")
     assert "#### `fmha_chunked_local`, prefill" in page
     assert "[JSON](" in page and "a-prefill.json.gz)" in page and "a-prefill.png)" in page
     assert "a-prefill.md" not in page  # the page holds that table itself
-    shutil.copy(source, folder / "a-prefill.json")
+    (folder / "a-prefill.json").write_bytes(gzip.decompress(source.read_bytes()))
     with pytest.raises(DocsError, match="kept twice"):
         performance_markdown(tmp_path / "results")
 
@@ -215,7 +218,9 @@ def test_flex_ratios_of_dynamic_shape_runs_are_marked(tmp_path):
     from specgen.bench.baselines import FLEX_STATIC
     from specgen.docs import DYNAMIC_MARK, performance_markdown
 
-    source = json.loads((ROOT / "bench" / "results" / "h200" / "fmha_chunked_local-prefill.json").read_text())
+    from specgen.bench.core import read_result_text
+
+    source = json.loads(read_result_text(ROOT / "bench" / "results" / "h200" / "fmha_chunked_local-prefill.json.gz"))
     assert all(r["timings"]["flex"]["note"] == FLEX_STATIC for r in source["rows"])
     folder = tmp_path / "results" / "gpu"
     folder.mkdir(parents=True)
@@ -335,7 +340,9 @@ def test_a_broken_results_file_is_one_error_naming_it(tmp_path, name, content, w
     from specgen.bench.core import ResultError, load_result
     from specgen.docs import DocsError, performance_markdown
 
-    good = json.loads((ROOT / "bench" / "results" / "h200" / "fa3" / "fmha_gqa8_bf16-prefill.json").read_text())
+    from specgen.bench.core import read_result_text
+
+    good = json.loads(read_result_text(ROOT / "bench" / "results" / "h200" / "fa3" / "fmha_gqa8_bf16-prefill.json.gz"))
     folder = tmp_path / "results" / "gpu"
     folder.mkdir(parents=True)
     if isinstance(content, str):

@@ -192,6 +192,12 @@ ONE_LINE = [
     ({"score_mod": "score + q_idx // (0 * kv_idx)"},
      "score_mod: '//' by zero is undefined, got q_idx // (0 * kv_idx)"),
     ({"score_mod": "score / -(1.5 - 0.5 * 3)"}, "score_mod: '/' by zero is undefined"),
+    # ... or zero on every branch, or of two integer constants
+    ({"score_mod": "score / abs(0)"}, "score_mod: '/' by zero is undefined, got score / abs(0)"),
+    ({"score_mod": "score / min(0, -0.0)"}, "score_mod: '/' by zero is undefined"),
+    ({"score_mod": "score / where(q_idx > 0, 0, 0.0)"}, "score_mod: '/' by zero is undefined"),
+    ({"score_mod": "score / (0 if q_idx > 0 else 0)"}, "score_mod: '/' by zero is undefined"),
+    ({"score_mod": "score / (1 // 2)"}, "score_mod: '/' by zero is undefined"),
     # a bad tensor is the only line, not also the hooks that use it
     ({"tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}},
       "score_mod": "score - Slope[h]"},
@@ -235,6 +241,9 @@ def test_one_line_in_the_projects_words(overrides, expected):
     "score / (q_idx - kv_idx + 1)",  # zero at some positions only: the hook's business
     "score + q_idx // (h - 2 * h + 3 * h + 1)",
     "score / (2 * h + 0.5 - 2 * h + 0.5)",
+    "score / (0.1 + 0.2 - 0.3)",  # not zero in floats (5.6e-17)
+    "score / where(q_idx > 0, 0, 1)",
+    "score + -2147483648",  # int32's minimum
 ])
 def test_a_divisor_that_is_not_always_zero_is_allowed(hook):
     assert validate_spec({"name": "ok", "score_mod": hook}).score_mod is not None

@@ -185,6 +185,15 @@ def test_module_bytes_are_checked_not_just_its_text(project):
     assert not (project / "generated" / "fmha_gqa_causal.py").exists()  # nothing written
 
 
+def test_check_reports_a_module_whose_spec_is_gone(project):
+    _keep(project, ("fmha_mha_bf16", "fmha_alibi"))
+    specgen("build", "specs", "--no-compile", cwd=project)
+    (project / "specs" / "fmha_alibi.yaml").unlink()
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1
+    assert "generated/fmha_alibi.py: its spec specs/fmha_alibi.yaml is gone" in check.stderr
+
+
 def test_a_spec_file_name_with_a_line_break_is_refused(project):
     _keep(project, ("fmha_mha_bf16",))
     spec = project / "specs" / "fmha_mha_bf16.yaml"

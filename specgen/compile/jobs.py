@@ -42,6 +42,8 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
                             and (p.is_file() or p.is_symlink()))
         elif path.is_file():
             found.append(path)
+        elif path.exists():
+            raise UsageError(f"{raw}: not a spec file or a folder of specs")
         else:
             raise UsageError(f"{raw}: no such spec file or directory")
     if not found:
@@ -164,6 +166,16 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
             problems.append(f"{job.out_path}: edited by hand (its content no longer matches its header's hash)")
         else:
             problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates")
+    # Modules whose spec is gone (deleted or renamed): left behind, they still import.
+    built = {job.out_path.resolve() for job in jobs}
+    project = out_dir.resolve().parent
+    for path in sorted(out_dir.glob("*.py")) if out_dir.is_dir() else ():
+        if path.name == "__init__.py" or path.resolve() in built or not path.is_file():
+            continue
+        match = HEADER_RE.match(module_text(path))
+        if match and not (project / match["spec_path"]).exists():
+            problems.append(f"{path}: its spec {match['spec_path']} is gone (delete the module, "
+                            "or restore the spec)")
     return problems
 
 

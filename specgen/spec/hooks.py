@@ -94,6 +94,21 @@ def _is_zero(node: ast.AST) -> bool:
     if isinstance(node, ast.Constant):
         return (not isinstance(node.value, bool) and isinstance(node.value, (int, float))
                 and node.value == 0)
+    # Zero on every branch: abs(0), min(0, 0), where(c, 0, 0.0), 0 if c else 0.
+    if isinstance(node, ast.IfExp):
+        return _is_zero(node.body) and _is_zero(node.orelse)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+        name, args = node.func.id, node.args
+        if name in ("abs", "min", "max"):
+            return all(_is_zero(a) for a in args)
+        if name == "where" and len(args) == 3:
+            return _is_zero(args[1]) and _is_zero(args[2])
+    # Two integer constants: 1 // 2 and 4 % 2 are zero.
+    if (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.FloorDiv, ast.Mod))
+            and all(isinstance(n, ast.Constant) and type(n.value) is int and n.value
+                    for n in (node.left, node.right))):
+        a, b = node.left.value, node.right.value
+        return (a // b if isinstance(node.op, ast.FloorDiv) else a % b) == 0
     if not isinstance(node, ast.BinOp):
         return False  # a name, a tensor element or a call: not zero by its form
     import sympy as sp  # only for a compound divisor, so plain specs do not pay the import
@@ -102,7 +117,8 @@ def _is_zero(node: ast.AST) -> bool:
 
     def convert(item: ast.AST):
         if isinstance(item, ast.Constant) and type(item.value) in (int, float):
-            return sp.nsimplify(item.value)
+            # The float's exact binary value: 0.1 + 0.2 - 0.3 is not zero in floats.
+            return sp.Rational(item.value)
         if isinstance(item, ast.UnaryOp) and isinstance(item.op, (ast.USub, ast.UAdd)):
             operand = convert(item.operand)
             return -operand if isinstance(item.op, ast.USub) else operand
@@ -213,6 +229,9 @@ class _Compiler:
         return f"ct.astype({text}, ct.float32)"
 
     def _UnaryOp(self, node):
+        if (isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant)
+                and type(node.operand.value) is int and node.operand.value == 2**31):
+            return f"(-{2**31})", "int"  # int32's minimum, whose magnitude alone does not fit
         operand, kind = self.compile(node.operand)
         if isinstance(node.op, (ast.Not, ast.Invert)):
             if kind != "bool":

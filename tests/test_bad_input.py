@@ -86,6 +86,9 @@ def test_yaml_1_2_booleans_read_as_booleans(word, value):
     ("softcap: 2001-12-14", 'softcap: must be a finite number, got "2001-12-14"'),
     ("softcap: !!binary aGk=", "invalid YAML: line 2, column 10: the tag !!binary is not allowed in a spec"),
     ("compile_for: !!set {sm_90}", "invalid YAML: line 2, column 14: the tag !!set is not allowed in a spec"),
+    # keys are names: 1 and true (equal in Python) used to be one duplicate key
+    ("1: x", "invalid YAML: line 2, column 1: a mapping key must be a name, got '1'"),
+    ("fast_math: {true: 1}", "invalid YAML: line 2, column 13: a mapping key must be a name, got 'true'"),
 ])
 def test_yaml_1_1_forms_behind_tags_are_refused(tmp_path, text, expected):
     (line,) = _text_lines(tmp_path, f"name: a\n{text}\n")

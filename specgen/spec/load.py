@@ -52,6 +52,10 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=Fa
                 key_node.start_mark,
             )
         key = loader.construct_object(key_node, deep=deep)
+        if not isinstance(key, str):  # 1, true, null: a spec's keys are all names
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a mapping key must be a name, got {key_node.value or 'null'!r} "
+                "(quote it if it is one)", key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None,

@@ -129,6 +129,30 @@ def test_contiguous_decode_cache_must_hold_the_batch(refused):
     refused(lambda: mod.attention(q, k_cache[:1], v_cache[:1], seq_lens), "the caches must hold q's batch of 2 sequences")
 
 
+def test_decode_caches_must_hold_a_page_or_the_query(refused):
+    paged = _module("fmha_decode_paged_mtp")
+    batch = random_decode(paged.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens, page_table = batch.args()[:5]
+    refused(lambda: paged.attention(q, k_cache[:0], v_cache[:0], seq_lens, page_table),
+            "the caches must hold at least one page, got 0")
+    flat = _module("fmha_decode_gqa8_bf16")
+    batch = random_decode(flat.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens = batch.args()[:4]
+    refused(lambda: flat.attention(q, k_cache[:, :0], v_cache[:, :0], seq_lens),
+            "the caches must hold at least q_len = 1 positions per sequence")
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_decode_refuses_inputs_that_require_grad(refused, which):
+    """Decode has no backward: a q or cache that requires grad would get an output
+    without a gradient (the kernel writes out outside autograd)."""
+    mod = _module("fmha_decode_gqa8_bf16")
+    batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    args = list(batch.args()[:4])
+    args[which] = args[which].clone().requires_grad_()
+    refused(lambda: mod.attention(*args), "an input requires grad, but decode has no backward")
+
+
 def test_paged_decode_page_table_needs_a_column(refused, launches):
     mod = _module("fmha_decode_paged_mtp")
     batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")

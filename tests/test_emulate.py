@@ -619,6 +619,10 @@ def test_float8_prefill_descales_are_made_once_and_applied():
     assert mixed.tolist() == [0.5, 1.0, 2.0] and mixed is not first
     with pytest.raises(ValueError, match="k_descale must be a positive float"):
         module._descales(device, q_descale=1.0, k_descale=-1.0, v_descale=1.0)
+    # 0 and inf in float32: NaN out, or a RuntimeError from the fill
+    for bad in (1e-50, 1e39):
+        with pytest.raises(ValueError, match="q_descale must be a positive float in float32's normal range"):
+            module._descales(device, q_descale=bad, k_descale=1.0, v_descale=1.0)
     with pytest.raises(ValueError, match="v_descale must be a positive float or a one-element float tensor on"):
         module._descales(device, q_descale=1.0, k_descale=1.0, v_descale=torch.ones(2))
     with emulate.emulating():
@@ -826,3 +830,24 @@ def test_varlen_sequences_without_queries_or_keys_at_the_end(lengths):
     module = _emulated({**data, "backward": True}, "varlen_edges")
     row = _run(module, Case(2, 2, 0, 0, lengths=lengths))
     assert row["ok"] and "grad_ratio" in row, case_verdict(row)
+
+
+def test_a_head_without_a_sink_and_a_row_without_keys_give_zeros_not_nan():
+    """sinks = -inf (a head without a sink) on rows that see no key: zeros and lse
+    -inf as the fp64 reference gives, finite gradients (there was 0/0 in the tail)."""
+    module = _module("fmha_train_gptoss_sinks")
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d = 2 * module.SPEC["gqa_ratio"], 2, module.SPEC["head_dim"]
+    q = torch.randn(1, hq, 70, d, generator=g).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, hkv, 30, d, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    sinks = torch.randn(hq, generator=g)
+    sinks[::2] = -math.inf
+    sinks.requires_grad_()
+    with emulate.emulating():
+        out, lse = module.attention(q, k, v, q_offset=-40, sinks=sinks)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v, sinks))
+    ref, ref_lse = reference_for(module.SPEC, q.detach().double(), k.detach().double(),
+                                 v.detach().double(), {"sinks": sinks.detach().double()}, q_offset=-40)
+    assert (out.double() - ref).abs().max() < 0.02
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    assert all(torch.isfinite(g_).all() for g_ in grads)

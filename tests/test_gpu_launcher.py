@@ -130,9 +130,9 @@ def test_prefill_feature_argument_checks(monkeypatch):
     r, d = fp8.GROUP_SIZE, fp8.HEAD_DIM
     q8 = torch.zeros(1, r, 8, d, device="cuda").to(torch.float8_e4m3fn)
     k8 = torch.zeros(1, 1, 8, d, device="cuda").to(torch.float8_e4m3fn)
-    for kwargs, message in (({"q_descale": -1.0}, "q_descale must be a positive float or a one-element float tensor, got -1.0"),
+    for kwargs, message in (({"q_descale": -1.0}, "q_descale must be a positive float in float32's normal range or a one-element float tensor, got -1.0"),
                             ({"k_descale": torch.ones(2, device="cuda")}, "k_descale must be a positive float or a one-element float tensor on"),
-                            ({"v_descale": "1"}, "v_descale must be a positive float or a one-element float tensor, got '1'")):
+                            ({"v_descale": "1"}, "v_descale must be a positive float in float32's normal range or a one-element float tensor, got '1'")):
         with pytest.raises(ValueError) as info:
             fp8.attention(q8, k8, k8, **kwargs)
         assert message in str(info.value)

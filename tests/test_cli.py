@@ -150,7 +150,7 @@ def test_hand_edits_are_detected_and_refused_without_force(project):
     assert check.returncode == 1 and "fmha_gqa_causal.py: edited by hand" in check.stderr
 
     refused = specgen("build", "specs", "--no-compile", cwd=project)
-    assert refused.returncode == 1 and "use --force" in refused.stderr
+    assert refused.returncode == 1 and "specgen build --force replaces it" in refused.stderr
     assert module.read_text() == edited
 
     forced = specgen("build", "specs", "--no-compile", "--force", cwd=project)
@@ -175,7 +175,7 @@ def test_module_bytes_are_checked_not_just_its_text(project):
     check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
     assert check.returncode == 1 and "fmha_mha_bf16.py: edited by hand" in check.stderr
     refused = specgen("build", "specs", "--no-compile", cwd=project)
-    assert refused.returncode == 1 and "use --force" in refused.stderr
+    assert refused.returncode == 1 and "specgen build --force replaces it" in refused.stderr
 
     module.unlink()
     (project / "generated" / "fmha_gqa_causal.py").unlink()

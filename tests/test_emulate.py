@@ -469,7 +469,7 @@ def test_an_emulated_fuzz_failure_prints_an_emulated_replay(tmp_path, monkeypatc
                            seed=3, fuzz=2, emulate=True)
     out, err = capsys.readouterr()
     assert code == 1
-    assert "--fuzz-case 3:0 --emulate" in out and "replay: --fuzz-case 3:1 --emulate" in err
+    assert "--fuzz-case=3:0 --emulate" in out and "replay: --fuzz-case=3:1 --emulate" in err
 
 
 def _gpu_variants() -> dict:

@@ -48,7 +48,7 @@ def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
      "invalid YAML: line 4, column 3: duplicate key 'a'"),
     # an assignment's error names the file and the variant, not --set
     ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [nokey]\n",
-     "v.yaml: variant 'x': expected key.path=value, got 'nokey'"),
+     "v.yaml: variant 'x': expected key.path=value (names joined by dots), got 'nokey'"),
     # what would be timed on another call than the first variant's
     ("spec: specs/fmha_decode_gqa8_bf16.yaml\nvariants:\n  x: []\n",
      "variant 'x': bench --variants times dense prefill calls; a decode spec"),

@@ -100,7 +100,10 @@ def test_fuzz_cases_are_valid_replayable_and_varied():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--fuzz", "-1"], "--fuzz: expected a count in [0, 100000], got -1"),
+    (["--fuzz", "-1"], "--fuzz: expected a count in [1, 100000], got -1"),
+    (["--fuzz", "0"], "--fuzz: expected a count in [1, 100000], got 0"),
+    (["--fuzz-case", "²:0"], "--fuzz-case: expected SEED:I"),
+    (["--fuzz-case", "1:³"], "--fuzz-case: expected SEED:I"),
     (["--fuzz-case", "7"], "--fuzz-case: expected SEED:I as a fuzz failure prints it, got '7'"),
     (["--fuzz-case", "a:b"], "--fuzz-case: expected SEED:I"),
     (["--fuzz", "8", "-j", "0"], "--jobs: expected a worker count in [1, 64], got 0"),

@@ -160,13 +160,23 @@ def upgrade(data: dict) -> dict:
     return data
 
 
+# A bench result is a few KB (the largest committed about 10 KB); a cap well above that.
+MAX_RESULT_BYTES = 64 << 20
+
+
 def read_result_text(path: Path) -> str:
     """A result file's text: <stem>.json, or <stem>.json.gz (committed results may be
     kept gzipped to keep the checkout small)."""
     path = Path(path)
     if path.name.endswith(".gz"):
-        return gzip.decompress(path.read_bytes()).decode()
-    return path.read_text(encoding="utf-8")
+        with gzip.open(path, "rb") as f:  # read at most the cap, not a whole gzip bomb
+            data = f.read(MAX_RESULT_BYTES + 1)
+    else:
+        with open(path, "rb") as f:
+            data = f.read(MAX_RESULT_BYTES + 1)
+    if len(data) > MAX_RESULT_BYTES:
+        raise ResultError(f"{path}: larger than {MAX_RESULT_BYTES >> 20} MiB, not a bench result")
+    return data.decode("utf-8")
 
 
 def result_stem(path: Path) -> Path:
@@ -223,6 +233,8 @@ def read_result_json(path: Path) -> Any:
         raise ResultError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise ResultError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+    except (RecursionError, MemoryError):
+        raise ResultError(f"{path}: nested too deeply or too large to be a bench result") from None
 
 
 def load_result(path: Path) -> BenchResult:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,7 +380,8 @@ def case_verdict(row: dict) -> str:
 def parse_fuzz_case(text: str) -> str:
     """--fuzz-case SEED:I, as a failing fuzz case prints it."""
     seed, sep, index = text.partition(":")
-    if not (sep and seed.lstrip("-").isdigit() and index.isdigit()):
+    # ASCII digits only: str.isdigit() takes '²', which int() refuses.
+    if not (sep and re.fullmatch(r"-?[0-9]+", seed) and re.fullmatch(r"[0-9]+", index)):
         raise UsageError(f"--fuzz-case: expected SEED:I as a fuzz failure prints it, got {text!r}")
     return f"{int(seed)}:{int(index)}"
 
@@ -488,7 +490,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         def report(i, row, name=name, total=total, cases=cases, seeds=seeds):
             # The verdict as it comes, so a run cut short still says what it found.
             log(f"[{name} {i + 1}/{total}] {cases[i].label(spec['gqa_ratio'])}: {case_verdict(row)}"
-                + (f"; replay: --fuzz-case {seeds[i]}{replay_flag}" if seeds and not row["ok"] else ""))
+                + (f"; replay: --fuzz-case={seeds[i]}{replay_flag}" if seeds and not row["ok"] else ""))
 
         rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, worker=worker)
         failures = []
@@ -507,7 +509,8 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         print(f"  {len(rows) - bad}/{len(rows)} {kind} passed, worst rel err {worst:.3e}{floor}, "
               f"{drawn}")
         for case_seed in failures:
-            print(f"  replay: specgen test {job.spec_path} --fuzz-case {case_seed}{replay_flag}")
+            # (--fuzz-case=S:I: a negative seed after a space would read as an option)
+            print(f"  replay: specgen test {job.spec_path} --fuzz-case={case_seed}{replay_flag}")
         print()
         failed += bad
     return 1 if failed else 0

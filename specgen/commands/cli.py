@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("paths", nargs="+", metavar="SPEC", help="spec file or folder of specs")
     test.add_argument("--quick", action="store_true", help="a smaller shape matrix")
     test.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
-    test.add_argument("--fuzz", type=int, default=0, metavar="N",
+    test.add_argument("--fuzz", type=int, default=None, metavar="N",
                       help="N random valid shapes per spec instead of the matrix (batch, "
                       "heads, lengths, q_offset, strided views; decode: ragged lengths and "
                       "shuffled page tables); a failure prints the --fuzz-case that replays it")
@@ -295,8 +295,8 @@ def _run(args) -> int:
 
         from specgen.check.runner import parse_fuzz_case
 
-        if args.fuzz < 0 or args.fuzz > 100000:
-            raise UsageError(f"--fuzz: expected a count in [0, 100000], got {args.fuzz}")
+        if args.fuzz is not None and not 1 <= args.fuzz <= 100000:
+            raise UsageError(f"--fuzz: expected a count in [1, 100000], got {args.fuzz}")
         if not 1 <= args.jobs <= 64:
             raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
         _refuse_together(args, ("--fuzz", "--fuzz-case", "--fuzz-case replays one case"),
@@ -308,7 +308,7 @@ def _run(args) -> int:
         case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
         return run_test(args.paths, _folder(args.gen, "--gen"), quick=args.quick,
                         seed=0 if args.seed is None else args.seed,
-                        fuzz=args.fuzz, fuzz_case_seed=case, jobs=args.jobs,
+                        fuzz=args.fuzz or 0, fuzz_case_seed=case, jobs=args.jobs,
                         emulate=args.emulate)
     if args.command == "tune":
         from specgen.bench import parse_suite

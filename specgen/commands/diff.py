@@ -48,6 +48,8 @@ def _spec_data_from_module(path: Path, text: str) -> dict:
     except SyntaxError as exc:
         raise UsageError(f"{path}: not a generated module (not Python: line {exc.lineno}: "
                          f"{exc.msg})") from None
+    except (RecursionError, MemoryError):
+        raise UsageError(f"{path}: not a generated module (nested too deeply to parse)") from None
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "SPEC" for t in node.targets
@@ -65,6 +67,8 @@ def _spec_data_from_module(path: Path, text: str) -> dict:
 
 def load_side(path_text: str) -> tuple[dict, Side]:
     path = Path(path_text)
+    if path.exists() and not path.is_file():
+        raise UsageError(f"{path_text}: not a file (give a spec file or a generated module)")
     if not path.is_file():
         raise UsageError(f"{path_text}: no such spec file or generated module")
     if path.suffix == ".py":
@@ -83,16 +87,17 @@ def apply_sets(data: dict, assignments: list[str], where: str = "--set") -> dict
     data = copy.deepcopy(data)
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"{where}: expected key.path=value, got {assignment!r}")
+        key = key.strip()
+        if not sep or not key or not all(part.strip() for part in key.split(".")):
+            raise UsageError(f"{where}: expected key.path=value (names joined by dots), got {assignment!r}")
         try:
             # The loader of spec files: the same numbers, and its guards against
             # numbers too long to read and nesting too deep.
-            value = parse_spec_text(raw, f"{where} {key.strip()}") if raw.strip() else None
+            value = parse_spec_text(raw, f"{where} {key}") if raw.strip() else None
         except SpecError as exc:
             raise UsageError("\n".join(exc.lines())) from None
         node = data
-        parts = key.strip().split(".")
+        parts = [part.strip() for part in key.split(".")]
         for part in parts[:-1]:
             child = node.get(part) if isinstance(node, dict) else None
             if child is None:

@@ -215,7 +215,7 @@ def run_variants(
 
     late = [n for n in baselines if REGISTRY[n].late]
     if late:
-        raise UsageError(f"bench --variants: {', '.join(late)} cannot be timed beside the variants "
+        raise UsageError(f"specgen bench: --variants: {', '.join(late)} cannot be timed beside the variants "
                          "(importing it changes cuda.tile.launch); use specgen bench")
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")

@@ -278,6 +278,12 @@ def run_tune(
     from specgen.emit.render import render
 
     spec: Spec = load_spec(path)
+    if spec.family != "prefill":
+        raise UsageError(f"{path}: tune searches prefill specs; set a decode spec's tile_n and "
+                         "occupancy by hand and compare with specgen bench --suite decode")
+    if spec.varlen:
+        raise UsageError(f"{path}: tune times [B, H, S, D] batches; a varlen spec is not supported "
+                         "yet (tune a copy with varlen: false and paste its targets)")
     space = spec.autotune.get(target)
     if space is None:
         declared = ", ".join(spec.autotune) or "none"
@@ -285,12 +291,6 @@ def run_tune(
             f"{path}: autotune.{target}: no search space for {target} (declared: {declared}); "
             f"add e.g. autotune: {{{target}: {{tile_m: [64, 128], tile_n: [64, 128]}}}}"
         )
-    if spec.family != "prefill":
-        raise UsageError(f"{path}: tune searches prefill specs; set a decode spec's tile_n and "
-                         "occupancy by hand and compare with specgen bench --suite decode")
-    if spec.varlen:
-        raise UsageError(f"{path}: tune times [B, H, S, D] batches; a varlen spec is not supported "
-                         "yet (tune a copy with varlen: false and paste its targets)")
     configs = search_space(space, spec.q_subtiles)
     if not configs:
         raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")

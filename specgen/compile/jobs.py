@@ -212,7 +212,7 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
                 log(f"{job.out_path}: unchanged")
                 continue
             if not force and hand_edited_file(job.out_path):
-                refused.append(f"{job.out_path}: edited by hand, not overwritten (use --force to replace it)")
+                refused.append(f"{job.out_path}: edited by hand, not overwritten (specgen build --force replaces it)")
                 continue
         atomic_write(job.out_path, new.encode())
         log(f"{job.out_path}: written")

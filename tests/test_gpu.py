@@ -584,7 +584,7 @@ def test_decode_float8_descales_are_read_by_the_kernel_and_checked():
         ((batch.q, bf16_cache, batch.v_cache, batch.seq_lens), {},
          "k_cache must be a 4-D torch.float8_e4m3fn tensor"),
         (batch.args(), {"k_descale": 0.0}, "k_descale must be a positive float in float32's normal range or a one-element"),
-        (batch.args(), {"v_descale": float("inf")}, "v_descale must be a positive finite float"),
+        (batch.args(), {"v_descale": float("inf")}, "v_descale must be a positive float in float32's normal range"),
         (batch.args(), {"k_descale": torch.ones(2, device="cuda")},
          "k_descale must be a positive float or a one-element float32 tensor on cuda"),
         (batch.args(), {"v_descale": torch.ones(1, device="cuda", dtype=torch.float64)},

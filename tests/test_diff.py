@@ -114,6 +114,17 @@ def test_pair_kernels_matches_labels_then_order():
     assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [(2, 3), (1, 4)]
 
 
+def test_pair_kernels_pairs_variants_by_their_constants():
+    """b has fewer variants of the kernel (loop_split: false drops EVEN_N): each b
+    variant pairs with the a variant of its tile, the others are absent in b."""
+    a = [{"kernel": f"TILE_M={m} TILE_N=128 EVEN_N={e} TILES_OUTER={m == 64}", "registers": (m, e)}
+         for m in (64, 128) for e in (True, False)]
+    b = [{"kernel": f"TILE_M={m} TILE_N=128 TILES_OUTER={m == 64}", "registers": m} for m in (64, 128)]
+    pairs = pair_kernels(a, b)
+    assert [(p[0].get("registers"), p[1].get("registers")) for p in pairs] == [
+        ((64, True), 64), ((128, True), 128), ((64, False), None), ((128, False), None)]
+
+
 def test_pair_kernels_keeps_each_kernels_variants_together():
     """A leftover variant pairs with a leftover of its own kernel before any other
     (a packed backward's dQ kernel changes its tile and the map kernel its rows: the

@@ -379,20 +379,35 @@ def _kernel_name(label: str) -> str:
     return label.split(" (", 1)[0] if " (" in label else ""
 
 
+def _constants(label: str) -> set[str]:
+    """The words of a variant label: its constants ("TILE_M=64", or the values of a
+    helper kernel's "(16, 64, False)")."""
+    return set(re.findall(r"[^\s(),]+", label))
+
+
 def pair_kernels(a: list[dict], b: list[dict]) -> list[tuple[dict, dict]]:
     """Kernels of two cubins side by side: same variant label first, then the
-    leftovers of the same kernel in order (a flag that changes a constant changes
-    the labels), then any others in order (a flag that renames a kernel)."""
+    leftovers of the same kernel, those sharing the most constants first (a flag
+    that changes a constant changes the labels), then any others in order (a flag
+    that renames a kernel)."""
     b_by_label = {k["kernel"]: k for k in b}
     pairs = [(k, b_by_label.pop(k["kernel"])) for k in a if k["kernel"] in b_by_label]
     left_a = [k for k in a if not any(k is pa for pa, _ in pairs)]
     left_b = list(b_by_label.values())
-    for ka in list(left_a):
-        kb = next((k for k in left_b if _kernel_name(k["kernel"]) == _kernel_name(ka["kernel"])), None)
-        if kb is not None:
-            pairs.append((ka, kb))
-            left_a.remove(ka)
-            left_b.remove(kb)
+    # Leftovers of one kernel: the pairs that share the most constants first (a's
+    # TILE_M=64 variants with b's TILE_M=64, not with b's 128 because it came next).
+    candidates = sorted(
+        ((-len(_constants(ka["kernel"]) & _constants(kb["kernel"])), i, j)
+         for i, ka in enumerate(left_a) for j, kb in enumerate(left_b)
+         if _kernel_name(ka["kernel"]) == _kernel_name(kb["kernel"])))
+    used_a, used_b = set(), set()
+    for _, i, j in candidates:
+        if i not in used_a and j not in used_b:
+            used_a.add(i)
+            used_b.add(j)
+            pairs.append((left_a[i], left_b[j]))
+    left_a = [k for i, k in enumerate(left_a) if i not in used_a]
+    left_b = [k for j, k in enumerate(left_b) if j not in used_b]
     for i in range(max(len(left_a), len(left_b))):
         pairs.append((left_a[i] if i < len(left_a) else {}, left_b[i] if i < len(left_b) else {}))
     return pairs
@@ -436,7 +451,8 @@ def format_tail(report: dict) -> str:
                 for key, name in (("registers", "reg"), ("shared", "smem"),
                                   ("local", "local/spill"), ("stack", "stack")):
                     va, vb = ka.get(key), kb.get(key)
-                    parts.append(f"{name} {_num(va)} {ARROW} {_num(vb)} ({_delta(va, vb)})")
+                    delta = _delta(va, vb)
+                    parts.append(f"{name} {_num(va)} {ARROW} {_num(vb)}" + (f" ({delta})" if delta else ""))
                 la, lb = ka.get("kernel", "(absent)"), kb.get("kernel", "(absent)")
                 label = la if la == lb else f"{la} {ARROW} {lb}"
                 lines.append(f"    [{label}] " + ", ".join(parts))

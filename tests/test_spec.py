@@ -74,7 +74,7 @@ BAD = [
     ({"head_dim": 264}, "specs/bad.yaml: head_dim: must be a multiple of 8 in [16, 256], got 264"),
     ({"v_head_dim": 12}, "specs/bad.yaml: v_head_dim: must be a multiple of 8 in [16, 256], got 12"),
     ({"head_dim": 80, "loads": {"check_bounds": "masked"}},
-     "specs/bad.yaml: loads: check_bounds 'masked' needs power-of-two head dims (head dim 80 is "
+     "specs/bad.yaml: loads.check_bounds: 'masked' needs power-of-two head dims (head dim 80 is "
      "padded, so every tile reads past the array's last axis); use 'all'"),
     ({"gqa_ratio": 0}, "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got 0"),
     ({"gqa_ratio": 2.5}, "specs/bad.yaml: gqa_ratio: must be an integer, got 2.5"),
@@ -236,7 +236,7 @@ NEW_FIELDS_BAD = [
      "targets.default"),
     ({"q_subtiles": 3}, "specs/bad.yaml: q_subtiles: must be one of 1 or 2, got 3"),
     ({"loop_split": False, "loads": {"check_bounds": "masked"}},
-     "specs/bad.yaml: loads: check_bounds 'masked' needs loop_split: true"),
+     "specs/bad.yaml: loads.check_bounds: 'masked' needs loop_split: true"),
     ({"autotune": {"sm_90": {"tile_m": [64, 64]}}},
      "specs/bad.yaml: autotune.sm_90.tile_m: lists a value twice, got [64, 64]"),
     ({"autotune": {"sm_90": {"occupancy": []}}},
@@ -266,7 +266,7 @@ NEW_FIELDS_BAD = [
     ({"window": {"left": -1}}, "specs/bad.yaml: window.left: must be an integer in [0, 2147483647], got -1"),
     ({"window": {"left": 10, "size": 3}}, "specs/bad.yaml: window.size: unknown key; allowed keys: left, right"),
     ({"causal": True, "window": {"left": 10, "right": 4}},
-     "specs/bad.yaml: window: right 4 needs causal: false (a causal kernel never sees keys after the "
+     "specs/bad.yaml: window.right: 4 needs causal: false (a causal kernel never sees keys after the "
      "query); use null or 0"),
     ({"softcap": 0.0}, "specs/bad.yaml: softcap: must be a number in (0, 1000000.0], got 0.0"),
     ({"softcap": "high"}, "specs/bad.yaml: softcap: must be a finite number, got \"high\""),

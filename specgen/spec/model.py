@@ -660,10 +660,8 @@ class Spec(_Strict):
     @classmethod
     def _causal_window(cls, value: Optional[Window], info) -> Optional[Window]:
         if value is not None and info.data.get("causal") and value.right not in (None, 0):
-            raise ValueError(
-                f"right {value.right} needs causal: false (a causal kernel never sees "
-                "keys after the query); use null or 0"
-            )
+            raise Problems([("right", f"{value.right} needs causal: false (a causal kernel never "
+                                      "sees keys after the query); use null or 0")])
         return value
 
     @field_validator("block_remap")
@@ -680,17 +678,14 @@ class Spec(_Strict):
     @classmethod
     def _check_bounds_needs_split(cls, value: Loads, info) -> Loads:
         if value.check_bounds == "masked" and not info.data.get("loop_split", True):
-            raise ValueError(
-                "check_bounds 'masked' needs loop_split: true (without the split "
-                "every key tile is masked); use 'all'"
-            )
+            raise Problems([("check_bounds", "'masked' needs loop_split: true (without the split "
+                                             "every key tile is masked); use 'all'")])
         dims = [info.data.get("head_dim"), info.data.get("v_head_dim")]
         odd = [d for d in dims if isinstance(d, int) and d & (d - 1)]
         if value.check_bounds == "masked" and odd:
-            raise ValueError(
-                f"check_bounds 'masked' needs power-of-two head dims (head dim {odd[0]} "
-                "is padded, so every tile reads past the array's last axis); use 'all'"
-            )
+            raise Problems([("check_bounds", f"'masked' needs power-of-two head dims (head dim "
+                                             f"{odd[0]} is padded, so every tile reads past the "
+                                             "array's last axis); use 'all'")])
         return value
 
     @field_validator("out_dtype")

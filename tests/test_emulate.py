@@ -851,3 +851,22 @@ def test_a_head_without_a_sink_and_a_row_without_keys_give_zeros_not_nan():
     assert (out.double() - ref).abs().max() < 0.02
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     assert all(torch.isfinite(g_).all() for g_ in grads)
+
+
+def test_a_nan_lse_gradient_on_rows_without_keys_stays_out_of_the_gradients():
+    """Merging LSEs through logaddexp hands NaN to a row whose lse is -inf (no key):
+    such a row's lse has no gradient, and dq, dk stay finite."""
+    import yaml
+
+    data = yaml.safe_load((ROOT / "specs" / "fmha_train_gqa_causal.yaml").read_text(encoding="utf-8"))
+    module = _emulated({**data, "return_lse": True}, "lse_grad_nan")
+    g = torch.Generator().manual_seed(0)
+    d = module.SPEC["head_dim"]
+    q = torch.randn(1, module.SPEC["gqa_ratio"], 80, d, generator=g).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1, 1, 40, d, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    with emulate.emulating():
+        out, lse = module.attention(q, k, v, q_offset=-40)
+        merged = torch.logaddexp(lse, torch.full_like(lse, -math.inf))
+        loss = out.float().sum() + torch.where(torch.isfinite(merged), merged, 0.0).sum()
+        grads = torch.autograd.grad(loss, (q, k, v))
+    assert torch.isinf(lse).any() and all(torch.isfinite(g_).all() for g_ in grads)

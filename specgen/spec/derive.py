@@ -137,8 +137,9 @@ class _Printer:
         if isinstance(e, sp.Symbol):
             return "score" if e == _SCORE else f"({self.opaque[e]})"
         if e.is_Number:
-            # sympy keeps 1e320 finite; as a float (and in the kernel) it is inf.
-            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo) or not math.isfinite(float(e)):
+            # sympy keeps 1e320 finite; as a float it is inf, and the kernel computes in
+            # float32, where anything past 3.4e38 is.
+            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo) or not abs(float(e)) <= 3.4028234663852886e38:
                 raise ExprError("the derivative is not finite")
             return repr(float(e))
         if isinstance(e, sp.Add):

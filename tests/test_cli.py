@@ -252,6 +252,21 @@ def test_schema_command_matches_shipped_schema(project):
     assert (ROOT / "specs" / "schema.json").read_text() == result.stdout == schema_text()
 
 
+def test_schema_accepts_the_shipped_specs_and_knows_sizes_and_names():
+    """An editor checking with specs/schema.json accepts every shipped spec and flags
+    what the validator refuses by its size or form (head dims, tiles, names)."""
+    import yaml
+
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads((ROOT / "specs" / "schema.json").read_text()))
+    for path in sorted((ROOT / "specs").glob("*.yaml")) + sorted((ROOT / "bench" / "train").glob("*.yaml")):
+        assert not list(validator.iter_errors(yaml.safe_load(path.read_text()))), path
+    for bad in ({"name": "a", "head_dim": 100}, {"name": "a", "v_head_dim": 264}, {"name": ""},
+                {"name": "a", "targets": {"sm_90": {"tile_m": 100, "tile_n": 64}}},
+                {"name": "a", "autotune": {"sm_90": {"tile_n": [64, 96]}}}):
+        assert list(validator.iter_errors(bad)), bad
+
+
 def test_python_m_and_console_script_agree(project):
     result = specgen_process("--version", cwd=project)
     assert result.returncode == 0 and result.stdout.startswith("specgen ")

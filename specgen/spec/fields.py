@@ -103,8 +103,12 @@ def _head_dim(value: int) -> int:
     return value
 
 
-TileSize = Annotated[int, AfterValidator(_power_of_two_tile)]
-HeadDim = Annotated[int, AfterValidator(_head_dim)]
+# The JSON Schema says what the validators check where it can (an editor's hint; the
+# validators' own messages are what a build prints).
+TileSize = Annotated[int, AfterValidator(_power_of_two_tile),
+                     Field(json_schema_extra={"enum": [1 << i for i in range(4, MAX_TILE.bit_length())]})]
+HeadDim = Annotated[int, AfterValidator(_head_dim),
+                    Field(json_schema_extra={"minimum": 16, "maximum": 256, "multipleOf": 8})]
 Latency = Annotated[Optional[int], AfterValidator(_latency)]
 Occupancy = Annotated[int, AfterValidator(_occupancy)]
 NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16))]

@@ -80,6 +80,7 @@ class Spec(_Strict):
     )
 
     name: str = Field(
+        json_schema_extra={"pattern": "^[A-Za-z][A-Za-z0-9_]*$", "maxLength": 100},
         description="Python identifier (not a keyword, nor the name of a standard-library "
         "module or of torch, cuda, triton, numpy, specgen or generated); the module is "
         "generated/<name>.py.",

@@ -168,12 +168,9 @@ def read_result_text(path: Path) -> str:
     """A result file's text: <stem>.json, or <stem>.json.gz (committed results may be
     kept gzipped to keep the checkout small)."""
     path = Path(path)
-    if path.name.endswith(".gz"):
-        with gzip.open(path, "rb") as f:  # read at most the cap, not a whole gzip bomb
-            data = f.read(MAX_RESULT_BYTES + 1)
-    else:
-        with open(path, "rb") as f:
-            data = f.read(MAX_RESULT_BYTES + 1)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rb") as f:  # at most the cap: not a whole gzip bomb
+        data = f.read(MAX_RESULT_BYTES + 1)
     if len(data) > MAX_RESULT_BYTES:
         raise ResultError(f"{path}: larger than {MAX_RESULT_BYTES >> 20} MiB, not a bench result")
     return data.decode("utf-8")

@@ -551,11 +551,11 @@ def run_diff(
 def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
     """Each spec re-rendered with the installed templates (a checkout's working tree)
     against its module as written in gen_dir."""
-    from specgen.compile.jobs import load_jobs
+    from specgen.compile.jobs import load_jobs, module_text
 
     reports = []
     for job in load_jobs(paths, gen_dir):
-        committed = job.out_path.read_text(encoding="utf-8") if job.out_path.is_file() else ""
+        committed = module_text(job.out_path) if job.out_path.is_file() else ""
         a = Side(f"{job.out_path} ({'as written' if job.out_path.is_file() else 'missing'})",
                  job.plan, committed)
         b = Side(f"{job.out_path} (re-rendered with the installed templates)", job.plan,

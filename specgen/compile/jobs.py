@@ -208,10 +208,11 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
     for job in jobs:
         new = job.rendered.text
         if job.out_path.is_file():
-            if module_text(job.out_path) == new:
+            old = module_text(job.out_path)
+            if old == new:
                 log(f"{job.out_path}: unchanged")
                 continue
-            if not force and hand_edited_file(job.out_path):
+            if not force and hand_edited(old):
                 refused.append(f"{job.out_path}: edited by hand, not overwritten (specgen build --force replaces it)")
                 continue
         atomic_write(job.out_path, new.encode())

@@ -20,6 +20,9 @@ import math
 
 import sympy as sp
 
+# The kernels compute in float32: a constant past its largest value is inf there.
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
 from specgen.spec.hooks import ExprError
 
 _SCORE = sp.Symbol("score", real=True)
@@ -137,9 +140,8 @@ class _Printer:
         if isinstance(e, sp.Symbol):
             return "score" if e == _SCORE else f"({self.opaque[e]})"
         if e.is_Number:
-            # sympy keeps 1e320 finite; as a float it is inf, and the kernel computes in
-            # float32, where anything past 3.4e38 is.
-            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo) or not abs(float(e)) <= 3.4028234663852886e38:
+            # (sympy keeps 1e320 finite, as it does 1e39: both are inf in the kernel)
+            if e in (sp.nan, sp.zoo, sp.oo, -sp.oo) or not abs(float(e)) <= FLOAT32_MAX:
                 raise ExprError("the derivative is not finite")
             return repr(float(e))
         if isinstance(e, sp.Add):

@@ -91,21 +91,20 @@ _UniqueKeyLoader.yaml_implicit_resolvers = {
     ]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_UniqueKeyLoader.add_implicit_resolver(
-    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_FLOAT_RE = re.compile(r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$")
+_DECIMAL_RE = re.compile(r"[-+]?[0-9]+")  # what an explicit !!int (or !!float) may be
+_UniqueKeyLoader.add_implicit_resolver(_BOOL_TAG, _BOOL_RE, list("tTfF"))
 _UniqueKeyLoader.add_implicit_resolver(
     _INT_TAG, re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789"))
-_UniqueKeyLoader.add_implicit_resolver(
-    _FLOAT_TAG,
-    re.compile(r"^(?:[-+]?(?:(?:\.[0-9]+|[0-9]+\.[0-9]*)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+_UniqueKeyLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
 
 
 def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
     # Decimal only, also for an explicit !!int (YAML 1.1's octal, hex and base 60 are gone).
     text = loader.construct_scalar(node)
-    if not re.fullmatch(r"[-+]?[0-9]+", text):
+    if not _DECIMAL_RE.fullmatch(text):
         raise yaml.constructor.ConstructorError(
             None, None, f"{text!r} is not a decimal integer", node.start_mark)
     return int(text)
@@ -113,14 +112,11 @@ def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
 
 _UniqueKeyLoader.add_constructor(_INT_TAG, _construct_int)
 
-_FLOAT_12 = re.compile(r"[-+]?(?:(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?)"
-                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)")
-
-
 def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
-    # An explicit !!float in 1.2's form only (1.1's base 60 `1:30` and `1_0` are gone).
+    # An explicit !!float in 1.2's form only, or a decimal integer (1.1's base 60
+    # `1:30` and `1_0` are gone).
     text = loader.construct_scalar(node)
-    if not _FLOAT_12.fullmatch(text):
+    if not (_FLOAT_RE.match(text) or _DECIMAL_RE.fullmatch(text)):
         raise yaml.constructor.ConstructorError(
             None, None, f"{text!r} is not a number", node.start_mark)
     return loader.construct_yaml_float(node)
@@ -129,7 +125,7 @@ def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
 def _construct_bool(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> bool:
     # An explicit !!bool in 1.2's form only: true or false (not yes, on, y).
     text = loader.construct_scalar(node)
-    if text not in ("true", "True", "TRUE", "false", "False", "FALSE"):
+    if not _BOOL_RE.match(text):
         raise yaml.constructor.ConstructorError(
             None, None, f"{text!r} is not true or false", node.start_mark)
     return text.lower() == "true"

@@ -37,11 +37,11 @@ from specgen.spec.fields import (
     int_choice,
 )
 
-# False while a spec written without targets is validated with the configs filled in
-# for it: a check that a filled config fails then names the user's fields instead.
 # Packages a generated module imports or sits beside: a spec named after one would
 # shadow it.
 SHADOWED_PACKAGES = ("torch", "cuda", "triton", "numpy", "specgen", "generated")
+# False while a spec written without targets is validated with the configs filled in
+# for it: a check that a filled config fails then names the user's fields instead.
 _TARGETS_WRITTEN: ContextVar[bool] = ContextVar("targets_written", default=True)
 
 
@@ -420,15 +420,13 @@ class Spec(_Strict):
 
     def _family_problems(self) -> list[tuple[str, str]]:
         """Each family takes only its own fields (a field another family owns is an error)."""
-        decode_only = [n for n, family in FAMILY_ONLY.items() if family == "decode"]
-        prefill_only = [n for n, family in FAMILY_ONLY.items() if family == "prefill"]
 
         def changed(name: str) -> bool:  # set to something other than its default
             default = type(self).model_fields[name].get_default(call_default_factory=True)
             return getattr(self, name) != default
 
         other = "prefill" if self.family == "decode" else "decode"
-        owned = decode_only if self.family == "prefill" else prefill_only
+        owned = [name for name, family in FAMILY_ONLY.items() if family == other]
         problems = [(n, f"a {other} field, not supported by family {self.family}")
                     for n in owned if changed(n)]
         if self.family == "decode":

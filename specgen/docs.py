@@ -802,7 +802,10 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         varying, shape_head = ["seq_q"], ["S"]
     else:
         shape_head = [SHAPE_LABELS[k] for k in varying]
-    map_head, map_cells = _map_columns(rows)
+    from specgen.bench.core import BenchResult
+
+    result = BenchResult.model_validate(data)
+    map_head, map_cells = _map_columns(result)
     lines = [
         f"#### `{data['spec']}`, {data['suite']}",
         "",
@@ -813,7 +816,7 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
                          + [f"vs {_label(n)}" for n in baselines] + ["specgen % of matmul"] + map_head) + " |",
         "|" + "---:|" * (len(shape_head) + 2 * len(baselines) + 2 + len(map_head)),
     ]
-    for row in rows:
+    for i, row in enumerate(rows):
         cells = [str(row[k]) for k in varying]
         for name in ["specgen", *baselines]:
             t = row["timings"].get(name)
@@ -821,31 +824,30 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         cells += [_ratio_cell(row, n, row.get("speedup", {}).get(n)) for n in baselines]
         pct = row["timings"]["specgen"].get("pct_of_matmul")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
-        lines.append("| " + " | ".join(cells + map_cells(row)) + " |")
+        lines.append("| " + " | ".join(cells + map_cells[i]) + " |")
     # The bench's own second table (specgen.bench.prefill.graph_table): rows that carry
     # one-call CUDA-graph times get TFLOPS and ratios from those too.
-    from specgen.bench.core import BenchResult
     from specgen.bench.prefill import graph_table
 
-    return lines + graph_table(BenchResult.model_validate(data)) + ["", _files_line(path, link_base), ""]
+    return lines + graph_table(result) + ["", _files_line(path, link_base), ""]
 
 
-def _map_columns(rows: list[dict]) -> tuple[list[str], Any]:
-    """For a block-sparse run: two more columns (the block map's build, µs and share of
-    one specgen call; the share of all tiles visited) and a function giving a row's
-    cells; for a dense run, none."""
-    if not any(r["timings"]["specgen"].get("block_map_ms") is not None for r in rows):
-        return [], lambda row: []
+def _map_columns(result) -> tuple[list[str], list[list[str]]]:
+    """For a block-sparse run (a BenchResult): two more columns (the block map's
+    build, µs and share of one specgen call; the share of all tiles visited) and each
+    row's cells, as the bench's own table gives them; for a dense run, none."""
+    from specgen.bench.core import block_map_cells
 
-    def cells(row):
-        t = row["timings"]["specgen"]
-        if t.get("block_map_ms") is None:
-            return ["–", "–"]
-        share = f" ({100 * t['block_map_ms'] / t['ms']:.1f}%)" if t.get("ms") else ""
-        visited = t.get("tiles_visited")
-        return [f"{1000 * t['block_map_ms']:.1f}{share}",
-                f"{100 * visited:.1f}%" if visited is not None else "–"]
-
+    timings = [row.timings["specgen"] for row in result.rows]
+    if all(t.block_map_ms is None for t in timings):
+        return [], [[] for _ in timings]
+    cells = []
+    for t in timings:
+        if t.block_map_ms is None:
+            cells.append(["–", "–"])
+        else:
+            build, share, visited = block_map_cells(t)
+            cells.append([f"{build} ({share})", visited])
     return ["map build µs (of a call)", "tiles visited"], cells
 
 
@@ -861,7 +863,10 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     varying, constant = _split_shape(rows, SHAPE_KEYS["decode"])
     head = [DECODE_LABELS[k] for k in varying] + ["splits"]
     names = ["specgen", *baselines]
-    map_head, map_cells = _map_columns(rows)
+    from specgen.bench.core import BenchResult
+
+    result = BenchResult.model_validate(data)
+    map_head, map_cells = _map_columns(result)
     lines = [
         f"#### `{data['spec']}`, decode",
         "",
@@ -876,7 +881,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     def shape(row):
         return [str(row[k]) for k in varying]
 
-    for row in rows:
+    for i, row in enumerate(rows):
         cells = shape(row) + [f"{row.get('splits') or '–'}" + (", PDL" if row.get("pdl") else "")]
         for name in names:
             t = row["timings"].get(name)
@@ -885,7 +890,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
         pct = row["timings"]["specgen"].get("pct_of_copy")
         cells.append(f"{pct:.0f}%" if pct is not None else "–")
         cells += [_ratio_cell(row, n, _decode_ratio(row, n)) for n in baselines]
-        lines.append("| " + " | ".join(cells + map_cells(row)) + " |")
+        lines.append("| " + " | ".join(cells + map_cells[i]) + " |")
     lines += [
         "",
         "One call per graph replay (each figure carries the graph's launch floor):",

@@ -332,3 +332,14 @@ def test_block_maps_of_inference_tensors(refused, launches):
         launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, block_map=block_map))
         refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens.clone(), block_map=block_map),
                 "block_map was built from another seq_lens tensor")
+
+
+@pytest.mark.parametrize("bad", [0.0, 1e-50, 1e39, float("inf"), True, "1"])
+def test_float8_decode_descale_numbers_must_be_float32_normal(bad):
+    """The float8-cache decode reads its descales in float32: numbers it would turn
+    into 0 or inf are refused, as the prefill's are (one check serves both)."""
+    mod = _module("fmha_decode_gqa8_fp8kv")
+    with pytest.raises(ValueError, match="k_descale must be a positive float in float32's normal range "
+                                         "or a one-element float32 tensor"):
+        mod._descale("k_descale", bad, torch.device("cpu"))
+    assert mod._descale("k_descale", 0.5, torch.device("cpu")).tolist() == [0.5]

@@ -426,12 +426,17 @@ def block_map_table(result: BenchResult, report: Report) -> list[str]:
         "|" + "---:|" * (len(report.keys) + 3),
     ]
     for row in mapped:
-        t = row.timings["specgen"]
-        share = f"{100 * t.block_map_ms / t.ms:.1f}%" if t.ms else "n/a"
-        visited = f"{100 * t.tiles_visited:.1f}%" if t.tiles_visited is not None else "n/a"
         keys = [value(row) for _, value in report.keys]
-        lines.append("| " + " | ".join(keys + [f"{1000 * t.block_map_ms:.1f}", share, visited]) + " |")
+        lines.append("| " + " | ".join(keys + list(block_map_cells(row.timings["specgen"]))) + " |")
     return lines
+
+
+def block_map_cells(t: Timing) -> tuple[str, str, str]:
+    """A block-sparse timing's map build in µs, its share of one specgen call, and the
+    share of all tiles the kernel visits ("n/a" where the timing lacks one)."""
+    share = f"{100 * t.block_map_ms / t.ms:.1f}%" if t.ms else "n/a"
+    visited = f"{100 * t.tiles_visited:.1f}%" if t.tiles_visited is not None else "n/a"
+    return f"{1000 * t.block_map_ms:.1f}", share, visited
 
 
 def plot(result: BenchResult, report: Report, path: Path) -> Optional[str]:

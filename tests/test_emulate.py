@@ -52,6 +52,13 @@ def _emulated(data: dict, label: str, spec_path: str = "specs/variant.yaml"):
                                name=f"_test_emulated_{label}")
 
 
+def _shipped_data(name: str) -> dict:
+    """A shipped spec's data as written (to vary a field of it)."""
+    import yaml
+
+    return yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text(encoding="utf-8"))
+
+
 def _run(module, case: Case, seed: int = 3) -> dict:
     with emulate.emulating():
         return run_case(torch, module, case, torch.Generator().manual_seed(seed), device="cpu")
@@ -222,9 +229,7 @@ QK_AHEAD_SPECS = ["fmha_gqa8_bf16", "fmha_mistral_window", "fmha_fp8_llama", "fm
 def test_qk_ahead_gives_the_plain_kernels_results(name):
     """qk_ahead only moves each S = Q K^T a step earlier: emulated, the output is
     the plain kernel's errors exactly (and gradients), and passes the fp64 check."""
-    import yaml
-
-    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
+    data = _shipped_data(name)
     ahead = _emulated({**data, "qk_ahead": True}, f"qk_ahead_{name}", f"specs/{name}.yaml")
     plain = _module(name)
     for case in _cases(ahead.SPEC):
@@ -290,9 +295,7 @@ def test_packed_gqa_sparse_specs_match_the_reference_when_emulated(name, tile_m,
     """pack_gqa on a block-sparse spec at the given tile, forward and backward: the
     same shapes as the shipped check. (Each variant its own module name: a custom op
     is registered once per process and name.)"""
-    import yaml
-
-    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text())
+    data = _shipped_data(name)
     targets = {"default": {"tile_m": tile_m, "tile_n": tile_n, "occupancy": 2}}
     variant = f"{name}_pack{tile_m}_gqa{ratio}"
     module = _emulated({**data, "name": variant, "pack_gqa": True, "backward": True, "gqa_ratio": ratio,
@@ -308,11 +311,9 @@ def test_a_packed_block_pattern_walks_scattered_full_tiles_masked():
     """A packed kernel walks full tiles unmasked only as one run; where a row's full
     tiles are scattered (a block pattern) they join the masked walk, and the output
     still matches the reference."""
-    import yaml
-
     from specgen.check.cases import compare, random_qkv, reference_for
 
-    data = yaml.safe_load((ROOT / "specs" / "fmha_block_pattern.yaml").read_text())
+    data = _shipped_data("fmha_block_pattern")
     module = _emulated({**data, "pack_gqa": True,
                         "targets": {"default": {"tile_m": 64, "tile_n": 32, "occupancy": 2}}},
                        "pack_block_pattern", "specs/fmha_block_pattern.yaml")
@@ -749,9 +750,7 @@ def test_a_loss_on_the_returned_lse_reaches_the_gradients(name):
     weighs out and lse by random gradients (check_gradients), so a backward that
     dropped dlse would miss the reference by the lse term; and a loss of lse alone
     gives gradients, not an error."""
-    import yaml
-
-    data = yaml.safe_load((ROOT / "specs" / f"{name}.yaml").read_text(encoding="utf-8"))
+    data = _shipped_data(name)
     module = _emulated({**data, "return_lse": True, "backward": True}, f"lse_grad_{name}",
                        f"specs/{name}.yaml")
     for case in _cases(module.SPEC)[:2]:
@@ -824,9 +823,7 @@ def test_varlen_sequences_without_queries_or_keys_at_the_end(lengths):
     """A last sequence with no queries (or no keys) starts at the end of the packed
     array: its views are taken from a start inside the array, as cuTile requires
     (the emulator raises otherwise), and its gradients are zero."""
-    import yaml
-
-    data = yaml.safe_load((ROOT / "specs" / "fmha_varlen_llama.yaml").read_text(encoding="utf-8"))
+    data = _shipped_data("fmha_varlen_llama")
     module = _emulated({**data, "backward": True}, "varlen_edges")
     row = _run(module, Case(2, 2, 0, 0, lengths=lengths))
     assert row["ok"] and "grad_ratio" in row, case_verdict(row)
@@ -856,9 +853,7 @@ def test_a_head_without_a_sink_and_a_row_without_keys_give_zeros_not_nan():
 def test_a_nan_lse_gradient_on_rows_without_keys_stays_out_of_the_gradients():
     """Merging LSEs through logaddexp hands NaN to a row whose lse is -inf (no key):
     such a row's lse has no gradient, and dq, dk stay finite."""
-    import yaml
-
-    data = yaml.safe_load((ROOT / "specs" / "fmha_train_gqa_causal.yaml").read_text(encoding="utf-8"))
+    data = _shipped_data("fmha_train_gqa_causal")
     module = _emulated({**data, "return_lse": True}, "lse_grad_nan")
     g = torch.Generator().manual_seed(0)
     d = module.SPEC["head_dim"]

@@ -14,6 +14,7 @@ decode (``fmha_decode_gqa8_bf16``, on a bf16 copy of the same cache):
   makes no row reduction and no rescale. It bounds what the max bookkeeping costs.
 - ``lat{k}_{v}``: the K and V loads' latency hints (the spec's k_latency and
   v_latency, shipped 2 and 4) set to k and v.
+- ``split{n}``: the auto split count aiming at n split CTAs per SM (shipped 2).
 
 Each variant's output is compared with the shipped kernel's. Timing as the decode
 suite's steady state: CUDA graphs of 16 calls, median replay per call.
@@ -62,6 +63,13 @@ def latency(k: int, v: int):
     return apply
 
 
+def split_ctas(n: int):
+    """The auto split rule aiming at ``n`` split CTAs per SM (shipped: 2)."""
+    def apply(text: str) -> str:
+        return edit(text, r"\nSPLIT_CTAS_PER_SM = 2\n", f"\nSPLIT_CTAS_PER_SM = {n}\n", 1)
+    return apply
+
+
 def max_once(text: str) -> str:
     """The diagnostic: the row max of the first unmasked tile, computed before the loop."""
     loop = "    for j in range(start, hi):\n"
@@ -87,7 +95,8 @@ def main(out_dir: str):
     fp8_text = open("generated/fmha_decode_gqa8_fp8kv.py").read()
     variants = {"shipped": lambda text: text, "row_sums": row_sums, "max_once": max_once,
                 "lat3_6": latency(3, 6), "lat4_8": latency(4, 8), "lat1_3": latency(1, 3),
-                "lat2_2": latency(2, 2)}
+                "lat2_2": latency(2, 2), "split1": split_ctas(1), "split3": split_ctas(3),
+                "split4": split_ctas(4)}
     chosen = sys.argv[2].split(",") if len(sys.argv) > 2 else list(variants)
     kernels = {name: load_module_from_source(f"fp8_{name}", variants[name](fp8_text), f"<{name}>")
                for name in chosen}

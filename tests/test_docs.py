@@ -270,7 +270,8 @@ def test_runs_with_graph_times_get_a_second_table_from_them(tmp_path):
 
 
 def test_a_folder_of_script_results_is_titled_by_the_gpu_they_name(tmp_path):
-    from specgen.docs import _load_results, performance_markdown
+    from specgen.docs import performance_markdown
+    from specgen.docs.performance import _load_results
 
     folder = tmp_path / "results" / "h100"
     folder.mkdir(parents=True)

@@ -296,11 +296,46 @@ def test_python_m_and_console_script_agree(project):
      "bench: --seqs applies to the prefill and backward suites"),
     (["--variants", "bench/variants/hopper_qk_ahead.yaml", "--seqs", "2048"],
      "bench: --seqs does not apply to --variants"),
+    # an empty list is not the default suite, nor an empty item a skipped one
+    (["--seqs", "", "specs/fmha_gqa_causal.yaml"],
+     "--seqs: expected comma-separated lengths in [1, 1048576] like 2048,8192, got ''"),
+    (["--seqs", "2048,,4096", "specs/fmha_gqa_causal.yaml"],
+     "--seqs: expected comma-separated lengths in [1, 1048576] like 2048,8192, got '2048,,4096'"),
+    # an empty path is not the current folder
+    ([""], "'': expected a spec file or a folder of specs"),
+    # a results folder that could never be made is refused before anything is timed
+    (["--results", "specs/fmha_gqa_causal.yaml/out", "specs/fmha_gqa_causal.yaml"],
+     "--results specs/fmha_gqa_causal.yaml/out: specs/fmha_gqa_causal.yaml is not a folder"),
 ])
 def test_bench_errors_exit_2_with_one_line(project, args, message):
     result = specgen("bench", *args, "--gen", "generated", cwd=project)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_out_of_gpu_memory_is_one_line_exit_1(monkeypatch, capsys):
+    """Sizes that do not fit the GPU (torch.OutOfMemoryError, whatever its module)
+    end in one line naming the command, not a traceback; other errors still raise."""
+    from specgen.commands import cli
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def oom(args):
+        raise OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB\nmore detail")
+
+    monkeypatch.setattr(cli, "_run", oom)
+    assert cli.main(["bench", "specs/fmha_gqa_causal.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err == ("specgen bench: out of GPU memory for the sizes asked "
+                   "(CUDA out of memory. Tried to allocate 96.00 GiB)\n")
+
+    def bug(args):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli, "_run", bug)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["bench", "specs/fmha_gqa_causal.yaml"])
 
 
 def test_backward_suite_without_cuda_exits_2(project):

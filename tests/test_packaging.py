@@ -51,7 +51,10 @@ def wheel_env(tmp_path_factory):
     # venv's own (a plain path in a .pth file: the .pth files there, such as an
     # editable install's, are not read, so only the wheel can provide specgen).
     purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
-    deps = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    # Every site-packages this interpreter reads: a venv made with
+    # --system-site-packages takes its dependencies from the base interpreter's too.
+    deps = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+                  | {p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")})
     (Path(purelib) / "_outer_deps.pth").write_text("\n".join(deps) + "\n")
     run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", wheel)
     return wheel, python

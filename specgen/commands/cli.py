@@ -224,6 +224,11 @@ def _folder(text: str, option: str) -> Path:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {text}: exists and is not a folder")
+    # A folder to make: its nearest existing parent must be a folder too, so that a
+    # run does not time everything and fail only when it writes.
+    parent = next((p for p in path.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise UsageError(f"{option} {text}: {parent} is not a folder")
     return path
 
 
@@ -273,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("specgen: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # torch.OutOfMemoryError (named, so that main needs no torch import): the sizes
+        # asked for do not fit the GPU, which is the input's doing, not a bug.
+        if type(exc).__name__ != "OutOfMemoryError":
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
+        print(f"specgen {args.command}: out of GPU memory for the sizes asked ({first})",
+              file=sys.stderr)
+        return 1
 
 
 def _run(args) -> int:
@@ -335,7 +349,7 @@ def _run(args) -> int:
 
             if args.paths:
                 raise UsageError("specgen bench: give either SPEC paths or --variants FILE, not both")
-            if args.seqs:
+            if args.seqs is not None:
                 raise UsageError("specgen bench: --seqs does not apply to --variants (the file's "
                                  "shapes.seqs sets the lengths)")
             if args.suite is not None:
@@ -351,7 +365,7 @@ def _run(args) -> int:
             raise UsageError("specgen bench: give at least one SPEC path (or --variants FILE)")
         suite = parse_suite("prefill" if args.suite is None else args.suite)
         shapes = None
-        if args.seqs:
+        if args.seqs is not None:
             from specgen.commands.tune import parse_seqs
 
             if suite == "decode":

@@ -64,8 +64,8 @@ MAX_SEQ = 1 << 20
 def parse_seqs(text: Optional[str]) -> Optional[list[int]]:
     if text is None:
         return None
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    # Plain decimal digits: int() would also take "1_024", "+8" and "²".
+    parts = [part.strip() for part in text.split(",")]
+    # Plain decimal digits (int() would also take "1_024", "+8" and "²"), no empty items.
     seqs = sorted({int(part) for part in parts}) if all(
         re.fullmatch(r"[0-9]{1,8}", part) for part in parts) else []
     if not seqs or seqs[0] < 1 or seqs[-1] > MAX_SEQ:

@@ -35,6 +35,8 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
     """Spec files named directly, plus every *.yaml / *.yml in named folders."""
     found: list[Path] = []
     for raw in paths:
+        if not str(raw).strip():  # Path("") is the current folder
+            raise UsageError(f"{str(raw)!r}: expected a spec file or a folder of specs")
         path = Path(raw)
         if path.is_dir():
             # Files only: a folder named x.yaml is not a spec (nor is a broken link).

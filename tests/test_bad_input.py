@@ -343,7 +343,7 @@ SPEC = "specs/fmha_gqa_causal.yaml"
      "--gen specs/fmha_alibi.yaml: exists and is not a folder"),
     (["build", SPEC, "--no-compile", "--gen", ""], "--gen: expected a folder, got ''"),
     (["build", SPEC, "--no-compile", "--gen", "README.md/sub"],
-     "specgen build: README.md/sub: Not a directory"),
+     "specgen build: --gen README.md/sub: README.md is not a folder"),
     (["test", SPEC, "--emulate", "--gen", "README.md"], "--gen README.md: exists and is not a folder"),
     (["schema", "--file", "specs"], "--file specs: exists and is not a regular file"),
     (["schema", "--file", "nowhere/schema.json"], "--file nowhere/schema.json: no such folder nowhere"),

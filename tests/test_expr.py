@@ -135,6 +135,38 @@ def test_evaluate_matches_torch_and_reads_zero_outside():
                                    [False, False, True, False]]
 
 
+@pytest.mark.parametrize("text,plain", [
+    ("(kv_idx <= q_idx) | (not True)", "kv_idx <= q_idx"),
+    ("(kv_idx <= q_idx) & True", "kv_idx <= q_idx"),
+    ("(not False) != (kv_idx > q_idx)", "not kv_idx > q_idx"),
+    ("(kv_idx > q_idx) == False", "not kv_idx > q_idx"),
+    ("where(True, kv_idx <= q_idx, False)", "kv_idx <= q_idx"),
+    ("kv_idx <= q_idx if True else False", "kv_idx <= q_idx"),
+    ("(kv_idx <= q_idx) or ~True or (q_idx < 0)", "kv_idx <= q_idx or q_idx < 0"),
+    ("(kv_idx <= q_idx) and (not (True and False))", "kv_idx <= q_idx"),
+])
+def test_true_and_false_fold_to_the_conditions_python_means(text, plain):
+    """True and False are conditions, as in Python: ``not True`` is False (not
+    Python's ``~True == -2``) and ``where(True, a, b)`` is a. The kernel's text,
+    the torch evaluation (the fp64 reference, Flex) and the block-map tests all read
+    the folded tree."""
+    assert compile_hook(text, "mask_mod", {}).kernel == compile_hook(plain, "mask_mod", {}).kernel
+    env = {"b": torch.arange(1).view(-1, 1, 1, 1), "h": torch.arange(1).view(1, -1, 1, 1),
+           "q_idx": torch.arange(7).view(1, 1, -1, 1), "kv_idx": torch.arange(9).view(1, 1, 1, -1)}
+    assert torch.equal(evaluate(text, env, {}), evaluate(plain, env, {}))
+
+
+def test_a_constant_hook_is_a_tensor_and_a_number_beside_true_is_still_refused():
+    env = {"q_idx": torch.arange(3).view(-1, 1), "kv_idx": torch.arange(4).view(1, -1)}
+    assert torch.equal(evaluate("not False", env, {}), torch.tensor(True))
+    q, k, v = (torch.randn(1, 1, 5, 16, dtype=torch.float64) for _ in range(3))
+    assert torch.allclose(attention_reference(q, k, v, causal=False, mask_mod="True"),
+                          attention_reference(q, k, v, causal=False))
+    # folding never turns a number into a condition: q_idx & True stays refused
+    with pytest.raises(ExprError, match="combine conditions"):
+        compile_hook("(q_idx & True) == 1", "mask_mod", {})
+
+
 def test_reference_hooks_equal_explicit_bias_and_mask():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 9, 16, generator=gen) for _ in range(3))

@@ -25,21 +25,44 @@ def run(*args, cwd=None):
     return result.stdout
 
 
-@pytest.fixture(scope="module")
-def wheel_env(tmp_path_factory):
-    """specgen's wheel, installed into a fresh venv that borrows the dependencies."""
-    if shutil.which("git") is None:
-        pytest.skip("needs git to copy the tracked files")
-    base = tmp_path_factory.mktemp("wheel")
-    # Build from a copy of the tracked tree, so nothing of the checkout's (build/,
-    # caches) leaks in and nothing is written into it.
-    src = base / "src"
+def _tracked_copy(src: Path) -> Path:
+    """A copy of the tracked tree to build from, so nothing of the checkout's (build/,
+    caches) leaks in and nothing is written into it."""
     src.mkdir()
     files = run("git", "ls-files", "-z", cwd=ROOT).split("\0")
     for name in filter(None, files):
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, src / name)
+    return src
+
+
+def test_the_sdist_carries_what_its_tests_read(tmp_path):
+    """The sdist is a source tree whose tests pass: the committed modules, the bench
+    scripts and results docs/ is made from, and the CI script the README tests read."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout (not an sdist) to copy the tracked files")
+    pytest.importorskip("hatchling")
+    import tarfile
+
+    src = _tracked_copy(tmp_path / "src")
+    run(sys.executable, "-m", "hatchling", "build", "-t", "sdist", "-d", tmp_path / "dist", cwd=src)
+    [sdist] = (tmp_path / "dist").glob("specgen-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    for needed in ("generated/fmha_gqa_causal.py", "bench/add_log.py", "bench/results/logs.tar.xz",
+                   ".ci/run", "tests/helpers.py", "templates/fmha_prefill.py.jinja",
+                   "specs/fmha_gqa_causal.yaml", "docs/performance.md", "README.md"):
+        assert needed in names, needed
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory):
+    """specgen's wheel, installed into a fresh venv that borrows the dependencies."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout (not an sdist) to copy the tracked files")
+    base = tmp_path_factory.mktemp("wheel")
+    src = _tracked_copy(base / "src")
     dist = base / "dist"
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
         "-w", dist, src)

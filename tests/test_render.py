@@ -55,6 +55,16 @@ def test_generated_is_black_clean(name):
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
+def test_docstring_entries_start_their_own_lines(name):
+    """No docstring line runs two entries together ("... in bfloat16).        q_offset:
+    ..."): a template block that ends without its newline joins the next entry."""
+    for node in ast.walk(ast.parse((ROOT / "generated" / f"{name}.py").read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.Module, ast.FunctionDef)) and ast.get_docstring(node):
+            for line in ast.get_docstring(node).splitlines():
+                assert not re.search(r"\S {4,}[a-z_]+(, [a-z_]+)*: ", line), f"{name}: {line}"
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
 def test_header_carries_version_path_and_hashes(name):
     from specgen import __version__
 

@@ -107,7 +107,9 @@ DESCRIPTIONS: dict[str, str] = {
     "sinks": "A learned logit per query head joins the softmax normaliser (gpt-oss): "
     "`attention(..., sinks=t)` with t of shape `[Hq]`.",
     "return_lse": "`attention` returns `(out, lse)`: lse `[B, Hq, Sq]` float32, the natural "
-    "log of each row's softmax normaliser (sink included), −inf for a row that sees no key.",
+    "log of each row's softmax normaliser (sink included). A row that sees no key has "
+    "lse −inf, or with sinks the head's sink logit, since the sink alone makes its "
+    "normaliser.",
     "fast_math": "Fast-math choices of the softmax and the final normalisation; see "
     "[`fast_math`](#fast_math).",
     "loop_split": "Run the key loop in two parts: the unmasked tiles, then a masked loop "
@@ -239,7 +241,8 @@ SECTION_TEXT = {
         "`causal: true`, and a transformers model's `sliding_window` maps to "
         "`left = sliding_window − 1`. Set at least one bound. Key tiles wholly outside "
         "the window are skipped by the loop bounds, the edge tiles are masked, and a row "
-        "that sees no key gives zeros (LSE −inf). Decode specs take `left` only."
+        "that sees no key gives zeros (LSE −inf, or the head's sink logit with sinks). "
+        "Decode specs take `left` only."
     ),
     "paged": "Decode only. `attention(q, k_pages, v_pages, seq_lens, page_table, ...)`.",
     "tensors.<name>": (

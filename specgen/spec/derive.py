@@ -16,14 +16,13 @@ slope of the branch they select (at a tie ``max(score, c)`` takes c's, 0).
 from __future__ import annotations
 
 import ast
-import math
 
 import sympy as sp
 
 # The kernels compute in float32: a constant past its largest value is inf there.
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
-from specgen.spec.hooks import ExprError
+from specgen.spec.hooks import ExprError, parse_hook
 
 _SCORE = sp.Symbol("score", real=True)
 _FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs}
@@ -202,7 +201,7 @@ class _Printer:
 def score_derivative(text: str) -> str:
     """d(score_mod)/d(score) of the checked hook ``text``, as hook text ("1.0" for
     score + bias). Raises ExprError where the hook has no derivative."""
-    tree = ast.parse(text.strip(), mode="eval")
+    tree = parse_hook(text)  # True and False folded, as the kernel reads it
     converter = _ToSympy()
     expr = converter.convert(tree.body)
     derivative = sp.diff(expr, _SCORE)
@@ -217,7 +216,7 @@ def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
     first appearance: ``score - slope[h] * (q_idx - kv_idx)`` gives
     ``[("slope[h]", "(-1.0 * (q_idx - kv_idx))")]``-like text. Raises ExprError
     where the hook has no derivative in one of them."""
-    tree = ast.parse(text.strip(), mode="eval")
+    tree = parse_hook(text)  # True and False folded, as the kernel reads it
     converter = _ToSympy(frozenset(learnable))
     expr = converter.convert(tree.body)
     printer = _Printer(converter.opaque)

@@ -61,6 +61,105 @@ _DESCRIBE = {
 TENSOR_KINDS = {"float32": "float", "int32": "int"}
 
 
+# --- True and False: folded before anything reads a hook -----------------------
+
+
+def _is_bool_const(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, bool)
+
+
+def _is_condition(node: ast.AST) -> bool:
+    """Whether ``node`` is a condition by its form: hooks have no boolean names or
+    tensors, so a condition is a comparison, a negation, conditions combined, True or
+    False, or a choice between conditions."""
+    if _is_bool_const(node) or isinstance(node, (ast.Compare, ast.BoolOp)):
+        return True
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, (ast.Not, ast.Invert)) and _is_condition(node.operand)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
+        return _is_condition(node.left) and _is_condition(node.right)
+    if isinstance(node, ast.IfExp):
+        return _is_condition(node.body) and _is_condition(node.orelse)
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "where" and len(node.args) == 3 and not node.keywords):
+        return _is_condition(node.args[1]) and _is_condition(node.args[2])
+    return False
+
+
+def _combine(conjunction: bool, values: list[ast.AST], node: ast.AST) -> ast.AST:
+    """``values`` joined by and (``conjunction``) or by or, True and False taken out:
+    one absorbs the whole (False in an and), the other drops (True in an and)."""
+    if not all(_is_bool_const(v) or _is_condition(v) for v in values):
+        return node  # a number among them: the checker says so
+    if any(_is_bool_const(v) and v.value is not conjunction for v in values):
+        return ast.Constant(not conjunction)
+    rest = [v for v in values if not _is_bool_const(v)]
+    if not rest:
+        return ast.Constant(conjunction)
+    if len(rest) == 1:
+        return rest[0]
+    return ast.BoolOp(ast.And() if conjunction else ast.Or(), rest)
+
+
+class _FoldBools(ast.NodeTransformer):
+    """True and False folded out of a hook, so that the kernel and the torch
+    evaluation never see a Python bool where a condition tile goes (``not True`` is
+    False, where Python's ``~True`` is -2; ``where(True, a, b)`` is a)."""
+
+    def visit_UnaryOp(self, node):
+        self.generic_visit(node)
+        if isinstance(node.op, (ast.Not, ast.Invert)) and _is_bool_const(node.operand):
+            return ast.Constant(not node.operand.value)
+        return node
+
+    def visit_BoolOp(self, node):
+        self.generic_visit(node)
+        return _combine(isinstance(node.op, ast.And), node.values, node)
+
+    def visit_BinOp(self, node):
+        self.generic_visit(node)
+        if (isinstance(node.op, (ast.BitAnd, ast.BitOr))
+                and (_is_bool_const(node.left) or _is_bool_const(node.right))):
+            return _combine(isinstance(node.op, ast.BitAnd), [node.left, node.right], node)
+        return node
+
+    def visit_Compare(self, node):
+        self.generic_visit(node)
+        if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
+            return node
+        left, right = node.left, node.comparators[0]
+        if not (_is_bool_const(left) or _is_bool_const(right)):
+            return node
+        if not (_is_condition(left) and _is_condition(right)):
+            return node  # a condition against a number: the checker refuses it
+        const, other = (left, right) if _is_bool_const(left) else (right, left)
+        keep = const.value is isinstance(node.ops[0], ast.Eq)  # x == True, x != False: x
+        if _is_bool_const(other):
+            return ast.Constant((other.value is const.value) is isinstance(node.ops[0], ast.Eq))
+        return other if keep else ast.UnaryOp(ast.Not(), other)
+
+    def visit_IfExp(self, node):
+        self.generic_visit(node)
+        if _is_bool_const(node.test):
+            return node.body if node.test.value else node.orelse
+        return node
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if (isinstance(node.func, ast.Name) and node.func.id == "where" and len(node.args) == 3
+                and not node.keywords and _is_bool_const(node.args[0])):
+            return node.args[1] if node.args[0].value else node.args[2]
+        return node
+
+
+def parse_hook(text: str) -> ast.Expression:
+    """A hook's syntax tree with True and False folded out (_FoldBools); every reader
+    of a hook (the kernel's printer, the torch evaluation, the block-map tests)
+    starts from it. Raises SyntaxError."""
+    tree = ast.parse(text.strip(), mode="eval")
+    return ast.fix_missing_locations(_FoldBools().visit(tree))
+
+
 class ExprError(ValueError):
     """A hook that is not a valid expression; the message says why."""
 
@@ -341,11 +440,15 @@ def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = No
     if check_size and len(text) > MAX_LENGTH:
         raise ExprError(f"is longer than {MAX_LENGTH} characters")
     try:
-        tree = ast.parse(text.strip(), mode="eval")
+        written = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
         raise ExprError(f"is not a Python expression ({exc.msg})") from None
-    if check_size and sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+    if check_size and sum(1 for _ in ast.walk(written)) > MAX_NODES:
         raise ExprError(f"has more than {MAX_NODES} syntax nodes")
+    # Checked as written, so that a branch True or False rules out is checked too;
+    # printed from the folded tree.
+    _Compiler(which, tensors, dict(counter or {})).compile(written.body)
+    tree = parse_hook(text)
     compiler = _Compiler(which, tensors, {} if counter is None else counter)
     kernel, kind = compiler.compile(tree.body)
     if which == "mask_mod" and kind != "bool":
@@ -472,7 +575,13 @@ def torch_fn(text: str):
             return subscript
         raise ExprError(f"{type(node).__name__} is not allowed")  # unreachable once checked
 
-    return build(ast.parse(text.strip(), mode="eval").body)
+    body = build(parse_hook(text).body)
+
+    def hook(env, tensors):
+        value = body(env, tensors)
+        # A hook that folds to a constant (True, a number) still gives a tensor.
+        return value if torch.is_tensor(value) else torch.tensor(value)
+    return hook
 
 
 def _where3(where, c, a, b):
@@ -516,7 +625,7 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
     A side that reads that variable ("kv_idx": the keys of CHUNK key tiles) is
     reshaped to ``shape`` (one row per tile) and reduced along axis 1, so the test
     is a vector with one entry per tile; the other side's bounds stay scalars."""
-    tree = ast.parse(text.strip(), mode="eval")
+    tree = parse_hook(text)
     own = {(g.tensor, g.indices): g.local for g in mask_gathers}
     counter = {name: 1000 for name in tensors}  # locals distinct from the hooks' own
     extra: list[Gather] = []
@@ -582,7 +691,7 @@ def block_quotients(text: str) -> tuple[int | None, int | None] | None:
     R x K blocks of positions (q // a is a function of q // R where R divides a),
     so the map kernel may evaluate it once per block a tile touches instead of
     once per pair."""
-    tree = ast.parse(text.strip(), mode="eval")
+    tree = parse_hook(text)
     divisors: dict[str, list[int]] = {"q_idx": [], "kv_idx": []}
     quotients = set()
     for node in ast.walk(tree):

@@ -191,7 +191,8 @@ class Spec(_Strict):
     return_lse: bool = Field(
         False,
         description="attention returns (out, lse), lse [B, Hq, Sq] float32: the "
-        "natural log of each row's softmax normaliser (-inf for a row that sees no key).",
+        "natural log of each row's softmax normaliser (for a row that sees no key: -inf, or "
+        "the head's sink logit with sinks).",
     )
     fast_math: FastMath = Field(default_factory=FastMath)
     loop_split: bool = Field(

@@ -23,6 +23,17 @@ HOOKS = [
     "score * slope[h] + bias[h, kv_idx % 4]",
     "where((score > 0.2) & (q_idx > kv_idx), score * score, -score)",
     "-score + 0.0 * (q_idx // 7)",
+    # conditions that are themselves chosen, or compared: sympy's Piecewise holds
+    # neither, so they are written as and/or/not before it differentiates
+    "where(score > 0 if h > 2 else score < 0, score, 0.5 * score)",
+    "where((score > 1 if h > 0 else score < 0) & (q_idx >= kv_idx), score, 2.0 * score)",
+    "where((score > 0) == (h > 2), score, 3.0 * score)",
+    "where((score > 0) != (q_idx > kv_idx), score, 3.0 * score)",
+    # integer powers above 8 of a base that may be negative
+    "score * score * score * score * score * score * score * score * score * score",
+    "score * score * score * score * score * score * score * score * score",
+    "sqrt(max(score, 0.0))",
+    "where(1 > 0, score, 0.0) + min(score + -1.0, score)",
 ]
 TENSORS = {"slope": ("float32", 1), "bias": ("float32", 2)}
 
@@ -55,6 +66,38 @@ def test_derivative_matches_autograd(hook):
     got = torch.as_tensor(got, dtype=torch.float64).expand_as(grad)
     # Constants evaluate as float32 (as in the kernel), hence float32-level agreement.
     torch.testing.assert_close(got, grad, rtol=1e-6, atol=1e-6)
+
+
+def test_min_and_max_take_the_first_arguments_slope_at_a_tie():
+    """Both arguments of min(score, score - c) have slope 1, so the derivative is 1
+    where they tie (c = 0, the diagonal for a relative bias), not H(c) + H(-c) = 0."""
+    assert score_derivative("min(score, score - slope[h] * (q_idx - kv_idx))") == "1.0"
+    env, tensors = _env(torch.Generator().manual_seed(0))
+    score = env["score"].detach()
+    tie = evaluate(score_derivative("max(score, 0.5)"), {**env, "score": torch.full_like(score, 0.5)}, tensors)
+    assert torch.equal(torch.as_tensor(tie).expand_as(score), torch.ones_like(score))
+
+
+def test_derivatives_stay_finite_where_the_hook_is():
+    """sqrt(max(score, 0)) is flat below 0 (derivative 0, not inf * 0) and a tenth
+    power of a negative score has a finite slope (not exp(9 log(score)))."""
+    env, tensors = _env(torch.Generator().manual_seed(0))
+    score = -env["score"].detach().abs()  # all negative
+    for hook in ("sqrt(max(score, 0.0))", " * ".join(["score"] * 10)):
+        got = evaluate(score_derivative(hook), {**env, "score": score}, tensors)
+        assert torch.isfinite(torch.as_tensor(got)).all(), hook
+
+
+def test_sympy_failures_are_one_line_expr_errors(monkeypatch):
+    import specgen.spec.derive as derive
+
+    def broken(*args, **kwargs):
+        raise TypeError("expecting bool or Boolean, not `Piecewise(...)`\nmore")
+
+    monkeypatch.setattr(derive.sp, "diff", broken)
+    with pytest.raises(ExprError, match=r"sympy could not form the derivative \(TypeError: "
+                                        r"expecting bool or Boolean, not `Piecewise\(\.\.\.\)`\)$"):
+        score_derivative("tanh(score)")
 
 
 def test_a_bias_has_derivative_one():

@@ -865,3 +865,23 @@ def test_a_nan_lse_gradient_on_rows_without_keys_stays_out_of_the_gradients():
         loss = out.float().sum() + torch.where(torch.isfinite(merged), merged, 0.0).sum()
         grads = torch.autograd.grad(loss, (q, k, v))
     assert torch.isinf(lse).any() and all(torch.isfinite(g_).all() for g_ in grads)
+
+
+@pytest.mark.parametrize("score_mod", [
+    # a condition chosen by another (written as and/or/not for sympy), and a ~ of a
+    # condition on the head alone, which the kernel computes on scalars
+    "where(score > 0 if h > 0 else score < 0, score, 0.5 * score) - slope[h] * (q_idx - kv_idx)",
+    # min of two arguments with slope 1 that tie on the diagonal
+    "min(score, score - slope[h] * (q_idx - kv_idx))",
+])
+def test_hook_derivatives_train_against_fp64_autograd(score_mod):
+    """The backward of a training spec whose score_mod sympy used to get wrong
+    (a dropped condition, a zero slope at ties), emulated against fp64 autograd of
+    the reference, learnable slopes included."""
+    data = {"name": "hook_grad", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,
+            "causal": True, "backward": True, "score_mod": score_mod,
+            "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    module = _emulated(data, f"hook_grad_{abs(hash(score_mod))}")
+    row = _run(module, Case(1, 2, 40, 50, 10))
+    assert row["ok"] and row["grad_ok"], case_verdict(row)

@@ -138,3 +138,20 @@ def test_cases_on_workers_keep_their_order_and_inputs(jobs):
     assert sorted(reported) == cases
     if jobs > 1:
         assert reported != cases  # reported as they finish, not in order
+
+
+def test_non_finite_gradients_fail_and_say_so():
+    """A NaN gradient fails the gradient check and the verdict names it: a max()
+    over the errors must not drop the NaN and report a small ratio."""
+    import torch
+
+    from specgen.check.runner import _fa_rule, case_verdict
+
+    got = [torch.tensor([0.01, 0.01]), torch.tensor([float("nan"), 0.0])]
+    exact = [torch.zeros(2, dtype=torch.float64)] * 2
+    rough = [torch.full((2,), 0.1, dtype=torch.float64)] * 2
+    rule = _fa_rule(torch, got, exact, rough)
+    assert not rule["grad_ok"] and not rule["grad_finite"]
+    assert rule["grad_ratio"] != rule["grad_ratio"]  # NaN
+    row = {"ok": False, "rel_err": 1e-3, **rule}
+    assert case_verdict(row).endswith("(non-finite gradients)")

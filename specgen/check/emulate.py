@@ -498,6 +498,11 @@ def _cpu_for_cuda(node: ast.AST) -> ast.AST:
     return node
 
 
+def _invert(x):
+    """~x as a kernel computes it: a bool (a condition on scalar tiles) is negated."""
+    return (not x) if isinstance(x, bool) else ~x
+
+
 class _NoDevice(ast.NodeTransformer):
     """The emulated device is the CPU: ``x.is_cuda`` reads True and the device
     name "cuda" reads "cpu" (the launchers' device checks and defaults); custom
@@ -514,6 +519,16 @@ class _NoDevice(ast.NodeTransformer):
         self.generic_visit(node)
         if isinstance(node.func, ast.Attribute) and node.func.attr == "device" and node.args:
             node.args[0] = _cpu_for_cuda(node.args[0])
+        return node
+
+    def visit_UnaryOp(self, node):
+        # In a kernel, the block index and what is computed from it are scalar
+        # tiles, and ~ of a boolean tile is its negation. Emulated, they are Python
+        # ints, whose ~True is -2: ~ goes through _invert, which negates a bool.
+        self.generic_visit(node)
+        if isinstance(node.op, ast.Invert):
+            call = ast.Call(ast.Name("_specgen_invert", ast.Load()), [node.operand], [])
+            return ast.copy_location(call, node)
         return node
 
     def visit_Compare(self, node):
@@ -584,6 +599,7 @@ def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
     module.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": _import}
     module.__dict__["max"] = _builtin_max
     module.__dict__["min"] = _builtin_min
+    module.__dict__["_specgen_invert"] = _invert
     sys.modules.setdefault(module.__name__, module)
     exec(compile(tree, str(path), "exec"), module.__dict__)
     return module

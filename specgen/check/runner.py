@@ -208,8 +208,12 @@ def _fa_rule(torch, got, exact, rough) -> dict:
         finite = finite and bool(torch.isfinite(g).all())
         err = (g.double() - e).abs().max().item() if g.numel() else 0.0
         allowed = 2 * ((r.double() - e).abs().max().item() if g.numel() else 0.0) + 1e-5
-        worst = max(worst, err / allowed)
-    return {"grad_ratio": worst, "grad_ok": finite and worst <= 1.0}
+        ratio = err / allowed
+        worst = ratio if ratio != ratio else max(worst, ratio)  # NaN stays NaN
+        if worst != worst:
+            break
+    return {"grad_ratio": worst, "grad_ok": finite and worst <= 1.0,
+            "grad_finite": finite}
 
 
 def _p_model(spec: dict, reference):
@@ -374,6 +378,8 @@ def case_verdict(row: dict) -> str:
         text += f", {row['nonfinite']} non-finite"
     if "grad_ratio" in row:
         text += f", grads {row['grad_ratio']:.2f} of FA's allowance"
+        if not row.get("grad_finite", True):
+            text += " (non-finite gradients)"
     return text
 
 

@@ -10,26 +10,26 @@ evaluates with torch exactly as a hook does.
 
 Derivatives that exist only almost everywhere follow the usual subgradient
 conventions: ``abs`` has slope 0 at 0, ``min``/``max`` and ``where`` take the
-slope of the branch they select (at a tie ``max(score, c)`` takes c's, 0).
+slope of the branch they select, and at a tie ``min``/``max`` take their first
+argument's (``max(score, c)`` has slope 1 where score == c).
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 
 import sympy as sp
 
 # The kernels compute in float32: a constant past its largest value is inf there.
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
-from specgen.spec.hooks import ExprError, parse_hook
+from specgen.spec.hooks import ExprError, _is_condition, parse_hook
 
 _SCORE = sp.Symbol("score", real=True)
 _FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs}
 _ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
           ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
-_REL = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp.Eq,
-        ast.NotEq: sp.Ne}
 
 
 class _ToSympy:
@@ -70,15 +70,17 @@ class _ToSympy:
     def convert(self, node: ast.AST):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return sp.Integer(node.value) if isinstance(node.value, int) else sp.Float(node.value)
+        if _is_condition(node):
+            # A condition is only ever tested, never differentiated (a choice's
+            # derivative is the chosen branch's): it stays whole, as its own text, so
+            # sympy never orders relationals of choices (which it can get wrong).
+            return self.leaf(node, boolean=True)
         if not self.uses_variable(node):
-            return self.leaf(node, boolean=_is_condition(node))
+            return self.leaf(node)
         if self.is_variable(node):
             return self.variable(node)
         if isinstance(node, ast.Name):  # score
             return _SCORE
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
-            parts = (self.convert(node.left), self.convert(node.right))
-            return (sp.And if isinstance(node.op, ast.BitAnd) else sp.Or)(*parts)
         if isinstance(node, ast.BinOp):
             if type(node.op) not in _ARITH:
                 raise ExprError(f"{ast.unparse(node)}: '//' and '%' of the score or of a "
@@ -88,41 +90,24 @@ class _ToSympy:
             operand = self.convert(node.operand)
             if isinstance(node.op, ast.USub):
                 return -operand
-            if isinstance(node.op, ast.UAdd):
-                return operand
-            return sp.Not(operand)  # not, ~
+            return operand  # +x (not and ~ negate conditions, kept whole above)
         if isinstance(node, ast.Call):
             name = node.func.id
             args = [self.convert(a) for a in node.args]
             if name == "where":
                 return sp.Piecewise((args[1], args[0]), (args[2], True))
             if name in ("min", "max"):
-                return (sp.Min if name == "min" else sp.Max)(*args)
+                # The first argument where it is the smaller (larger), ties included:
+                # its slope at a tie, never the 0 of H(c) + H(-c) that sympy's Min and
+                # Max differentiate to. The comparison is a condition, kept whole.
+                a, b = node.args
+                test = ast.Compare(a, [ast.LtE() if name == "min" else ast.GtE()], [b])
+                return sp.Piecewise((args[0], self.leaf(test, boolean=True)), (args[1], True))
             return _FUNCS[name](*args)
         if isinstance(node, ast.IfExp):
             return sp.Piecewise((self.convert(node.body), self.convert(node.test)),
                                 (self.convert(node.orelse), True))
-        if isinstance(node, ast.Compare):
-            terms, left = [], self.convert(node.left)
-            for op, right_node in zip(node.ops, node.comparators):
-                right = self.convert(right_node)
-                terms.append(_REL[type(op)](left, right))
-                left = right
-            return sp.And(*terms)
-        if isinstance(node, ast.BoolOp):
-            parts = [self.convert(v) for v in node.values]
-            return (sp.And if isinstance(node.op, ast.And) else sp.Or)(*parts)
         raise ExprError(f"{ast.unparse(node)}: no derivative for this construct")
-
-
-def _is_condition(node: ast.AST) -> bool:
-    if isinstance(node, (ast.Compare, ast.BoolOp)):
-        return True
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.Invert)):
-        return True
-    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr)):
-        return True
-    return isinstance(node, ast.Constant) and isinstance(node.value, bool)
 
 
 class _Printer:
@@ -195,19 +180,25 @@ class _Printer:
         if exponent.is_Integer and 0 < abs(int(exponent)) <= 8:
             product = "(" + " * ".join([b] * abs(int(exponent))) + ")"
             return product if exponent > 0 else f"(1.0 / {product})"
+        if exponent.is_Integer:
+            # exp(n log|b|) with b's sign put back: exp(n log b) is NaN for b < 0.
+            n = int(exponent)
+            magnitude = f"exp({float(n)!r} * log(abs({b})))"
+            return magnitude if n % 2 == 0 else f"(where({b} < 0.0, -1.0, 1.0) * {magnitude})"
         return f"exp({self(exponent)} * log({b}))"
 
 
 def score_derivative(text: str) -> str:
     """d(score_mod)/d(score) of the checked hook ``text``, as hook text ("1.0" for
     score + bias). Raises ExprError where the hook has no derivative."""
-    tree = parse_hook(text)  # True and False folded, as the kernel reads it
-    converter = _ToSympy()
-    expr = converter.convert(tree.body)
-    derivative = sp.diff(expr, _SCORE)
-    if derivative.has(sp.Subs, sp.Derivative):
-        raise ExprError(f"{text}: sympy left an unevaluated derivative ({derivative})")
-    return _Printer(converter.opaque)(derivative)
+    with _sympy_errors(text):
+        tree = parse_hook(text)  # True and False folded, as the kernel reads it
+        converter = _ToSympy()
+        expr = converter.convert(tree.body)
+        derivative = _fold(sp.diff(expr, _SCORE))
+        if derivative.has(sp.Subs, sp.Derivative):
+            raise ExprError(f"{text}: sympy left an unevaluated derivative ({derivative})")
+        return _Printer(converter.opaque)(derivative)
 
 
 def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
@@ -216,14 +207,42 @@ def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
     first appearance: ``score - slope[h] * (q_idx - kv_idx)`` gives
     ``[("slope[h]", "(-1.0 * (q_idx - kv_idx))")]``-like text. Raises ExprError
     where the hook has no derivative in one of them."""
-    tree = parse_hook(text)  # True and False folded, as the kernel reads it
-    converter = _ToSympy(frozenset(learnable))
-    expr = converter.convert(tree.body)
-    printer = _Printer(converter.opaque)
-    result = []
-    for source, symbol in converter.variables.items():
-        derivative = sp.diff(expr, symbol)
-        if derivative.has(sp.Subs, sp.Derivative):
-            raise ExprError(f"{text}: sympy left an unevaluated derivative in {source} ({derivative})")
-        result.append((source, printer(derivative)))
-    return result
+    with _sympy_errors(text):
+        tree = parse_hook(text)  # True and False folded, as the kernel reads it
+        converter = _ToSympy(frozenset(learnable))
+        expr = converter.convert(tree.body)
+        printer = _Printer(converter.opaque)
+        result = []
+        for source, symbol in converter.variables.items():
+            derivative = _fold(sp.diff(expr, symbol))
+            if derivative.has(sp.Subs, sp.Derivative):
+                raise ExprError(f"{text}: sympy left an unevaluated derivative in {source} "
+                                f"({derivative})")
+            result.append((source, printer(derivative)))
+        return result
+
+
+def _fold(derivative):
+    """The derivative with a choice that multiplies it pulled to the top, where
+    there is one such choice (one set of conditions, however often it occurs): a
+    branch where the hook is flat is then 0, not the product inf * 0 of
+    sqrt(max(score, 0))'s chain rule below 0. sympy folds several choices into every
+    combination of their branches (2**n, and slowly), so those stay as they are."""
+    choices = {tuple(cond for _, cond in p.args) for p in derivative.atoms(sp.Piecewise)}
+    if len(choices) != 1:
+        return derivative
+    return sp.piecewise_fold(derivative)
+
+
+@contextlib.contextmanager
+def _sympy_errors(text: str):
+    """sympy's own failures (a TypeError from a relational it cannot order, a
+    RecursionError in its simplifier) as the one-line ExprError a spec error needs."""
+    try:
+        yield
+    except ExprError:
+        raise
+    except (TypeError, ValueError, AttributeError, NotImplementedError, RecursionError) as exc:
+        detail = (str(exc).strip().splitlines() or [""])[0][:120]
+        raise ExprError(f"{text}: sympy could not form the derivative "
+                        f"({type(exc).__name__}: {detail})") from None

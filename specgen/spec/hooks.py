@@ -101,6 +101,22 @@ def _combine(conjunction: bool, values: list[ast.AST], node: ast.AST) -> ast.AST
     return ast.BoolOp(ast.And() if conjunction else ast.Or(), rest)
 
 
+_CONST_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
+                  ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
+                  ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
+
+
+def _number_const(node: ast.AST):
+    """The value of a number written as a constant (2, -1.5, +3), else None."""
+    sign = 1
+    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        sign = -sign if isinstance(node.op, ast.USub) else sign
+        node = node.operand
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return sign * node.value
+    return None
+
+
 class _FoldBools(ast.NodeTransformer):
     """True and False folded out of a hook, so that the kernel and the torch
     evaluation never see a Python bool where a condition tile goes (``not True`` is
@@ -125,6 +141,11 @@ class _FoldBools(ast.NodeTransformer):
 
     def visit_Compare(self, node):
         self.generic_visit(node)
+        numbers = [_number_const(n) for n in [node.left, *node.comparators]]
+        if all(n is not None for n in numbers) and all(type(op) in _CONST_COMPARE for op in node.ops):
+            # 1 > 0, (-1.0) > 0.0 (a derivative's text holds such): a constant condition
+            return ast.Constant(all(_CONST_COMPARE[type(op)](a, b)
+                                    for op, a, b in zip(node.ops, numbers, numbers[1:])))
         if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
             return node
         left, right = node.left, node.comparators[0]
@@ -476,6 +497,8 @@ def torch_fn(text: str):
     import torch
 
     def where(c, a, b):
+        if not torch.is_tensor(c):  # a condition of constants (1 > 0): chosen here
+            return a if c else b
         return torch.where(c, a, b)
 
     def float_of(x):
@@ -587,6 +610,8 @@ def torch_fn(text: str):
 def _where3(where, c, a, b):
     import torch
 
+    if not torch.is_tensor(c):
+        return where(c, a, b)
     if not torch.is_tensor(a):
         a = torch.tensor(a, device=b.device if torch.is_tensor(b) else c.device)
     return where(c, a, b)

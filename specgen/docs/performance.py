@@ -174,6 +174,20 @@ def _files_line(path: Path, link_base: Path) -> str:
     return "Files: " + ", ".join(files) + "."
 
 
+def _result(data: dict):
+    """A run's JSON as the bench's BenchResult (validated)."""
+    from specgen.bench.core import BenchResult
+
+    return BenchResult.model_validate(data)
+
+
+def _run_heading(data: dict, suite: str, sizes: str) -> list[str]:
+    """A run's title and the line under it: kernel, ``sizes`` (the constant shape and
+    the run's yardstick) and the run's date and versions."""
+    return [f"#### `{data['spec']}`, {suite}", "",
+            f"Kernel `{data['kernel']}`. {sizes} {_run_meta(data)}.", ""]
+
+
 def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
     """A prefill or backward run: TFLOPS (ms) per shape, ratios, share of the matmul."""
     rows, baselines = data["rows"], data["baselines"]
@@ -182,16 +196,12 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
         varying, shape_head = ["seq_q"], ["S"]
     else:
         shape_head = [SHAPE_LABELS[k] for k in varying]
-    from specgen.bench.core import BenchResult
-
-    result = BenchResult.model_validate(data)
+    result = _result(data)
     map_head, map_cells = _map_columns(result)
-    lines = [
-        f"#### `{data['spec']}`, {data['suite']}",
-        "",
-        f"Kernel `{data['kernel']}`. {_constant_text(rows, constant)}; {data.get('layout', 'Sq=Skv')}. "
-        f"Dense fp16 matmul {data['matmul_tflops']:.0f} TFLOPS in the same run. {_run_meta(data)}.",
-        "",
+    lines = _run_heading(
+        data, data["suite"],
+        f"{_constant_text(rows, constant)}; {data.get('layout', 'Sq=Skv')}. "
+        f"Dense fp16 matmul {data['matmul_tflops']:.0f} TFLOPS in the same run.") + [
         "| " + " | ".join(shape_head + [f"{_label(n)} TFLOPS (ms)" for n in ["specgen", *baselines]]
                          + [f"vs {_label(n)}" for n in baselines] + ["specgen % of matmul"] + map_head) + " |",
         "|" + "---:|" * (len(shape_head) + 2 * len(baselines) + 2 + len(map_head)),
@@ -243,16 +253,12 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     varying, constant = _split_shape(rows, SHAPE_KEYS["decode"])
     head = [DECODE_LABELS[k] for k in varying] + ["splits"]
     names = ["specgen", *baselines]
-    from specgen.bench.core import BenchResult
-
-    result = BenchResult.model_validate(data)
+    result = _result(data)
     map_head, map_cells = _map_columns(result)
-    lines = [
-        f"#### `{data['spec']}`, decode",
-        "",
-        f"Kernel `{data['kernel']}`. {_constant_text(rows, constant, DECODE_LABELS)}; "
-        f"{data.get('layout', '')}. Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run. {_run_meta(data)}.",
-        "",
+    lines = _run_heading(
+        data, "decode",
+        f"{_constant_text(rows, constant, DECODE_LABELS)}; {data.get('layout', '')}. "
+        f"Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run.") + [
         "| " + " | ".join(head + [f"{_label(n)} µs (TB/s)" for n in names]
                          + ["specgen % of copy"] + [f"vs {_label(n)}" for n in baselines] + map_head) + " |",
         "|" + "---:|" * (len(head) + len(names) + 1 + len(baselines) + len(map_head)),

@@ -209,9 +209,10 @@ def _fa_rule(torch, got, exact, rough) -> dict:
         err = (g.double() - e).abs().max().item() if g.numel() else 0.0
         allowed = 2 * ((r.double() - e).abs().max().item() if g.numel() else 0.0) + 1e-5
         ratio = err / allowed
-        worst = ratio if ratio != ratio else max(worst, ratio)  # NaN stays NaN
-        if worst != worst:
+        if math.isnan(ratio):  # a NaN error: max() would drop it
+            worst = ratio
             break
+        worst = max(worst, ratio)
     return {"grad_ratio": worst, "grad_ok": finite and worst <= 1.0,
             "grad_finite": finite}
 

@@ -19,6 +19,7 @@ from .reference import (
     spec_reference_markdown,
 )
 
+
 def generated_docs(root: Path) -> dict[str, str]:
     """The generated pages of the repository at ``root``: relative path -> text."""
     root = Path(root)

@@ -21,10 +21,10 @@ import contextlib
 
 import sympy as sp
 
+from specgen.spec.hooks import ExprError, _is_condition, parse_hook
+
 # The kernels compute in float32: a constant past its largest value is inf there.
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
-
-from specgen.spec.hooks import ExprError, _is_condition, parse_hook
 
 _SCORE = sp.Symbol("score", real=True)
 _FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import math
+import operator
 from dataclasses import dataclass
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
@@ -101,9 +102,9 @@ def _combine(conjunction: bool, values: list[ast.AST], node: ast.AST) -> ast.AST
     return ast.BoolOp(ast.And() if conjunction else ast.Or(), rest)
 
 
-_CONST_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
-                  ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-                  ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
+# The comparisons as Python functions: folding constants here, torch's in torch_fn.
+_COMPARE_FN = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+               ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge}
 
 
 def _number_const(node: ast.AST):
@@ -142,9 +143,9 @@ class _FoldBools(ast.NodeTransformer):
     def visit_Compare(self, node):
         self.generic_visit(node)
         numbers = [_number_const(n) for n in [node.left, *node.comparators]]
-        if all(n is not None for n in numbers) and all(type(op) in _CONST_COMPARE for op in node.ops):
+        if all(n is not None for n in numbers) and all(type(op) in _COMPARE_FN for op in node.ops):
             # 1 > 0, (-1.0) > 0.0 (a derivative's text holds such): a constant condition
-            return ast.Constant(all(_CONST_COMPARE[type(op)](a, b)
+            return ast.Constant(all(_COMPARE_FN[type(op)](a, b)
                                     for op, a, b in zip(node.ops, numbers, numbers[1:])))
         if len(node.ops) != 1 or not isinstance(node.ops[0], (ast.Eq, ast.NotEq)):
             return node
@@ -496,11 +497,6 @@ def torch_fn(text: str):
     as in the kernel."""
     import torch
 
-    def where(c, a, b):
-        if not torch.is_tensor(c):  # a condition of constants (1 > 0): chosen here
-            return a if c else b
-        return torch.where(c, a, b)
-
     def float_of(x):
         # Integers (positions, ids) become float32, exact below 2**24.
         if torch.is_tensor(x):
@@ -521,9 +517,6 @@ def torch_fn(text: str):
              ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b,
              ast.Mod: lambda a, b: a % b, ast.BitAnd: lambda a, b: a & b,
              ast.BitOr: lambda a, b: a | b}
-    compare = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b,
-               ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b,
-               ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b}
 
     def build(node):
         if isinstance(node, ast.Constant):
@@ -557,7 +550,7 @@ def torch_fn(text: str):
             return combine
         if isinstance(node, ast.Compare):
             operands = [build(node.left)] + [build(c) for c in node.comparators]
-            fns = [compare[type(op)] for op in node.ops]
+            fns = [_COMPARE_FN[type(op)] for op in node.ops]
 
             def chain(env, t):
                 values = [o(env, t) for o in operands]
@@ -568,12 +561,12 @@ def torch_fn(text: str):
             return chain
         if isinstance(node, ast.IfExp):
             test, body, orelse = build(node.test), build(node.body), build(node.orelse)
-            return lambda env, t: _where3(where, test(env, t), body(env, t), orelse(env, t))
+            return lambda env, t: _where3(test(env, t), body(env, t), orelse(env, t))
         if isinstance(node, ast.Call):
             name = node.func.id
             args = [build(a) for a in node.args]
             if name == "where":
-                return lambda env, t: _where3(where, *(a(env, t) for a in args))
+                return lambda env, t: _where3(*(a(env, t) for a in args))
             fn = getattr(torch, FUNCTIONS[name][2])
             cast = FUNCTIONS[name][3] == "float"
 
@@ -607,14 +600,16 @@ def torch_fn(text: str):
     return hook
 
 
-def _where3(where, c, a, b):
+def _where3(c, a, b):
+    """where(c, a, b) with torch; a condition of constants, a Python bool at run time
+    ((1 + 1) > 0), chooses here."""
     import torch
 
     if not torch.is_tensor(c):
-        return where(c, a, b)
+        return a if c else b
     if not torch.is_tensor(a):
         a = torch.tensor(a, device=b.device if torch.is_tensor(b) else c.device)
-    return where(c, a, b)
+    return torch.where(c, a, b)
 
 
 def evaluate(text: str, env: dict, tensors: dict):

@@ -1,8 +1,9 @@
-"""Usage: python bench/grad_case_detail.py SPEC_NAME SEED:I [SEED:I ...] (on a GPU).
+"""Usage: python bench/grad_case_detail.py SPEC_NAME CASE [CASE ...] (on a GPU).
 
-One fuzz case of a training spec (as `specgen test --fuzz-case` replays it), with
-FlashAttention's rule shown per gradient: the kernel's largest error against fp64
-autograd, the same math's error in the input dtype, the ratio to the allowance
+CASE: SEED:I, one fuzz case of a training spec (as `specgen test --fuzz-case`
+replays it), or B,HKV,SQ,SKV,Q_OFFSET@SEED, that shape with inputs drawn from SEED;
+with FlashAttention's rule shown per gradient: the kernel's largest error against
+fp64 autograd, the same math's error in the input dtype, the ratio to the allowance
 (2 x that error + 1e-5) and where the largest error sits."""
 
 import importlib
@@ -31,9 +32,14 @@ def main(name: str, case_seeds: list[str]) -> None:
 
     runner._fa_rule = verbose_rule
     for case_seed in case_seeds:
-        case = runner.fuzz_case(module.SPEC, case_seed)
+        if "@" in case_seed:
+            shape, _, seed = case_seed.partition("@")
+            case = runner.Case(*(int(x) for x in shape.split(",")))
+            gen = torch.Generator(device="cuda").manual_seed(int(seed))
+        else:
+            case = runner.fuzz_case(module.SPEC, case_seed)
+            gen = torch.Generator(device="cuda").manual_seed(random.Random(case_seed).getrandbits(63))
         print(f"{name} {case_seed}: {case}")
-        gen = torch.Generator(device="cuda").manual_seed(random.Random(case_seed).getrandbits(63))
         row = runner.run_case(torch, module, case, gen)
         print(f"  {runner.case_verdict(row)}")
 

@@ -40,9 +40,13 @@ def test_dq_forms_the_exact_delta_of_a_one_tile_row_and_runs_before_dkdv(name):
         "if (num_partial + num_full) * exact_delta " in head
     assert "exact_delta: int," in dq
     block = loops[: loops.index("    for ")]
-    assert "delta = ct.sum(p * dp, axis=-1, keepdims=True)" in block
-    if "sinks" not in name:
-        assert "delta / ct.where(total > 0.0, total, 1.0)" in block
+    if "sinks" in name:
+        assert "delta = ct.sum(p * dp, axis=-1, keepdims=True)" in block
+    else:
+        # the sum about the dP of a key with P > 0, divided by the row's sum of P
+        assert "ref = ct.max(ct.where(p > 0.0, dp, -math.inf), axis=-1, keepdims=True)" in block
+        assert "spread = ct.sum(p * (dp - ref), axis=-1, keepdims=True)" in block
+        assert "spread / ct.where(total > 0.0, total, 1.0)" in block
     assert re.search(r"ct\.store\(\s*Delta,", block)
     assert _launch_order(text) == ["fmha_bwd_dq_", "fmha_bwd_dkdv_"]
 

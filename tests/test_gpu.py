@@ -721,6 +721,12 @@ BACKWARD_VARIANTS = {
         # (a per-row term must scale the score: an added one cancels in the softmax)
         "score_mod": "score * (1.0 + 0.5 * tanh(rowb[b, q_idx])) - slope[h] * (q_idx - kv_idx) "
                      "+ rel[h, q_idx - kv_idx] + colb[kv_idx] * 0.5"},
+    # A learnable slope beside sinks and a returned LSE: the dQ kernel corrects the
+    # slope's D with the sink's share of P and the LSE's gradient.
+    "learnable_slope_sinks_lse": {
+        "backward": True, "gqa_ratio": 4, "head_dim": 64, "sinks": True, "return_lse": True,
+        "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+        "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
     "learnable_scale_non_causal": {
         "backward": True, "causal": False, "block_remap": None, "gqa_ratio": 1, "dtype": "float16",
         "tensors": {"temp": {"dtype": "float32", "shape": ["heads"], "learnable": True},

@@ -347,6 +347,12 @@ class Plan:
         return tuple(g for t in self.tensor_grads for g in t.derivative.gathers)
 
     @property
+    def row_tensor_grads(self) -> bool:
+        """Whether a learnable tensor's gradient is summed per query row or per head
+        in the dQ kernel's registers (so its D can be corrected at the end)."""
+        return any(t.where in ("head", "rows") for t in self.tensor_grads)
+
+    @property
     def learnable(self) -> tuple[tuple[str, str], ...]:
         """(tensor, gradient parameter) of each learnable tensor, in the order
         score_mod first reads them."""

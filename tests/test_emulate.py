@@ -916,3 +916,28 @@ def test_a_learnable_slope_gradient_takes_the_delta_of_the_kernels_own_p(monkeyp
         row = _run(module, Case(1, 1, 8, 512, 504), seed)
         assert row["ok"] and row["grad_ok"], case_verdict(row)
     assert len(ratios) == 2 and max(ratios) < 0.05, ratios
+
+
+def test_the_sinks_gradient_takes_the_delta_of_the_kernels_own_p(monkeypatch):
+    """dsinks = -sum over rows of P_sink * D: with D = rowsum(dO * O) from the output
+    rounded to bfloat16 it was 9.2x FlashAttention's allowance on this case (the
+    bfloat16 reference forms D from its own P). The dQ kernel stores the D of its own
+    P and dP, which the sinks' gradient and the dK/dV kernel read."""
+    data = {"name": "sinks_delta", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 1,
+            "causal": False, "sinks": True, "backward": True,
+            "tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+            "score_mod": "score - slope[h] * (q_idx - kv_idx)",
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    module = _emulated(data, "sinks_delta")
+    ratios = []
+    rule = runner._fa_rule
+
+    def sinks_ratio(torch_, got, exact, rough):
+        g, e, r = got[3].double(), exact[3], rough[3].double()  # dq, dk, dv, dsinks
+        ratios.append((g - e).abs().max().item() / (2 * (r - e).abs().max().item() + 1e-5))
+        return rule(torch_, got, exact, rough)
+
+    monkeypatch.setattr(runner, "_fa_rule", sinks_ratio)
+    row = _run(module, Case(1, 1, 8, 512, 504), seed=5)
+    assert row["ok"] and row["grad_ok"], case_verdict(row)
+    assert len(ratios) == 1 and ratios[0] < 0.05, ratios

@@ -308,7 +308,7 @@ def backward_signatures(plan: Plan) -> dict:
         hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
-    if plan.sinks and plan.row_tensor_grads:  # the sink logits, for the tensors' D
+    if plan.sinks and plan.bwd_own_delta:  # the sink logits, for the dQ kernel's own D
         grads.append(_array_constraint(ct.float32, 1, 4, False))
     dkdv, dq = plan.bwd_names
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order

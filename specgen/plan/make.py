@@ -353,6 +353,14 @@ class Plan:
         return any(t.where in ("head", "rows") for t in self.tensor_grads)
 
     @property
+    def bwd_own_delta(self) -> bool:
+        """Whether the dQ kernel replaces D = rowsum(dO * O) by the rowsum(P dP) of its
+        own P at its end (for the dK/dV kernel, the sinks' gradient and the
+        learnable tensors' sums): specs with sinks (not packed GQA, whose rows span
+        heads) or learnable tensors."""
+        return bool(self.tensor_grads) or (self.sinks and not self.bwd_pack)
+
+    @property
     def learnable(self) -> tuple[tuple[str, str], ...]:
         """(tensor, gradient parameter) of each learnable tensor, in the order
         score_mod first reads them."""

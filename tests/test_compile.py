@@ -298,3 +298,47 @@ def test_known_targets_are_the_installed_tileiras_targets():
     assert listed, f"no --gpu-name values found in `{binary} --help`"
     assert listed == KNOWN_TARGETS, (
         f"{binary} compiles for {listed}; specgen.spec.fields.KNOWN_TARGETS says {KNOWN_TARGETS}")
+
+
+def _jit_like(constraint):
+    """An array constraint as the JIT specialises one for torch's tensors of these
+    shapes: every extent and row stride divisible by 16, a 256-byte aligned base."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import ArrayConstraint
+
+    if not isinstance(constraint, ArrayConstraint):
+        return constraint
+    n = constraint.ndim
+    return ArrayConstraint(constraint.dtype, n, index_dtype=ct.int32, stride_lower_bound_incl=0,
+                           alias_groups=(), may_alias_internally=False,
+                           stride_constant=(None,) * (n - 1) + (1,),
+                           stride_divisible_by=(16,) * (n - 1) + (1,),
+                           shape_divisible_by=(16,) * n, base_addr_divisible_by=256)
+
+
+def test_learnable_tables_at_d128_compile_as_the_jit_specialises_them():
+    """A relative-position table and a per-key bias, learnable, at D128: with their
+    element-wise atomic adds in the dQ kernel, tileiras failed (exit 5) on the
+    signature the JIT forms for S 2048 (the AOT one compiled). They are added by the
+    dK/dV kernel, and both kernels compile for either signature."""
+    import io
+
+    from cuda.tile.compilation import KernelSignature, export_kernel
+
+    from specgen.compile.export import backward_signatures
+
+    from .helpers import render_spec_data
+
+    data = {"name": "tables_d128", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 4,
+            "causal": True, "backward": True,
+            "tensors": {"rel": {"dtype": "float32", "shape": ["heads", 8192], "learnable": True},
+                        "colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True}},
+            "score_mod": "score + rel[h, q_idx - kv_idx] + 0.5 * colb[kv_idx]"}
+    plan, source = render_spec_data(data)
+    assert [t.where for t in plan.dkdv_tensor_grads] == ["keys", "keys"] and not plan.dq_tensor_grads
+    module = load_module_from_source("tables_d128", source, "generated/tables_d128.py")
+    for name, sigs in backward_signatures(plan).items():
+        jit = [KernelSignature([_jit_like(p) for p in s.parameters], s.calling_convention) for s in sigs]
+        buffer = io.BytesIO()
+        export_kernel(getattr(module, name), jit, buffer, gpu_code="sm_90", output_format="cubin")
+        assert buffer.getvalue()[:4] == b"\x7fELF", name

@@ -527,6 +527,11 @@ AOT_BACKWARD_CASES = {
     "dropout_learnable": {"backward": True, "dropout": True,
                           "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
                           "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
+    # learnable subscripts that vary with the key: added by the dK/dV kernel
+    "table_learnable": {"backward": True,
+                        "tensors": {"rel": {"dtype": "float32", "shape": ["heads", 2048], "learnable": True},
+                                    "colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True}},
+                        "score_mod": "score + rel[h, q_idx - kv_idx] + 0.5 * colb[kv_idx]"},
     # the dQ kernel takes the sink logits for a learnable tensor's D
     "sinks_learnable_lse": {"backward": True, "sinks": True, "return_lse": True,
                             "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
@@ -939,5 +944,30 @@ def test_the_sinks_gradient_takes_the_delta_of_the_kernels_own_p(monkeypatch):
 
     monkeypatch.setattr(runner, "_fa_rule", sinks_ratio)
     row = _run(module, Case(1, 1, 8, 512, 504), seed=5)
+    assert row["ok"] and row["grad_ok"], case_verdict(row)
+    assert len(ratios) == 1 and ratios[0] < 0.05, ratios
+
+
+def test_a_learnable_table_read_by_both_positions_takes_the_kernels_own_delta(monkeypatch):
+    """rel[h, (q_idx - kv_idx) // 32] under a window of 2: every key a row sees reads
+    rel[h, 0], whose exact gradient is the row's sum of dS, 0. Added in the dQ kernel
+    with D = rowsum(dO * O) it was 19.7x FlashAttention's allowance; the dK/dV
+    kernel adds it with the dQ kernel's own D."""
+    data = {"name": "rel_delta", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,
+            "causal": True, "window": {"left": 2}, "backward": True,
+            "tensors": {"rel": {"dtype": "float32", "shape": ["heads", 160], "learnable": True}},
+            "score_mod": "score + rel[h, (q_idx - kv_idx) // 32]",
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    module = _emulated(data, "rel_delta")
+    ratios = []
+    rule = runner._fa_rule
+
+    def rel_ratio(torch_, got, exact, rough):
+        g, e, r = got[-1].double(), exact[-1], rough[-1].double()
+        ratios.append((g - e).abs().max().item() / (2 * (r - e).abs().max().item() + 1e-5))
+        return rule(torch_, got, exact, rough)
+
+    monkeypatch.setattr(runner, "_fa_rule", rel_ratio)
+    row = _run(module, Case(1, 1, 77, 77, 0), seed=3)
     assert row["ok"] and row["grad_ok"], case_verdict(row)
     assert len(ratios) == 1 and ratios[0] < 0.05, ratios

@@ -318,7 +318,9 @@ def backward_signatures(plan: Plan) -> dict:
     # A module that returns the LSE takes its gradient in the dQ kernel (DLse, as Lse).
     lse_grad = plan.spec.return_lse
     return {
-        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks + scalars + order + [tile_m, tile_n],
+        dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks
+                               + (grads[:len(plan.learnable)] if plan.dkdv_tensor_grads else [])
+                               + scalars + order + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + scalars
                              + [ScalarConstraint(ct.int32)]  # exact_delta

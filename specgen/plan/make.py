@@ -342,9 +342,27 @@ class Plan:
         return tuple(g for h in hooks for g in h.gathers)
 
     @property
+    def dq_tensor_grads(self) -> tuple[TensorGrad, ...]:
+        """The learnable subscripts the dQ kernel accumulates: per head or per query
+        row, summed in its registers (and corrected with its own D at its end)."""
+        return tuple(t for t in self.tensor_grads if t.where != "keys")
+
+    @property
+    def dkdv_tensor_grads(self) -> tuple[TensorGrad, ...]:
+        """The learnable subscripts that vary with the key: added by the dK/dV
+        kernel, element by element (or summed over its query rows), with the D that
+        the dQ kernel stored from its own P."""
+        return tuple(t for t in self.tensor_grads if t.where == "keys")
+
+    @property
     def dq_gathers(self) -> tuple[Gather, ...]:
-        """What the dQ kernel gathers besides: the tensor derivatives' operands."""
-        return tuple(g for t in self.tensor_grads for g in t.derivative.gathers)
+        """What the dQ kernel gathers besides: its tensor derivatives' operands."""
+        return tuple(g for t in self.dq_tensor_grads for g in t.derivative.gathers)
+
+    @property
+    def dkdv_grad_gathers(self) -> tuple[Gather, ...]:
+        """The operands of the dK/dV kernel's tensor derivatives."""
+        return tuple(g for t in self.dkdv_tensor_grads for g in t.derivative.gathers)
 
     @property
     def row_tensor_grads(self) -> bool:

@@ -532,6 +532,9 @@ AOT_BACKWARD_CASES = {
                         "tensors": {"rel": {"dtype": "float32", "shape": ["heads", 2048], "learnable": True},
                                     "colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True}},
                         "score_mod": "score + rel[h, q_idx - kv_idx] + 0.5 * colb[kv_idx]"},
+    # sinks in packed sequences: the dQ kernel's own D, stored through the sequence's view
+    "varlen_sinks_lse_window": {"varlen": True, "backward": True, "sinks": True, "return_lse": True,
+                                "window": {"left": 60}},
     # the dQ kernel takes the sink logits for a learnable tensor's D
     "sinks_learnable_lse": {"backward": True, "sinks": True, "return_lse": True,
                             "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
@@ -896,11 +899,14 @@ def test_hook_derivatives_train_against_fp64_autograd(score_mod):
     assert row["ok"] and row["grad_ok"], case_verdict(row)
 
 
+_FA_RULE = runner._fa_rule  # before any test patches it
+
+
 def _gradient_ratio(monkeypatch, module, case: Case, seed: int, index: int) -> tuple[dict, float]:
     """The case's row, and gradient ``index``'s (in the order dq, dk, dv, dsinks,
     learnable tensors) largest error against fp64 over FlashAttention's allowance."""
     ratios = []
-    rule = runner._fa_rule
+    rule = _FA_RULE
 
     def spy(torch_, got, exact, rough):
         g, e, r = got[index].double(), exact[index], rough[index].double()

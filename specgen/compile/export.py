@@ -301,7 +301,8 @@ def backward_signatures(plan: Plan) -> dict:
         scalars += [ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.float32)]
     convention = CallingConvention.cutile_python_v1()
     # The hook tensors the dK/dV and dQ kernels gather from (small, any alignment),
-    # and the float32 gradients of the learnable ones, which the dQ kernel adds to.
+    # and the float32 gradients of the learnable ones, which the dQ kernel adds to
+    # (and the dK/dV kernel, where a learnable subscript varies with the key).
     hooks = [_array_constraint(getattr(ct, dtype), len(dims), 4, False)
              for _, _, dtype, dims in plan.extra_tensors]
     if plan.block_sparse:  # the block map at the kernel's tiles: MapCounts, MapIdx

@@ -42,7 +42,8 @@ class MapSpan:
 @dataclass(frozen=True)
 class TensorGrad:
     """The gradient of a learnable hook tensor through one of its subscripts in
-    score_mod: dL/dtensor[indices] += dS * derivative, accumulated by the dQ kernel."""
+    score_mod: dL/dtensor[indices] += dS * derivative, accumulated by the dQ kernel
+    (per head or per row) or by the dK/dV kernel (varying with the key)."""
 
     tensor: str  # "slope"
     param: str  # the kernel parameter of its float32 gradient buffer: "DSlope"

@@ -366,12 +366,6 @@ class Plan:
         return tuple(g for t in self.dkdv_tensor_grads for g in t.derivative.gathers)
 
     @property
-    def row_tensor_grads(self) -> bool:
-        """Whether a learnable tensor's gradient is summed per query row or per head
-        in the dQ kernel's registers (so its D can be corrected at the end)."""
-        return any(t.where in ("head", "rows") for t in self.tensor_grads)
-
-    @property
     def bwd_own_delta(self) -> bool:
         """Whether the dQ kernel replaces D = rowsum(dO * O) by the rowsum(P dP) of its
         own P at its end (for the dK/dV kernel, the sinks' gradient and the

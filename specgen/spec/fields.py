@@ -260,9 +260,11 @@ class ExtraTensor(_Strict):
     learnable: bool = Field(
         False,
         description="backward: true only: the tensor gets a gradient (a learnable ALiBi "
-        "slope, a relative-position bias table). The dQ kernel accumulates dL/dtensor "
-        "with float32 atomic adds, through the derivative of score_mod in each of the "
-        "tensor's subscripts. float32 tensors read by score_mod only.",
+        "slope, a relative-position bias table). The backward kernels accumulate "
+        "dL/dtensor with relaxed float32 atomic adds (per-head and per-row subscripts in "
+        "the dQ kernel, key-varying ones in the dK/dV kernel), through the derivative of "
+        "score_mod in each of the tensor's subscripts. float32 tensors read by score_mod "
+        "only.",
     )
 
 

@@ -163,3 +163,21 @@ def test_causal_loop_split_bounds_classify_every_tile(seq_q, seq_k, q_offset):
                 assert all(seen), (tile, j)
             if any(seen):
                 assert j < b["num_n"], (tile, j)
+
+
+@pytest.mark.parametrize("name", ["alibi", "vit_dropout", "varlen_llama", "mla_d192", "phi2_d80"])
+def test_bench_training_copies_of_the_feature_specs_stay_the_shipped_specs(name):
+    """bench/train/fmha_train_<name>.yaml is specs/fmha_<name>.yaml with backward: true:
+    the backward suite times ALiBi, dropout, varlen, MLA's 192/128 and Phi-2's padded
+    D80 on the shipped specs' own configs."""
+    import yaml
+
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    shipped = yaml.safe_load((ROOT / "specs" / f"fmha_{name}.yaml").read_text())
+    train = yaml.safe_load((ROOT / "bench" / "train" / f"fmha_train_{name}.yaml").read_text())
+    assert train.pop("name") == f"fmha_train_{name}" and train.pop("backward") is True
+    shipped.pop("name")
+    assert train == shipped
+    assert make_plan(validate_spec({**train, "name": f"fmha_train_{name}", "backward": True})).backward

@@ -57,7 +57,10 @@ RESULTS = ROOT / "bench" / "results" / "h200"
 
 
 def plan_of(name: str):
-    return make_plan(load_spec(ROOT / "specs" / f"{name}.yaml"))
+    path = ROOT / "specs" / f"{name}.yaml"
+    if not path.exists():  # the backward suite's training copies
+        path = ROOT / "bench" / "train" / f"{name}.yaml"
+    return make_plan(load_spec(path))
 
 
 # --- the registry ----------------------------------------------------------------
@@ -131,6 +134,11 @@ MATRIX = {
                                        tilegym="TileGym's fmha takes a power-of-two head_dim, got 80"),
     ("fmha_train_gqa_causal", "backward"): dict(cudnn=None, flash=None, flex=None, tilegym=None,
                                                 fa3="FA3 (fa3-fwd) is a forward-only build"),
+    ("fmha_train_vit_dropout", "backward"): dict(cudnn=None, flash=None,
+                                                 flex="FlexAttention has no dropout"),
+    ("fmha_train_varlen_llama", "backward"): dict(cudnn="SDPA cuDNN has no varlen", flex=None,
+                                                  tilegym="has no varlen"),
+    ("fmha_train_alibi", "backward"): dict(cudnn="has no score_mod", flex=None),
     ("fmha_decode_gqa8_bf16", "decode"): dict(cudnn=None, flash=None, flex=None, fa3=None, tilegym=None),
     ("fmha_decode_gqa8_fp8kv", "decode"): dict(cudnn=None, fa3=None, tilegym=None),
     ("fmha_decode_mha_paged_f16", "decode"): dict(cudnn=None, fa3="FA3 takes bfloat16, not float16",

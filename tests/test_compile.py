@@ -203,14 +203,20 @@ def test_the_backward_packs_gqa_with_a_block_map(changes, packed):
                                        ({"score_mod": "score * 0.5"}, "qk_scale")])
 def test_backward_scores_use_q_as_the_forward_prescaled_it(extra, pre):
     """With prescale_q the backward's scores come from Q * pre rounded once, the Q
-    the forward's scores came from, and dK is scaled back by post = qk_scale / pre."""
+    the forward's scores came from, and dK is scaled back by post = qk_scale / pre;
+    where pre is qk_scale itself (a score_mod's natural-log scores) post is 1, and
+    neither the scores nor dK are multiplied by it."""
     data = yaml.safe_load(next(p for p in SPECS if p.stem == "fmha_gqa_causal").read_text())
     data.update(backward=True, prescale_q=True, targets={}, **extra)
     plan = make_plan(validate_spec(data))
     assert plan.bwd_prescale == pre
     source = render(plan, "specs/pre.yaml").text
-    assert source.count(f"post = qk_scale / ({pre})") == 2  # the dK/dV and dQ kernels
-    assert "dk = dk * post" in source
+    if pre == "qk_scale":
+        assert plan.bwd_post_is_one and "post" not in re.sub(r"#.*", "", source.split("def _backward(")[0])
+        assert source.count("natural-log units (Q arrives as Q * qk_scale)") >= 2
+    else:
+        assert source.count(f"post = qk_scale / ({pre})") == 2  # the dK/dV and dQ kernels
+        assert "dk = dk * post" in source
     # The dQ kernel forms Q * pre from Q (its launch passes q, then q_s and pre) and
     # stores it in q_s, which the dK/dV kernel reads; no pass over Q of its own.
     assert "q_s = q * pre" not in source and "q_s = torch.empty_like(q)" in source

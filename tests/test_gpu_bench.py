@@ -96,3 +96,20 @@ def test_opt_in_baselines_run_after_specgen_in_their_own_process(tmp_path):
         if importlib.util.find_spec(module):  # installed: it ran, or says in one line why not
             timing = result.rows[0].timings[name]
             assert timing.ms or timing.error, (name, timing)
+
+
+@pytest.mark.parametrize("spec,baseline", [("fmha_train_varlen_llama", "flex"),
+                                           ("fmha_train_vit_dropout", "cudnn")])
+def test_the_backward_suite_times_varlen_and_dropout_specs(spec, baseline, tmp_path):
+    """Varlen: the packed batch's leaves, and Flex on the same packed leaves (its
+    gradients must agree with specgen's). Dropout: SDPA with its own dropout (another
+    RNG: the same work, other gradients, so only the timing is checked)."""
+    stems = run_suite("backward", [str(ROOT / "bench" / "train" / f"{spec}.yaml")],
+                      results=tmp_path / "results", gen=tmp_path / "gen", baselines=(baseline,),
+                      shapes=[(2, 8, 512)])
+    tolerance = 0.25 if baseline == "flex" else math.inf
+    result = _check_rows(stems[0], "backward", spec, (baseline,), tolerance)
+    timing = result.rows[0].timings[baseline]
+    assert timing.ms, timing
+    if spec == "fmha_train_varlen_llama":  # a packed batch of 256 + 512 tokens, S/2 and S
+        assert result.rows[0].flops == 2.5 * 2 * 8 * 128 * (256 * 256 + 512 * 512)

@@ -18,12 +18,13 @@ timed).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from specgen.bench.baselines import Inputs
 from specgen.bench.core import Case, Context, Suite, Timing, graph_time_ms, matmul_rate, median_ms, timed
 from specgen.bench.flops import forward_flops, mask_mod_flops
-from specgen.bench.prefill import BATCH, HEADS, REPORT, SEQS, checked_shapes
+from specgen.bench.prefill import BATCH, HEADS, REPORT, SEQS, checked_shapes, varlen_lengths
 from specgen.errors import UsageError
 
 # Backward FLOPs over forward FLOPs: 5 matmuls (S, dP, dV, dQ, dK) against 2.
@@ -75,12 +76,13 @@ def grad_graph_ms(torch, do_bench, forward, leaves, dout) -> Optional[float]:
         return None
 
 
-def baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra=None):
+def baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra=None, packed=None):
     """(forward(*leaves), leaves) of one baseline: fresh leaves of q, k, v (each
     baseline builds its own graph on the same values), with ``k_full``/``v_full``
     (K/V repeated to the query heads, already leaves) in place of k, v for a baseline
     that expands K/V. ``forward`` reads the leaves it is given (the timed ones, or a
-    CUDA graph's fresh copies) where the baseline reads them."""
+    CUDA graph's fresh copies) where the baseline reads them; for a varlen spec, as
+    the packed batch ``packed`` with those leaves as its q, k and v."""
     qb = q.detach().clone().requires_grad_()
     kb, vb = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
     expands = baseline.expands_kv
@@ -88,6 +90,9 @@ def baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra=None):
     cache: dict = {}  # one per baseline and case, as the prefill suite's Inputs
 
     def forward(q_, k_, v_):
+        if packed is not None:
+            return fn(Inputs(packed=dataclasses.replace(packed, q=q_, k=k_, v=v_),
+                             extra=extra or {}, cache=cache))
         return fn(Inputs(q=q_, k=kb if expands else k_, v=vb if expands else v_,
                          k_full=k_ if expands else k_full, v_full=v_ if expands else v_full,
                          extra=extra or {}, cache=cache))
@@ -121,34 +126,46 @@ class Backward(Suite):
         return [(BATCH, HEADS, seq) for seq in SEQS]
 
     def case(self, ctx: Context, module, plan, shape) -> Case:
-        from specgen.check.cases import feature_inputs, random_qkv, shape_dims
+        from specgen.check.cases import feature_inputs, random_packed, random_qkv, shape_dims
 
         torch = ctx.torch
         batch, heads, seq = shape
         ratio = plan.group_size
         kv_heads = heads // ratio
         gen = torch.Generator(device="cuda").manual_seed(seq)
+        row = dict(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
+                   head_dim=plan.head_dim, dtype=plan.dtype, causal=plan.causal)
+        if plan.varlen:
+            # The prefill suite's ragged packed batch (S/2, S, 3S/2, S, ... tokens): q, k
+            # and v are the packed [T, H, D] leaves, the call takes the cumulative lengths.
+            lengths = varlen_lengths(batch, seq)
+            packed = random_packed(plan.spec_dict, [(n, n) for n in lengths], kv_heads, generator=gen)
+            q, k, v = (t.requires_grad_() for t in (packed.q, packed.k, packed.v))
+            dout = torch.randn((*q.shape[:2], v.shape[2]), generator=gen, device="cuda").to(q.dtype)
+            extra = feature_inputs(plan.spec_dict, {"heads": heads}, gen)
+            row["flops"] = sum(backward_flops(plan, 1, heads, n, n) for n in lengths)
+            return Case(f"backward S={seq}", row, inputs=(None, None, ratio, extra, packed),
+                        kernel=(q, k, v, dout, extra, packed.kwargs()))
         q, k, v = (t.requires_grad_() for t in random_qkv(plan.spec_dict, batch, kv_heads, seq, seq,
                                                            generator=gen))
-        dout = torch.randn(q.shape, generator=gen, device="cuda").to(q.dtype)
+        # out's shape, not q's: v_head_dim may differ from head_dim (MLA's 192/128)
+        dout = torch.randn((*q.shape[:3], v.shape[3]), generator=gen, device="cuda").to(q.dtype)
         # The spec's sinks and hook tensors (document ids, slopes), as the prefill suite draws them.
         extra = feature_inputs(plan.spec_dict, shape_dims(q, k), gen)
         # Expanded K/V leaves for the baselines that expand, made outside the timing.
         k_full, v_full = (t.detach().repeat_interleave(ratio, 1).requires_grad_() if ratio > 1
                           else t.detach().clone().requires_grad_() for t in (k, v))
-        row = dict(batch=batch, heads_q=heads, heads_kv=kv_heads, seq_q=seq, seq_k=seq,
-                   head_dim=plan.head_dim, dtype=plan.dtype, causal=plan.causal,
-                   flops=backward_flops(plan, batch, heads, seq, seq))
+        row["flops"] = backward_flops(plan, batch, heads, seq, seq)
         if plan.mask_mod:  # only the pairs the mask leaves, as the prefill suite counts
             row["flops"] = int(BACKWARD_FLOP_FACTOR * mask_mod_flops(torch, plan, extra, batch, heads,
                                                                       seq, seq))
-        return Case(f"backward S={seq}", row, inputs=(k_full, v_full, ratio, extra),
-                    kernel=(q, k, v, dout, extra))
+        return Case(f"backward S={seq}", row, inputs=(k_full, v_full, ratio, extra, None),
+                    kernel=(q, k, v, dout, extra, {}))
 
     def time_kernel(self, ctx: Context, module, case: Case) -> Timing:
         torch = ctx.torch
-        q, k, v, dout, extra = case.kernel
-        kwargs, map_fields = dict(extra), {}
+        q, k, v, dout, extra, call_kwargs = case.kernel
+        kwargs, map_fields = dict(extra, **call_kwargs), {}
         if hasattr(module, "make_block_map"):
             # Built once per batch with the backward's maps and reused by every layer,
             # as Flex's block mask is: its build is timed apart, not in the backward.
@@ -171,9 +188,9 @@ class Backward(Suite):
         return timing
 
     def time_baseline(self, ctx: Context, case: Case, baseline, fn) -> Timing:
-        q, k, v, dout, _ = case.kernel
-        k_full, v_full, ratio, extra = case.inputs
-        forward, leaves = baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra)
+        q, k, v, dout, _, _ = case.kernel
+        k_full, v_full, ratio, extra, packed = case.inputs
+        forward, leaves = baseline_backward(baseline, fn, q, k, v, k_full, v_full, extra, packed)
         ms, (dq, dk, dv), ms_graph = grad_timer(ctx.torch, ctx.do_bench, forward, leaves, dout)
         if baseline.expands_kv and ratio > 1:  # the group's sum, for the comparison only
             dk, dv = (g.unflatten(1, (k.shape[1], ratio)).sum(2) for g in (dk, dv))
@@ -182,7 +199,9 @@ class Backward(Suite):
                      note=baseline.note, ms_one_call=ms_graph)
 
     def layout(self, plan) -> str:
-        return ("Sq=Skv; backward only (torch.autograd.grad of a saved forward graph), "
+        return (("packed varlen batch of B sequences of S/2, S, 3S/2, S, ... (mean S) tokens, "
+                 "Sq=Skv per sequence" if plan.varlen else "Sq=Skv")
+                + "; backward only (torch.autograd.grad of a saved forward graph), "
                 f"TFLOPS = {BACKWARD_FLOP_FACTOR} x forward FLOPs / time; SDPA gets K/V "
                 "expanded to the query heads outside the timing")
 

@@ -486,7 +486,7 @@ def _tilegym_documents(torch, plan) -> Runner:
 # --- the registry ----------------------------------------------------------------
 
 _NONE = frozenset()
-_SDPA = {"prefill": frozenset({"dropout", "varlen"}), "decode": _NONE, "backward": _NONE}
+_SDPA = {"prefill": frozenset({"dropout", "varlen"}), "decode": _NONE, "backward": frozenset({"dropout"})}
 
 REGISTRY: dict[str, Baseline] = {
     b.name: b
@@ -498,7 +498,7 @@ REGISTRY: dict[str, Baseline] = {
         Baseline("flex", "FlexAttention",
                  {"prefill": frozenset({"window", "softcap", "score_mod", "mask_mod", "varlen"}),
                   "decode": frozenset({"window", "mask_mod"}),
-                  "backward": frozenset({"window", "softcap", "score_mod", "mask_mod"})},
+                  "backward": frozenset({"window", "softcap", "score_mod", "mask_mod", "varlen"})},
                  _flex, default=True, note=FLEX_STATIC),
         Baseline("fa3", "FA3",
                  {"prefill": frozenset({"softcap"}), "decode": frozenset({"softcap"})},

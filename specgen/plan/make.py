@@ -328,13 +328,26 @@ class Plan:
         """The dK/dV kernel runs the query tiles that see all of its keys in a loop of
         their own with no mask (causal and bounds masks only; not block-sparse), where
         its accumulators are at most [TILE_N, 128]: with the padded-256 head's
-        one-CTA-per-SM kernel the three loops ran 21% slower on an H200 than one."""
-        return self.bwd_split_dq and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
+        one-CTA-per-SM kernel the three loops ran 21% slower on an H200 than one.
+        Not with key-varying learnable subscripts: three bodies with their atomic adds
+        spilled 1,328 bytes of stack at head_dim 64 (sm_90)."""
+        return (self.bwd_split_dq and max(self.head_dim_tile, self.v_head_dim_tile) <= 128
+                and not self.dkdv_tensor_grads)
 
     @property
     def bwd_split_dq(self) -> bool:
-        """The dQ kernel runs its key tiles wholly visible to all rows with no mask."""
-        return not (self.bwd_masked or self.block_sparse)
+        """The dQ kernel runs its key tiles wholly visible to all rows with no mask.
+        Soft-cap, score_mod and sinks change scores or rows, not which pairs are seen:
+        their interior tiles drop the mask too and keep the rest. Windows and mask_mod
+        choose pairs (and block maps list tiles), so they keep one masked loop."""
+        return not (self.window_left is not None or self.window_right is not None
+                    or self.mask_mod is not None or self.block_sparse)
+
+    @property
+    def bwd_post_is_one(self) -> bool:
+        """The natural-log scores of a prescale_q spec whose forward multiplied Q by
+        qk_scale itself: post = qk_scale / qk_scale is 1, and no step multiplies by it."""
+        return self.bwd_natural and self.bwd_prescale == "qk_scale"
 
     @property
     def bwd_gathers(self) -> tuple[Gather, ...]:

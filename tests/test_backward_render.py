@@ -11,7 +11,7 @@ import pytest
 
 from specgen.emit.render import render
 from specgen.plan.make import make_plan
-from specgen.spec import load_spec
+from specgen.spec import load_spec, validate_spec
 
 from .helpers import ROOT, kernel_source
 
@@ -181,3 +181,36 @@ def test_bench_training_copies_of_the_feature_specs_stay_the_shipped_specs(name)
     shipped.pop("name")
     assert train == shipped
     assert make_plan(validate_spec({**train, "name": f"fmha_train_{name}", "backward": True})).backward
+
+
+@pytest.mark.parametrize("changes,split_dq,split_dkdv", [
+    ({"softcap": 30.0}, True, True),
+    ({"sinks": True}, True, True),
+    ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}},
+      "score_mod": "score - slope[h] * (q_idx - kv_idx)"}, True, True),
+    ({"tensors": {"colb": {"dtype": "float32", "shape": ["seq_k"], "learnable": True}},
+      "score_mod": "score + colb[kv_idx]"}, True, False),
+    ({"window": {"left": 256}}, False, False),
+    ({"mask_mod": "(q_idx // 64) != (kv_idx // 64) + 3"}, False, False),
+])
+def test_interior_tiles_run_unmasked_where_no_pair_is_chosen(changes, split_dq, split_dkdv):
+    """Soft-cap, score_mod and sinks change scores, not which pairs are seen: both
+    backward kernels run their interior tiles without the mask (the dK/dV kernel not
+    with key-varying learnable subscripts, whose atomic adds spilled in three loop
+    bodies). Windows and mask_mod keep one masked loop."""
+    data = {"name": "interior", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 2,
+            "causal": True, "backward": True, **changes}
+    plan = make_plan(validate_spec(data))
+    assert (plan.bwd_split_dq, plan.bwd_split_dkdv) == (split_dq, split_dkdv)
+    source = render(plan, "specs/interior.yaml").text
+    dq, dkdv = kernel_source(source, "fmha_bwd_dq_"), kernel_source(source, "fmha_bwd_dkdv_")
+    assert ("for j in range(0, hi_n):" in dq) == split_dq
+    assert ("for i in range(lo_m, hi_m):" in dkdv) == split_dkdv
+    if split_dq:  # the interior step forms P with no mask and no select
+        interior = dq[dq.index("for j in range(0, hi_n):"):dq.index("for j in range(hi_n, num_n):")]
+        assert "visible =" not in interior and "where(visible" not in interior
+        assert "# every pair visible" in interior
+        assert "score_mod" not in changes or "score_mod:" in interior
+    if split_dkdv:
+        interior = dkdv[dkdv.index("for i in range(lo_m, hi_m):"):dkdv.index("for i in range(hi_m, end_m):")]
+        assert "visible =" not in interior and "where(visible" not in interior and "ct.exp2(" in interior

@@ -3,7 +3,7 @@
 Each variant is a module path, optionally followed by ``#`` and hint replacements for
 its backward kernels: ``dkdv=OCC:WARPS``, ``dq=OCC:WARPS``
 (0: the compiler's choice), comma-separated. The script times the backward alone
-(autograd.grad of the module's output) at B4 Hq32, causal, the module's GQA ratio,
+(autograd.grad of the module's output) at B4 Hq32, the spec's causality, head dims and GQA ratio,
 beside cuDNN on the same inputs. The variants are timed in turn for several rounds,
 so that a drift of the card's clocks touches them alike, and each variant's median
 over the rounds is reported. Every variant's gradients are compared with cuDNN's
@@ -89,21 +89,21 @@ def main() -> None:
     spec = mods[0].SPEC
     hooked = bool(spec.get("tensors") or spec.get("sinks") or spec.get("score_mod")
                   or spec.get("mask_mod") or spec.get("softcap") or spec.get("dropout"))
+    causal, dv = bool(spec.get("causal")), spec.get("v_head_dim") or d
     B, HQ = 4, 32
     rows, inputs = [], {}
     for seq in [int(s) for s in args.seqs.split(",")]:
         torch.manual_seed(0)
-        flops = 2.5 * 4 * B * HQ * seq * seq * d / 2  # FlashAttention's count, causal
+        # FlashAttention's count: 2.5 x the forward's 2 * B * H * S^2 * (D + Dv), halved if causal
+        flops = 2.5 * 2 * B * HQ * seq * seq * (d + dv) / (2 if causal else 1)
         q = torch.randn(B, HQ, seq, d, device="cuda", dtype=dtype, requires_grad=True)
-        k, v = (
-            torch.randn(B, HQ // ratio, seq, d, device="cuda", dtype=dtype, requires_grad=True)
-            for _ in range(2)
-        )
-        do = torch.randn(B, HQ, seq, d, device="cuda", dtype=dtype)
+        k = torch.randn(B, HQ // ratio, seq, d, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(B, HQ // ratio, seq, dv, device="cuda", dtype=dtype, requires_grad=True)
+        do = torch.randn(B, HQ, seq, dv, device="cuda", dtype=dtype)
         extra = feature_inputs(spec, shape_dims(q, k), torch.Generator(device="cuda").manual_seed(seq))
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref_out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True
+                q, k, v, is_causal=causal, enable_gqa=True
             )
             ref = torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True)
         outs, errs, times = [], [], {v: [] for v in args.variants}
@@ -150,7 +150,7 @@ def main() -> None:
         from tilegym.ops.cutile.attention import tile_fmha_with_backward
 
         for seq, (flops, q, k, v, do, ref) in inputs.items():
-            out = tile_fmha_with_backward(q, k, v, None, True)
+            out = tile_fmha_with_backward(q, k, v, None, causal)
             grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
             err = max(
                 ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()

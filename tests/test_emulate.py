@@ -718,6 +718,30 @@ def test_every_shipped_prefill_spec_trains_when_emulated(name):
     assert row["ok"] and row.get("grad_ok"), f"{name}: {case_verdict(row)}"
 
 
+@pytest.mark.parametrize("changes", [
+    {"softcap": 2.0},  # a cap near the scores' size: its slope 1 - tanh**2 matters
+    {"softcap": 1.5, "sinks": True, "gqa_ratio": 2},
+    {"tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+     "score_mod": "where(score > 0, score, 0.5 * score) - slope[h] * (q_idx - kv_idx)"},
+], ids=["softcap", "softcap_sinks", "nonlinear_score_mod"])
+def test_unmasked_interior_tiles_keep_the_soft_cap_and_score_mod_slopes(changes):
+    """Soft-cap, score_mod and sinks run the backward's interior tiles (every pair
+    visible) without the mask; those tiles must still chain dS through the soft-cap's
+    and score_mod's slopes. Sq = Skv = 300 causal gives both kernels interior tiles
+    (the dQ kernel's 128-row tiles see whole 64-key tiles below the diagonal)."""
+    data = {"name": "interior_slopes", "dtype": "bfloat16", "head_dim": 32, "gqa_ratio": 1,
+            "causal": True, "backward": True, **changes}
+    module = _emulated(data, f"interior_{abs(hash(repr(changes)))}")
+    from specgen.plan.make import make_plan
+    from specgen.spec import validate_spec
+
+    plan = make_plan(validate_spec(data))
+    assert plan.bwd_split_dq and plan.bwd_split_dkdv
+    for case in (Case(1, 1, 300, 300), Case(1, 1, 200, 400, 200)):
+        row = _run(module, case)
+        assert row["ok"] and row.get("grad_ok"), case_verdict(row)
+
+
 # --- random valid specs compute what the reference computes -------------------------
 
 NUMERIC_EXAMPLES = int(os.environ.get("SPECGEN_NUMERIC_FUZZ_EXAMPLES", "12"))

@@ -309,8 +309,8 @@ def backward_signatures(plan: Plan) -> dict:
         hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
-    if plan.sinks and plan.bwd_own_delta:  # the sink logits, for the dQ kernel's own D
-        grads.append(_array_constraint(ct.float32, 1, 4, False))
+    # the sink logits, for the dQ kernel's own D
+    sinks = [_array_constraint(ct.float32, 1, 4, False)] if plan.sinks and plan.bwd_own_delta else []
     dkdv, dq = plan.bwd_names
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
     # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes
@@ -320,10 +320,10 @@ def backward_signatures(plan: Plan) -> dict:
     lse_grad = plan.spec.return_lse
     return {
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks
-                               + (grads[:len(plan.learnable)] if plan.dkdv_tensor_grads else [])
+                               + (grads if plan.dkdv_tensor_grads else [])
                                + scalars + order + [tile_m, tile_n],
                                convention)],
-        dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + scalars
+        dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + sinks + scalars
                              + [ScalarConstraint(ct.int32)]  # exact_delta
                              + order + list(plan.bwd_dq_tile), convention)],
     }

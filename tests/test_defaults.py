@@ -14,7 +14,7 @@ SOURCE_FIELDS = {"how", "spec", "device", "date", "shapes", "log"}
 def test_every_entry_is_a_valid_config_with_its_provenance():
     seen = set()
     for entry in defaults.table():
-        assert set(entry["key"]) == KEY_FIELDS
+        assert set(entry["key"]) - {"split"} == KEY_FIELDS and entry["key"].get("split", True) is True
         assert set(entry["source"]) == SOURCE_FIELDS and all(entry["source"].values())
         key = tuple(sorted(entry["key"].items()))
         assert key not in seen, f"two entries for {key}"
@@ -49,7 +49,8 @@ def test_the_filled_spec_round_trips_and_is_deterministic():
 
 @pytest.mark.parametrize("fields, bucket_key", [
     ({"head_dim": 64}, {"head_dim": 64, "masked": True}),
-    ({"head_dim": 80}, {"head_dim": 128}),
+    ({"head_dim": 80}, {"head_dim": 128, "split": True}),
+    ({"head_dim": 80, "head_dim_split": False}, {"head_dim": 128}),
     ({"head_dim": 192, "v_head_dim": 128}, {"head_dim": 256}),
     ({"causal": False}, {"masked": False}),
     ({"causal": False, "window": {"left": 7, "right": 7}}, {"masked": True}),
@@ -60,6 +61,18 @@ def test_the_filled_spec_round_trips_and_is_deterministic():
 def test_the_key_names_what_decides_a_config(fields, bucket_key):
     key = defaults.key_of({**QWEN2, **fields})
     assert {k: key[k] for k in bucket_key} == bucket_key
+
+
+def test_a_split_head_dim_takes_its_own_entry_then_the_padded_buckets():
+    split = validate_spec({**QWEN2, "head_dim": 80})
+    assert defaults.lookup(defaults.key_of({**QWEN2, "head_dim": 80}), "sm_90")["key"].get("split")
+    assert split.targets["sm_90"].tile_n == 64 and split.targets["sm_90"].occupancy == 2
+    padded = validate_spec({**QWEN2, "head_dim": 80, "head_dim_split": False})
+    assert padded.targets["sm_90"] == validate_spec(QWEN2).targets["sm_90"]
+    assert "split" not in defaults.key_of({**QWEN2, "head_dim": 112})  # 64 + 64: padded
+    # No split entry for the 256 bucket: the padded bucket's entry.
+    mla = {**QWEN2, "head_dim": 192, "v_head_dim": 128}
+    assert defaults.key_of(mla)["split"] and not defaults.lookup(defaults.key_of(mla), "sm_90")["key"].get("split")
 
 
 def test_extras_fall_back_to_the_plain_entry_and_unknown_classes_to_portable():

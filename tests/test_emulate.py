@@ -988,3 +988,63 @@ def test_a_learnable_table_read_by_both_positions_takes_the_kernels_own_delta(mo
     module = _emulated(data, "rel_delta")
     row, ratio = _gradient_ratio(monkeypatch, module, Case(1, 1, 77, 77, 0), 3, -1)
     assert row["ok"] and row["grad_ok"] and ratio < 0.05, (case_verdict(row), ratio)
+
+
+# --- head dims split into two tiles in D ----------------------------------------------
+
+SPLIT_VARIANTS = {
+    # 72 = 64 + 16: the rest tile reaches 8 columns past the head dim (zero padding)
+    "d72_gqa4_dropout": {"head_dim": 72, "gqa_ratio": 4, "causal": True, "dropout": True},
+    "d80_softcap_sinks_window_lse": {"head_dim": 80, "gqa_ratio": 2, "causal": True, "softcap": 30.0,
+                                     "sinks": True, "window": {"left": 100}, "return_lse": True},
+    "dv80_only": {"head_dim": 128, "v_head_dim": 80, "causal": False, "prescale_q": True},
+    "d160_packed_documents": {"head_dim": 160, "gqa_ratio": 4, "causal": True, "pack_gqa": True,
+                              "block_sparse": True,
+                              "tensors": {"doc_ids": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+                              "mask_mod": "doc_ids[b, q_idx] == doc_ids[b, kv_idx]"},
+    "d48_varlen": {"head_dim": 48, "gqa_ratio": 2, "causal": True, "varlen": True},
+}
+
+
+@pytest.mark.parametrize("label", sorted(SPLIT_VARIANTS))
+def test_split_head_dims_train_against_fp64_when_emulated(label):
+    """A head dim run as two tiles in D (head_dim_split: auto) passes the forward's and
+    the gradients' checks, across the features whose loads, products and stores the
+    split touches (padded rest tiles, GQA, packed block maps, varlen, sinks, LSE)."""
+    data = {"name": f"split_{label}", "dtype": "bfloat16", "backward": True, **SPLIT_VARIANTS[label]}
+    module = _emulated(data, f"split_{label}")
+    names = set(module.__dict__)
+    assert names & {"REST_COL", "V_REST_COL"} and not names & {"HEAD_DIM_TILE", "V_HEAD_DIM_TILE"}
+    case = _cases(module.SPEC)[0]
+    row = _run(module, case)
+    assert row["ok"] and row.get("grad_ok"), f"{label}: {case_verdict(row)}"
+
+
+@pytest.mark.parametrize("changes", [{"q_subtiles": 2}, {"qk_ahead": True, "loads": {"k_transposed": False}}],
+                         ids=["halves", "qk_ahead_k_permuted"])
+def test_split_head_dims_in_the_forward_variants_when_emulated(changes):
+    """The forward's two query halves and its look-ahead S (with K transposed in
+    registers) load, multiply and store both D tiles."""
+    module = _emulated({"name": "split_fwd", "dtype": "float16", "head_dim": 96, "gqa_ratio": 2,
+                        "causal": True, **changes}, f"split_fwd_{sorted(changes)[0]}")
+    for case in _cases(module.SPEC)[:2]:
+        row = _run(module, case)
+        assert row["ok"], case_verdict(row)
+
+
+# Each edit drops one half of a split head dim's work (text of fmha_phi2_d80, 80 = 64 + 16).
+SPLIT_MUTATIONS = {
+    "rest columns of S dropped": ("ct.mma(q_rest, k_t_rest, ct.mma(q, k_t, s))", "ct.mma(q, k_t, s)"),
+    "rest columns of the output not stored": (
+        "    ct.store(Out, index=(batch, head, tile_idx, REST_COL), tile=out_rest)\n", ""),
+}
+
+
+@pytest.mark.parametrize("what", sorted(SPLIT_MUTATIONS))
+def test_a_broken_split_head_dim_fails_the_emulated_check(what):
+    old, new = SPLIT_MUTATIONS[what]
+    source = (ROOT / "generated" / "fmha_phi2_d80.py").read_text()
+    assert source.count(old) >= 1, what
+    broken = _module("fmha_phi2_d80", source.replace(old, new))
+    row = _run(broken, Case(1, 1, 130, 300, 170))
+    assert not row["ok"], what

@@ -327,3 +327,31 @@ def test_an_opt_level_left_out_is_the_compilers_3_in_a_by_target():
     plan, source = render_spec_data(data)
     assert "opt_level=ct.ByTarget(sm_90=3, default=0)" in plan.kernel_options
     assert "None" not in plan.kernel_options.split("opt_level=")[1]
+
+
+@pytest.mark.parametrize("dim, parts", [(80, (64, 16)), (96, (64, 32)), (72, (64, 16)), (48, (32, 16)),
+                                        (160, (128, 32)), (192, (128, 64)), (112, None), (224, None),
+                                        (24, None), (128, None)])
+def test_head_dim_parts_are_two_powers_of_two_narrower_than_the_padded_tile(dim, parts):
+    from specgen.spec.fields import head_dim_parts
+
+    assert head_dim_parts(dim) == parts
+    if parts:
+        main, rest = parts
+        assert main + rest >= dim and main + rest < 1 << (dim - 1).bit_length() and rest >= 16
+        assert main % rest == 0  # the rest tile's offset is a whole number of its tiles
+
+
+def test_a_split_head_dim_renders_two_tiles_and_false_pads():
+    data = {"name": "phi", "dtype": "float16", "head_dim": 80, "causal": True, "backward": True}
+    split = render(make_plan(validate_spec(data)), "specs/phi.yaml").text
+    assert "HEAD_DIM_MAIN = 64\nHEAD_DIM_REST = 16\n" in split and "HEAD_DIM_TILE" not in split
+    assert "s = ct.mma(q_rest, k_t_rest, ct.mma(q, k_t, s))" in split  # the forward's S
+    assert "dk_rest = ct.mma(ds_in, q_rest, dk_rest)" in split  # the backward's dK
+    padded = render(make_plan(validate_spec({**data, "head_dim_split": False})), "specs/phi.yaml").text
+    assert "HEAD_DIM_TILE = 128" in padded and "_rest" not in padded and "REST_COL" not in padded
+    # v_head_dim alone split (MLA's transpose: 128 / 80): its own constants.
+    mla = render(make_plan(validate_spec({**data, "head_dim": 128, "v_head_dim": 80})), "specs/m.yaml").text
+    assert "V_HEAD_DIM_MAIN = 64" in mla and "V_REST_COL" in mla and "\nREST_COL" not in mla
+    for text in (split, padded, mla):
+        compile(text, "variant.py", "exec")

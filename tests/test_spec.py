@@ -145,7 +145,7 @@ BAD = [
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, block_sparse, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
-     "q_subtiles, qk_ahead, pack_gqa, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
+     "q_subtiles, qk_ahead, head_dim_split, pack_gqa, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
      "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, persistent, by_seq_k"),
@@ -156,6 +156,20 @@ BAD = [
      "specs/bad.yaml: compile_for[0]: must be a GPU target tileiras compiles for: sm_80, sm_86, "
      "sm_87, sm_88, sm_89, sm_90, sm_100, sm_103, sm_107, sm_110, sm_120, sm_121, got \"hopper\""),
     ({"fast_math": True}, "specs/bad.yaml: fast_math: must be a mapping, got true"),
+    ({"head_dim_split": True},
+     "specs/bad.yaml: head_dim_split: true needs a head_dim or v_head_dim that splits into two "
+     "power-of-two tiles narrower than one padded tile (such as 80, 96, 160 or 192), got 128/128; "
+     "use auto or false"),
+    ({"head_dim_split": True, "head_dim": 112},
+     "specs/bad.yaml: head_dim_split: true needs a head_dim or v_head_dim that splits into two "
+     "power-of-two tiles narrower than one padded tile (such as 80, 96, 160 or 192), got 112/112; "
+     "use auto or false"),
+    ({"head_dim_split": True, "head_dim": 80, "dtype": "float8_e4m3fn"},
+     "specs/bad.yaml: head_dim_split: true needs a 16-bit dtype (float8 pads its head dims); use auto or false"),
+    ({"family": "decode", "head_dim_split": False},
+     "specs/bad.yaml: head_dim_split: a prefill field, not supported by family decode"),
+    ({"head_dim_split": "yes"},
+     "specs/bad.yaml: head_dim_split: must be 'auto', true or false, got \"yes\""),
     ({"gqa_ratio": 10**40},
      "specs/bad.yaml: gqa_ratio: must be an integer in [1, 128], got " + str(10**40)),
 ]

@@ -49,11 +49,12 @@ DESCRIPTIONS: dict[str, str] = {
     "positive float or a one-element float32 tensor on q's device), and needs `head_dim` "
     "a multiple of 16.",
     "head_dim": "Head dimension D of q and k (`HEAD_DIM`). One that is not a power of two "
-    "(Phi-2: 80) is zero-padded to the next power of two inside the kernel "
-    "(`HEAD_DIM_TILE`, `padding_mode=ZERO` on the loads); the padding columns of the "
-    "output are never stored.",
+    "(Phi-2: 80) runs as two tiles in D where that is narrower than one padded tile "
+    "(`HEAD_DIM_MAIN` + `HEAD_DIM_REST`: 80 = 64 + 16; see `head_dim_split`), else it is "
+    "zero-padded to the next power of two inside the kernel (`HEAD_DIM_TILE`, "
+    "`padding_mode=ZERO` on the loads); padding columns of the output are never stored.",
     "v_head_dim": "Head dimension of v and the output when it differs from `head_dim` "
-    "(DeepSeek MLA: `head_dim` 192, `v_head_dim` 128), padded the same way. `null`: "
+    "(DeepSeek MLA: `head_dim` 192, `v_head_dim` 128), split or padded the same way. `null`: "
     "`head_dim`.",
     "gqa_ratio": "Query heads per KV head (`GROUP_SIZE`); 1 is multi-head attention. The "
     "launcher checks `Hq == gqa_ratio * Hkv`.",
@@ -138,6 +139,16 @@ DESCRIPTIONS: dict[str, str] = {
     "`skip_masked_tiles` or `block_sparse`. On an H100 it ran slower than the shipped "
     "configs in every case measured (bf16 causal GQA 8, D64 and fp16 D128 non-causal, float8; "
     "[tuning](tuning.md)); compare it with `specgen bench --variants` before turning it on.",
+    "head_dim_split": "How a `head_dim` or `v_head_dim` that is not a power of two is tiled. "
+    "`auto` (16-bit prefill): as two tiles in D, the largest power of two below it and the "
+    "rest rounded up to a power of two of at least 16 (80 = 64 + 16, 96 = 64 + 32, "
+    "160 = 128 + 32, 192 = 128 + 64), wherever the two are narrower than one padded tile; "
+    "every product over D becomes two chained MMAs and every output over D two "
+    "accumulators (`q`, `q_rest`; `acc`, `acc_rest`), forward and backward. 112 and 224 "
+    "(64 + 64, 128 + 128) and float8 stay padded. On an H100, B4 Hq32 causal, S 1k-8k: "
+    "Phi-2's D80 forward 1.10-1.20x and backward 1.25x the padded kernels; MLA's 192/128 "
+    "forward 1.04-1.06x and backward 1.16-1.21x. `false` pads (`HEAD_DIM_TILE`); `true` "
+    "asks for the split and is refused where there is none.",
     "splits": "KV splits per (batch, KV head): each split writes a partial output and "
     "log-sum-exp, a combine kernel merges them. `auto` picks the count at run time: "
     "enough CTAs to fill the SMs once (a set number per SM), at least two key tiles per "

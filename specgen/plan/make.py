@@ -129,9 +129,14 @@ class Plan:
     out_dtype_name: str  # the launcher constant holding it: "DTYPE" or "OUT_DTYPE"
     head_dim: int
     v_head_dim: int  # of v and the output (head_dim unless the spec sets it)
-    head_dim_tile: int  # head_dim rounded up to a power of two (tiles are padded)
+    head_dim_tile: int  # head_dim rounded up to a power of two (a padded tile's width)
     v_head_dim_tile: int
-    d_tile: str  # the constant of a q/k tile's D extent: "HEAD_DIM" or "HEAD_DIM_TILE"
+    # (main, rest) widths where head_dim_split runs a head dim as two tiles, else None
+    d_split: tuple[int, int] | None
+    dv_split: tuple[int, int] | None
+    d_parts: tuple[DPart, ...]  # the q/k tiles along D: one, or main and rest
+    dv_parts: tuple[DPart, ...]  # the v/out tiles
+    d_tile: str  # the constant of a q/k tile's (main tile's) D extent: "HEAD_DIM", ...
     dv_tile: str  # of a v/out tile: "HEAD_DIM", "V_HEAD_DIM", "HEAD_DIM_TILE", ...
     dv_name: str  # the constant holding v's head dim: "HEAD_DIM" or "V_HEAD_DIM"
     # padding_mode=ZERO on the q and k loads where D is padded (0 * 0 adds nothing)
@@ -516,12 +521,21 @@ class Plan:
         rows = 'config["tile_m"] // GROUP_SIZE' if self.pack_gqa else 'config["tile_m"]'
         return f'({rows}, config["tile_n"])'
 
-    def load_q(self, tile: str) -> str:
+    def chain(self, a: str, b: str, init: str, dims: str = "d") -> str:
+        """The MMA a @ b + init contracted over a head dim (``dims`` "d" or "dv"): one
+        ct.mma, or where the head dim is split one per D tile, chained (the rest
+        tile's operands are a and b with "{}" filled by the part's suffix)."""
+        for part in self.d_parts if dims == "d" else self.dv_parts:
+            init = f"ct.mma({a.format(part.suffix)}, {b.format(part.suffix)}, {init})"
+        return init
+
+    def load_q(self, tile: str, part: DPart | None = None) -> str:
+        width, col = (part.width, part.col) if part else (self.d_tile, "0")
         if self.pack_gqa:  # the tile's heads are its KV head's group: tile index kv_head along H
-            return f"Q, index=(batch, kv_head, {tile}, 0), shape=(1, GROUP_SIZE, TILE_P, {self.d_tile})"
+            return f"Q, index=(batch, kv_head, {tile}, {col}), shape=(1, GROUP_SIZE, TILE_P, {width})"
         if self.varlen:
-            return f"Qs, index=({tile}, head, 0), shape=({self.sub_m}, 1, {self.d_tile})"
-        return f"Q, index=(batch, head, {tile}, 0), shape=(1, 1, {self.sub_m}, {self.d_tile})"
+            return f"Qs, index=({tile}, head, {col}), shape=({self.sub_m}, 1, {width})"
+        return f"Q, index=(batch, head, {tile}, {col}), shape=(1, 1, {self.sub_m}, {width})"
 
     @property
     def first_key_tile(self) -> str:
@@ -534,32 +548,33 @@ class Plan:
         """The test that a query tile has a key tile to visit."""
         return "num_n > 0" if self.window_left is None else "first_n < num_n"
 
-    def load_k_t(self, tile: str = "j") -> str:
+    def load_k_t(self, tile: str = "j", part: DPart | None = None) -> str:
+        width, col = (part.width, part.col) if part else (self.d_tile, "0")
         if self.varlen:
-            return (f"Ks,\n            index=(0, kv_head, {tile}),\n            shape=({self.d_tile}, 1, TILE_N),"
+            return (f"Ks,\n            index=({col}, kv_head, {tile}),\n            shape=({width}, 1, TILE_N),"
                     f"\n            order=(2, 1, 0)")
-        return (f"K,\n            index=(batch, kv_head, 0, {tile}),\n            shape=(1, 1, {self.d_tile}, "
+        return (f"K,\n            index=(batch, kv_head, {col}, {tile}),\n            shape=(1, 1, {width}, "
                 f"TILE_N),\n            order=(0, 1, 3, 2)")
 
-    def load_kv(self, array: str, dim: str, tile: str = "j") -> str:
+    def load_kv(self, array: str, dim: str, tile: str = "j", col: str = "0") -> str:
         if self.varlen:
-            return f"{array}s, index=({tile}, kv_head, 0), shape=(TILE_N, 1, {dim})"
-        return f"{array}, index=(batch, kv_head, {tile}, 0), shape=(1, 1, TILE_N, {dim})"
+            return f"{array}s, index=({tile}, kv_head, {col}), shape=(TILE_N, 1, {dim})"
+        return f"{array}, index=(batch, kv_head, {tile}, {col}), shape=(1, 1, TILE_N, {dim})"
 
-    def store_out(self, tile: str) -> str:
+    def store_out(self, tile: str, col: str = "0") -> str:
         if self.pack_gqa:
-            return f"Out, index=(batch, kv_head, {tile}, 0)"
+            return f"Out, index=(batch, kv_head, {tile}, {col})"
         if self.varlen:
-            return f"Outs, index=({tile}, head, 0)"
-        return f"Out, index=(batch, head, {tile}, 0)"
+            return f"Outs, index=({tile}, head, {col})"
+        return f"Out, index=(batch, head, {tile}, {col})"
 
-    @property
-    def out_tile_shape(self) -> str:
+    def out_tile_shape(self, width: str | None = None) -> str:
+        width = width or self.dv_tile
         if self.pack_gqa:
-            return f"(1, GROUP_SIZE, TILE_P, {self.dv_tile})"
+            return f"(1, GROUP_SIZE, TILE_P, {width})"
         if self.varlen:
-            return f"({self.sub_m}, 1, {self.dv_tile})"
-        return f"(1, 1, {self.sub_m}, {self.dv_tile})"
+            return f"({self.sub_m}, 1, {width})"
+        return f"(1, 1, {self.sub_m}, {width})"
 
     @property
     def kernel_constants(self) -> tuple[str, ...]:
@@ -734,20 +749,47 @@ def _pow2_ceil(value: int) -> int:
     return 1 << (value - 1).bit_length()
 
 
+_ZERO_PAD = ", padding_mode=ct.PaddingMode.ZERO"
+
+
+@dataclass(frozen=True)
+class DPart:
+    """One tile of a head dim along D: the whole (padded) head dim, or the main or
+    the rest tile of a split one. Variables of the rest tile carry ``suffix``."""
+    suffix: str  # "" or "_rest"
+    width: str  # the constant of its extent: "HEAD_DIM", "HEAD_DIM_MAIN", ...
+    col: str  # its index along D in tiles of its own width: "0" or "REST_COL"
+    pad: str  # padding_mode=ZERO on its loads where it reaches past the head dim
+
+
+def _parts(dim: int, split, prefix: str) -> tuple[DPart, ...]:
+    """The D tiles of a head dim ``dim`` (constants named with ``prefix``: "" or
+    "V_"): split (main, rest), or one tile padded to a power of two."""
+    if split:
+        main, rest = split
+        return (DPart("", f"{prefix}HEAD_DIM_MAIN", "0", ""),
+                DPart("_rest", f"{prefix}HEAD_DIM_REST", f"{prefix}REST_COL",
+                      _ZERO_PAD if main + rest > dim else ""))
+    name = f"{prefix}HEAD_DIM" if dim & (dim - 1) == 0 else f"{prefix}HEAD_DIM_TILE"
+    return (DPart("", name, "0", _ZERO_PAD if dim & (dim - 1) else ""),)
+
+
 def _dims(spec: Spec) -> dict:
-    """Head dims, their tile extents and the names the template prints for them."""
+    """Head dims, their tiles along D and the names the template prints for them."""
     d, dv = spec.head_dim, spec.dv
-    d_tile, dv_tile = _pow2_ceil(d), _pow2_ceil(dv)
-    d_name = "HEAD_DIM" if d_tile == d else "HEAD_DIM_TILE"
-    dv_name = "HEAD_DIM" if dv == d else "V_HEAD_DIM"
+    d_split, dv_split = spec.d_parts
+    d_parts = _parts(d, d_split, "")
     if dv == d:
-        dv_tile_name = d_name
+        dv_parts = d_parts
+        dv_name = "HEAD_DIM"
     else:
-        dv_tile_name = "V_HEAD_DIM" if dv_tile == dv else "V_HEAD_DIM_TILE"
+        dv_parts = _parts(dv, dv_split, "V_")
+        dv_name = "V_HEAD_DIM"
     return dict(
-        head_dim=d, v_head_dim=dv, head_dim_tile=d_tile, v_head_dim_tile=dv_tile,
-        d_tile=d_name, dv_tile=dv_tile_name, dv_name=dv_name,
-        qk_pad_kwargs=", padding_mode=ct.PaddingMode.ZERO" if d_tile != d else "",
+        head_dim=d, v_head_dim=dv, head_dim_tile=_pow2_ceil(d), v_head_dim_tile=_pow2_ceil(dv),
+        d_split=d_split, dv_split=dv_split, d_parts=d_parts, dv_parts=dv_parts,
+        d_tile=d_parts[0].width, dv_tile=dv_parts[0].width, dv_name=dv_name,
+        qk_pad_kwargs=d_parts[0].pad,
     )
 
 

@@ -11,12 +11,15 @@ The key:
 - ``dtype``: ``16-bit`` (float16 and bfloat16 ran alike in every tune) or
   ``float8_e4m3fn`` (decode: the cache's dtype);
 - ``head_dim``: the bucket 64, 128 or 256 that holds max(head_dim, v_head_dim);
+- ``split``: present (true) where the kernels run that head dim as two tiles in D
+  (``head_dim_split``: 80 as 64 + 16), whose registers and MMAs differ from a padded
+  tile's;
 - ``masked``: causal or windowed (the diagonal tiles and launch order differ);
 - ``extras``: a softcap, a hook, dropout or sinks, which add registers per tile.
 
 A lookup that finds no entry with the spec's own ``extras`` tries the entry without
-them, then the other ``masked`` value; the dtype, head-dim bucket and target must
-match. A target with no entry at all runs the portable ``default`` config.
+them, then the other ``masked`` value, and a split head dim then the padded bucket's
+entries; the dtype, head-dim bucket and target must match. A target with no entry at all runs the portable ``default`` config.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import functools
 import json
 from importlib import resources
 from typing import Any
+
+from specgen.spec.fields import head_dim_parts
 
 # The config of any device the table does not know: small tiles compile and run
 # everywhere (sm_80 to sm_120).
@@ -52,13 +57,20 @@ def key_of(data: dict[str, Any]) -> dict[str, Any]:
     if family == "decode":
         dtype = data.get("kv_dtype") or dtype
     extras = any(data.get(name) for name in ("softcap", "score_mod", "mask_mod", "dropout", "sinks"))
-    return {
+    head_dim = data.get("head_dim", 128)
+    widest = max(head_dim, data.get("v_head_dim") or head_dim)
+    key = {
         "family": family,
         "dtype": "float8_e4m3fn" if dtype == "float8_e4m3fn" else "16-bit",
-        "head_dim": head_dim_bucket(data.get("head_dim", 128), data.get("v_head_dim")),
+        "head_dim": head_dim_bucket(head_dim, data.get("v_head_dim")),
         "masked": bool(data.get("causal") or data.get("window")),
         "extras": extras,
     }
+    # Where the widest head dim runs split (the rule of Spec.d_parts), its own entries.
+    if (family == "prefill" and key["dtype"] == "16-bit" and data.get("head_dim_split", "auto") is not False
+            and head_dim_parts(widest)):
+        key["split"] = True
+    return key
 
 
 def lookup(key: dict[str, Any], target: str) -> dict | None:
@@ -68,6 +80,8 @@ def lookup(key: dict[str, Any], target: str) -> dict | None:
         {**key, "extras": False},
         {**key, "extras": False, "masked": not key["masked"]},
     ]
+    if key.get("split"):  # then the padded bucket's entries
+        tries += [{k: v for k, v in want.items() if k != "split"} for want in tries]
     for want in tries:
         for entry in table():
             if entry["key"] == {**want, "target": target}:

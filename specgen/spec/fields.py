@@ -103,6 +103,19 @@ def _head_dim(value: int) -> int:
     return value
 
 
+def head_dim_parts(value: int) -> tuple[int, int] | None:
+    """The two power-of-two tiles a head dim that is not a power of two splits into
+    (80: 64 + 16, 96: 64 + 32, 192: 128 + 64, 72: 64 + 16 with 8 padding columns):
+    the largest power of two below it and the rest rounded up to a power of two, at
+    least 16 (an MMA's K step). None where that is no narrower than one padded tile
+    (a power of two itself; 112: 64 + 64 = 128)."""
+    if value & (value - 1) == 0:
+        return None
+    main = 1 << (value.bit_length() - 1)
+    rest = max(1 << (value - main - 1).bit_length(), 16)
+    return (main, rest) if main + rest < 2 * main else None
+
+
 # The JSON Schema says what the validators check where it can (an editor's hint; the
 # validators' own messages are what a build prints).
 TileSize = Annotated[int, AfterValidator(_power_of_two_tile),

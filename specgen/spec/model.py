@@ -34,6 +34,7 @@ from specgen.spec.fields import (
     Window,
     _Strict,
     decode_rows,
+    head_dim_parts,
     int_choice,
 )
 
@@ -64,7 +65,7 @@ FAMILY_ONLY = {
                     "decode"),
     **dict.fromkeys(("v_head_dim", "out_dtype", "softcap", "score_mod", "skip_masked_tiles",
                      "dropout", "varlen", "return_lse", "block_remap", "loop_split",
-                     "prescale_q", "q_subtiles", "qk_ahead", "pack_gqa", "backward",
+                     "prescale_q", "q_subtiles", "qk_ahead", "pack_gqa", "head_dim_split", "backward",
                      "deterministic", "context_parallel"), "prefill"),
 }
 
@@ -232,6 +233,14 @@ class Spec(_Strict):
         "tensor cores may compute it while the exponentials run (measured slower on an H100 "
         "for every shipped prefill case; off by default).",
     )
+    head_dim_split: Union[Literal["auto"], bool] = Field(
+        "auto",
+        description="A head_dim (or v_head_dim) that is not a power of two runs as two tiles "
+        "in D, a power of two and the rest (80 = 64 + 16, 96 = 64 + 32, 192 = 128 + 64), "
+        "with one MMA chain each, instead of one tile zero-padded to the next power of two "
+        "(80 in 128 columns does 1.6x the MMA work). auto: on for 16-bit prefill wherever "
+        "the two tiles are narrower than the padded one; false pads.",
+    )
     pack_gqa: bool = Field(
         False,
         description="Stack the gqa_ratio query heads that share a KV head along each CTA's "
@@ -294,14 +303,15 @@ class Spec(_Strict):
         "written back into targets.",
     )
 
-    @field_validator("splits", "pdl", mode="wrap")
+    @field_validator("splits", "pdl", "head_dim_split", mode="wrap")
     @classmethod
     def _auto_union_message(cls, value, handler, info):
         # A union ('auto' or a number or a bool): one line instead of one per member.
         try:
             return handler(value)
         except ValidationError:
-            allowed = {"splits": "'auto' or an integer in [1, 64]", "pdl": "'auto', true or false"}
+            allowed = {"splits": "'auto' or an integer in [1, 64]", "pdl": "'auto', true or false",
+                       "head_dim_split": "'auto', true or false"}
             raise ValueError(f"must be {allowed[info.field_name]}") from None
 
     @field_validator("name")
@@ -394,7 +404,8 @@ class Spec(_Strict):
         """The checks that relate fields of the whole spec, all reported together."""
         problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
                     + self._block_sparse_problems() + self._context_parallel_problems()
-                    + self._qk_ahead_problems() + self._pack_gqa_problems())
+                    + self._qk_ahead_problems() + self._pack_gqa_problems()
+                    + self._head_dim_split_problems())
         if problems:
             raise Problems(problems)
         return self
@@ -513,6 +524,28 @@ class Spec(_Strict):
             return [("qk_ahead", f"true cannot be combined with {', '.join(used)} (their key loops "
                                  "skip tiles or split the query tile); use false")]
         return []
+
+    def _head_dim_split_problems(self) -> list[tuple[str, str]]:
+        """true must have something to split, in a dtype whose MMA takes a 16-wide K."""
+        if self.head_dim_split is not True or self.family != "prefill":
+            return []
+        if self.dtype == "float8_e4m3fn":
+            return [("head_dim_split", "true needs a 16-bit dtype (float8 pads its head dims); "
+                                       "use auto or false")]
+        if not any(head_dim_parts(d) for d in (self.head_dim, self.dv)):
+            return [("head_dim_split", f"true needs a head_dim or v_head_dim that splits into two "
+                                       f"power-of-two tiles narrower than one padded tile (such as "
+                                       f"80, 96, 160 or 192), got {self.head_dim}/{self.dv}; "
+                                       "use auto or false")]
+        return []
+
+    @property
+    def d_parts(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """The (main, rest) tiles of head_dim and of v_head_dim where the kernels split
+        them (head_dim_split), else None."""
+        if self.family != "prefill" or self.dtype == "float8_e4m3fn" or self.head_dim_split is False:
+            return None, None
+        return head_dim_parts(self.head_dim), head_dim_parts(self.dv)
 
     def _pack_gqa_problems(self) -> list[tuple[str, str]]:
         """A packed tile holds several query heads' rows: every row must need the same

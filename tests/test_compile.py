@@ -161,12 +161,17 @@ def test_persistent_configs_share_one_kernel_in_the_work_item_loop_form():
 
 
 @pytest.mark.parametrize("dims,wide", [((128, None), False), ((80, None), False),
-                                       ((256, None), True), ((192, 128), True), ((128, 256), True)])
+                                       ((256, None), True), ((192, 128), False), ((128, 256), True),
+                                       ((192, 128, False), True), ((224, None), True)])
 def test_backward_tiles_follow_the_padded_head_dim(dims, wide):
+    """256-wide tiles (padded 129-256, or 224's 128 + 128) take the wide tiles; 192
+    split into 128 + 64 keeps D128's, padded to 256 (head_dim_split: false) the wide."""
     data = yaml.safe_load(SPECS[0].read_text())
     data.update(backward=True, head_dim=dims[0], targets={})
     if dims[1]:
         data["v_head_dim"] = dims[1]
+    if len(dims) > 2:
+        data["head_dim_split"] = dims[2]
     plan = make_plan(validate_spec(data))
     assert (plan.bwd_tile, plan.bwd_dq_tile) == (((64, 64), (64, 64)) if wide else ((64, 64), (128, 64)))
     source = render(plan, "specs/wide.yaml").text

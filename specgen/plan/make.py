@@ -227,6 +227,7 @@ class Plan:
     bwd_dq_tile: tuple[int, int] = (128, 64)  # the dQ kernel's
     # The dK/dV and dQ kernels' sm_90 hints: CTAs per SM, and worker warps (None: the
     # compiler's choice).
+    bwd_wide: bool = False  # the tiles of 256-wide head dims (below)
     bwd_dkdv_occupancy: int = 2
     bwd_dkdv_warps: int | None = None
     bwd_dq_occupancy: int = 1
@@ -1009,7 +1010,10 @@ def _backward(spec: Spec) -> dict:
     name = procedural_name(spec).replace("fmha_prefill", "fmha_bwd", 1)
     names = dict(bwd_names=(name.replace("fmha_bwd", "fmha_bwd_dkdv", 1),
                             name.replace("fmha_bwd", "fmha_bwd_dq", 1)))
-    widest = max(_pow2_ceil(spec.head_dim), _pow2_ceil(spec.dv))
+    # The width a kernel holds per head dim: the padded tile, or main + rest where split.
+    d_split, dv_split = spec.d_parts
+    widest = max(sum(d_split) if d_split else _pow2_ceil(spec.head_dim),
+                 sum(dv_split) if dv_split else _pow2_ceil(spec.dv))
     # (64-row tiles: at most 64 heads a group; learnable tensors' gradients are summed per head)
     packed = (spec.pack_gqa and spec.block_sparse and spec.gqa_ratio <= 64
               and not any(t.learnable for t in spec.tensors.values()))
@@ -1018,8 +1022,11 @@ def _backward(spec: Spec) -> dict:
         # need the registers of two warp groups at one CTA per SM, and the dQ kernel
         # takes 64 rows. H200, B4 Hq32 Hkv8 D256 causal, S 2048 / 8192: 258 / 303
         # TFLOPS, against 51 / 56 with the D128 tiles (experiments, section 32).
+        # MLA's 192 = 128 + 64 (split) keeps the D128 tiles below: dK/dV at two CTAs per
+        # SM and dQ 128 x 64 measured 1.25x / 1.26x these at S 2048 / 8192 (H100,
+        # 192/128 causal MHA; experiments, section 62).
         return dict(backward=True, **names, bwd_tile=(64, 64), bwd_dq_tile=(64, 64), bwd_pack=packed,
-                    bwd_dkdv_occupancy=1, bwd_dkdv_warps=8)
+                    bwd_dkdv_occupancy=1, bwd_dkdv_warps=8, bwd_wide=True)
     if packed:
         # Packed GQA, as the forward: a tile's 64 rows are 64 / gqa_ratio positions of
         # each head of the group, so a key tile meets (and a query tile visits) the span

@@ -147,7 +147,8 @@ DESCRIPTIONS: dict[str, str] = {
     "accumulators (`q`, `q_rest`; `acc`, `acc_rest`), forward and backward. 112 and 224 "
     "(64 + 64, 128 + 128) and float8 stay padded. On an H100, B4 Hq32 causal, S 1k-8k: "
     "Phi-2's D80 forward 1.10-1.20x and backward 1.25x the padded kernels; MLA's 192/128 "
-    "forward 1.04-1.06x and backward 1.16-1.21x. `false` pads (`HEAD_DIM_TILE`); `true` "
+    "forward 1.04-1.06x and backward 1.47-1.49x (with the backward tiles of its split width). "
+    "`false` pads (`HEAD_DIM_TILE`); `true` "
     "asks for the split and is refused where there is none.",
     "splits": "KV splits per (batch, KV head): each split writes a partial output and "
     "log-sum-exp, a combine kernel merges them. `auto` picks the count at run time: "

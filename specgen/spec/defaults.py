@@ -19,7 +19,8 @@ The key:
 
 A lookup that finds no entry with the spec's own ``extras`` tries the entry without
 them, then the other ``masked`` value, and a split head dim then the padded bucket's
-entries; the dtype, head-dim bucket and target must match. A target with no entry at all runs the portable ``default`` config.
+entries; the dtype, head-dim bucket and target must match. A target with no entry at
+all runs the portable ``default`` config.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import json
 from importlib import resources
 from typing import Any
 
-from specgen.spec.fields import head_dim_parts
+from specgen.spec.fields import head_dim_parts, splits_head_dims
 
 # The config of any device the table does not know: small tiles compile and run
 # everywhere (sm_80 to sm_120).
@@ -66,9 +67,8 @@ def key_of(data: dict[str, Any]) -> dict[str, Any]:
         "masked": bool(data.get("causal") or data.get("window")),
         "extras": extras,
     }
-    # Where the widest head dim runs split (the rule of Spec.d_parts), its own entries.
-    if (family == "prefill" and key["dtype"] == "16-bit" and data.get("head_dim_split", "auto") is not False
-            and head_dim_parts(widest)):
+    # Where the widest head dim runs split (as Spec.d_parts), its own entries.
+    if splits_head_dims(family, dtype, data.get("head_dim_split", "auto")) and head_dim_parts(widest):
         key["split"] = True
     return key
 

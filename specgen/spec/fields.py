@@ -103,6 +103,12 @@ def _head_dim(value: int) -> int:
     return value
 
 
+def splits_head_dims(family: str, dtype: str, head_dim_split) -> bool:
+    """Whether a spec's kernels split head dims that are not a power of two into two
+    tiles (head_dim_split auto or true): 16-bit prefill only; float8 and decode pad."""
+    return family == "prefill" and dtype != "float8_e4m3fn" and head_dim_split is not False
+
+
 def head_dim_parts(value: int) -> tuple[int, int] | None:
     """The two power-of-two tiles a head dim that is not a power of two splits into
     (80: 64 + 16, 96: 64 + 32, 192: 128 + 64, 72: 64 + 16 with 8 padding columns):

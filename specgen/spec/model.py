@@ -36,6 +36,7 @@ from specgen.spec.fields import (
     decode_rows,
     head_dim_parts,
     int_choice,
+    splits_head_dims,
 )
 
 # Packages a generated module imports or sits beside: a spec named after one would
@@ -543,7 +544,7 @@ class Spec(_Strict):
     def d_parts(self) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         """The (main, rest) tiles of head_dim and of v_head_dim where the kernels split
         them (head_dim_split), else None."""
-        if self.family != "prefill" or self.dtype == "float8_e4m3fn" or self.head_dim_split is False:
+        if not splits_head_dims(self.family, self.dtype, self.head_dim_split):
             return None, None
         return head_dim_parts(self.head_dim), head_dim_parts(self.dv)
 

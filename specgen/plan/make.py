@@ -530,8 +530,9 @@ class Plan:
             init = f"ct.mma({a.format(part.suffix)}, {b.format(part.suffix)}, {init})"
         return init
 
-    def load_q(self, tile: str, part: DPart | None = None) -> str:
-        width, col = (part.width, part.col) if part else (self.d_tile, "0")
+    def load_q(self, tile: str, part: DPart) -> str:
+        """The load arguments of query tile ``tile``'s D tile ``part``."""
+        width, col = part.width, part.col
         if self.pack_gqa:  # the tile's heads are its KV head's group: tile index kv_head along H
             return f"Q, index=(batch, kv_head, {tile}, {col}), shape=(1, GROUP_SIZE, TILE_P, {width})"
         if self.varlen:
@@ -549,28 +550,30 @@ class Plan:
         """The test that a query tile has a key tile to visit."""
         return "num_n > 0" if self.window_left is None else "first_n < num_n"
 
-    def load_k_t(self, tile: str = "j", part: DPart | None = None) -> str:
-        width, col = (part.width, part.col) if part else (self.d_tile, "0")
+    def load_k_t(self, tile: str, part: DPart) -> str:
+        """The load arguments of key tile ``tile``'s D tile ``part``, as K^T."""
+        width, col = part.width, part.col
         if self.varlen:
             return (f"Ks,\n            index=({col}, kv_head, {tile}),\n            shape=({width}, 1, TILE_N),"
                     f"\n            order=(2, 1, 0)")
         return (f"K,\n            index=(batch, kv_head, {col}, {tile}),\n            shape=(1, 1, {width}, "
                 f"TILE_N),\n            order=(0, 1, 3, 2)")
 
-    def load_kv(self, array: str, dim: str, tile: str = "j", col: str = "0") -> str:
+    def load_kv(self, array: str, part: DPart, tile: str) -> str:
+        """The load arguments of ``array``'s (K or V) key tile ``tile``, D tile ``part``."""
+        width, col = part.width, part.col
         if self.varlen:
-            return f"{array}s, index=({tile}, kv_head, {col}), shape=(TILE_N, 1, {dim})"
-        return f"{array}, index=(batch, kv_head, {tile}, {col}), shape=(1, 1, TILE_N, {dim})"
+            return f"{array}s, index=({tile}, kv_head, {col}), shape=(TILE_N, 1, {width})"
+        return f"{array}, index=(batch, kv_head, {tile}, {col}), shape=(1, 1, TILE_N, {width})"
 
-    def store_out(self, tile: str, col: str = "0") -> str:
+    def store_out(self, tile: str, col: str) -> str:
         if self.pack_gqa:
             return f"Out, index=(batch, kv_head, {tile}, {col})"
         if self.varlen:
             return f"Outs, index=({tile}, head, {col})"
         return f"Out, index=(batch, head, {tile}, {col})"
 
-    def out_tile_shape(self, width: str | None = None) -> str:
-        width = width or self.dv_tile
+    def out_tile_shape(self, width: str) -> str:
         if self.pack_gqa:
             return f"(1, GROUP_SIZE, TILE_P, {width})"
         if self.varlen:

@@ -146,6 +146,40 @@ def test_dropout_reference_mask_rate_seed_and_scaling():
     assert torch.allclose(lse, attention_reference(q, k, v, causal=True, return_lse=True)[1])
 
 
+def _fmix32_keep(seed: int, bh: int, row: int, key: int, threshold: int) -> bool:
+    """One key's keep bit, by plain integer arithmetic: keys k and k + 8 of each
+    aligned 16 share one murmur3 hash, the first taking its low 16 bits."""
+    m = 0xFFFFFFFF
+    pair = (key // 16) * 8 + key % 8
+    x = ((row * 0x9E3779B1) & m) ^ ((pair * 0x85EBCA77) & m) ^ seed ^ ((bh * 0xC2B2AE3D) & m)
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & m
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & m
+    x ^= x >> 16
+    return ((x >> (16 * ((key // 8) % 2))) & 0xFFFF) >= threshold
+
+
+def test_dropout_keys_share_a_hash_in_pairs_eight_apart():
+    from specgen.check.reference import dropout_keep, dropout_threshold
+
+    assert dropout_threshold(0.15) == round(0.15 * 65536) and dropout_threshold(0.0) == 0
+    # p just under 1 rounds to the whole range: every key dropped, none kept by a wrap.
+    assert dropout_threshold(1 - 1e-7) == 2**16
+    assert not dropout_keep(1, 1, 8, 64, q_offset=0, seed=3, dropout_p=1 - 1e-7).any()
+    keep = dropout_keep(2, 3, 5, 70, q_offset=9, seed=11, dropout_p=0.3)
+    threshold = dropout_threshold(0.3)
+    for b, h, i, j in [(0, 0, 0, 0), (0, 0, 0, 8), (1, 2, 4, 7), (1, 2, 4, 15), (0, 1, 3, 16),
+                       (0, 1, 3, 24), (1, 0, 2, 69), (1, 1, 0, 33), (0, 2, 1, 41)]:
+        assert keep[b, h, i, j].item() == _fmix32_keep(11, b * 3 + h, 9 + i, j, threshold), (b, h, i, j)
+    # The two halves of a hash are independent draws: the keep rate of a key and of
+    # its partner k + 8, and how often both are kept, match independent coins.
+    keep = dropout_keep(4, 8, 256, 256, q_offset=0, seed=5, dropout_p=0.5).float()
+    low, high = keep.view(4, 8, 256, 16, 2, 8)[..., 0, :], keep.view(4, 8, 256, 16, 2, 8)[..., 1, :]
+    assert abs(low.mean().item() - 0.5) < 0.01 and abs(high.mean().item() - 0.5) < 0.01
+    assert abs((low * high).mean().item() - 0.25) < 0.01
+    # Neighbouring keys (other hashes) are not correlated either.
+    assert abs((keep[..., :-1] * keep[..., 1:]).mean().item() - 0.25) < 0.01
+
+
 def test_p_dtype_model_rounds_only_the_weights_of_the_pv_product():
     # One query, two keys: scores 0 and ln(0.3), so the weights are 1 and 0.3. In
     # e4m3 (3 mantissa bits) 0.3 lies between 0.28125 and 0.3125 and rounds to the

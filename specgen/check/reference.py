@@ -62,22 +62,31 @@ def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
     return (a * lo + (((a * hi) & 0xFFFF) << 16)) & _MASK32
 
 
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' keep threshold, of 2**16: a key is kept where its 16 bits of the
+    hash are >= it."""
+    return min(round(dropout_p * 2**16), 2**16)
+
+
 def dropout_keep(batch: int, heads: int, seq_q: int, seq_k: int, *, q_offset: int, seed: int,
                  dropout_p: float, device=None) -> torch.Tensor:
     """[B, H, Sq, Skv] bool: True where the generated kernels keep a probability.
 
-    The kernels hash (seed, b * H + h, q_offset + i, j) with murmur3's 32-bit
-    finaliser and keep where the top 24 bits are >= round(dropout_p * 2**24)."""
-    threshold = min(round(dropout_p * 2**24), 2**24)
+    The kernels hash (seed, b * H + h, q_offset + i, pair) with murmur3's 32-bit
+    finaliser, where keys j and j + 8 of each aligned 16 share a pair ((j // 16) * 8
+    + j % 8); key j is kept where its half of the hash (the low 16 bits for
+    j // 8 even, the high 16 for odd) is >= dropout_threshold(dropout_p)."""
+    threshold = dropout_threshold(dropout_p)
     bh = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads, 1, 1)
     rows = torch.arange(seq_q, device=device, dtype=torch.int64).view(1, 1, -1, 1) + q_offset
     keys = torch.arange(seq_k, device=device, dtype=torch.int64).view(1, 1, 1, -1)
     stream = seed ^ _mul32(bh, 0xC2B2AE3D)
-    x = _mul32(rows, 0x9E3779B1) ^ _mul32(keys, 0x85EBCA77) ^ stream
+    pairs = (keys >> 4) * 8 + (keys & 7)
+    x = _mul32(rows, 0x9E3779B1) ^ _mul32(pairs, 0x85EBCA77) ^ stream
     x = _mul32(x ^ (x >> 16), 0x85EBCA6B)
     x = _mul32(x ^ (x >> 13), 0xC2B2AE35)
     x = x ^ (x >> 16)
-    return (x >> 8) >= threshold
+    return ((x >> (16 * ((keys >> 3) & 1))) & 0xFFFF) >= threshold
 
 
 def attention_reference(

@@ -352,8 +352,10 @@ def run_tune(
             values["descales"] = torch.tensor([extra["q_descale"], extra["k_descale"], extra["v_descale"]],
                                               dtype=torch.float32, device="cuda")
         if plan.dropout:
+            from specgen.check.reference import dropout_threshold
+
             p = extra["dropout_p"]
-            values.update(dropout_threshold=min(round(p * 2**24), 2**24), dropout_scale=1.0 / (1.0 - p),
+            values.update(dropout_threshold=dropout_threshold(p), dropout_scale=1.0 / (1.0 - p),
                           seed=extra["seed"])
         if plan.block_sparse:
             block_map = map_for(q, k, config, extra, q_offset)

@@ -462,7 +462,7 @@ class Plan:
     @property
     def keys_every_step(self) -> bool:
         """A hook reads kv_idx: the key positions are needed in unmasked steps too."""
-        return self.dropout or any("kv_idx" in h.uses for h in self.hooks)
+        return any("kv_idx" in h.uses for h in self.hooks)
 
     def score_gathers(self, where: str) -> tuple[Gather, ...]:
         """The score_mod's operands only: a block map's full tiles skip the mask_mod."""
@@ -471,9 +471,9 @@ class Plan:
 
     @property
     def full_tile_keys(self) -> bool:
-        """A full tile (no mask) still needs the key positions: dropout, or a
-        score_mod that reads kv_idx."""
-        return self.dropout or bool(self.score_mod and "kv_idx" in self.score_mod.uses)
+        """A full tile (no mask) still needs the key positions: a score_mod that
+        reads kv_idx."""
+        return bool(self.score_mod and "kv_idx" in self.score_mod.uses)
 
     def visible_expr(self, half: str = "") -> str:
         """The per-row mask of a masked key tile, e.g. 'keys <= rows0'."""

@@ -3,8 +3,9 @@
 The launcher reads its tiles from the module's BWD_TILE_M / BWD_TILE_N (dK/dV
 kernel) and BWD_DQ_TILE_M / BWD_DQ_TILE_N (dQ kernel) at each call, so this
 script sets them per variant (the JIT compiles each once) and times the backward
-alone: autograd.grad of the module's output, B4 Hq32, causal, the spec's GQA ratio.
-Each variant's gradients are checked against cuDNN's before it is timed.
+alone: autograd.grad of the module's output, B4 Hq32, with the spec's causality, GQA
+ratio and head dims (v_head_dim too). Each variant's gradients are checked against
+cuDNN's before it is timed.
 
 A variant is "dKdV_MxN/dQ_MxN", optionally followed by "@occupancy:warps" for the
 dK/dV kernel and "#occupancy:warps" for the dQ kernel (0: the compiler's choice),
@@ -38,6 +39,8 @@ def main() -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     ratio, d = mod.GROUP_SIZE, mod.HEAD_DIM
+    dv = mod.SPEC.get("v_head_dim") or d
+    causal = bool(mod.SPEC.get("causal"))
     B, HQ = 4, 32
     torch.manual_seed(0)
     # The module's own kernel objects, before any variant replaces them.
@@ -45,16 +48,15 @@ def main() -> None:
     shipped = {n: getattr(mod, n) for n in names}
     rows = []
     for seq in [int(s) for s in args.seqs.split(",")]:
-        flops = 2.5 * 4 * B * HQ * seq * seq * d / 2  # FlashAttention's count, causal
+        # FlashAttention's count: 2.5 x the forward's, halved if causal
+        flops = 2.5 * 2 * B * HQ * seq * seq * (d + dv) / (2 if causal else 1)
         q = torch.randn(B, HQ, seq, d, device="cuda", dtype=mod.DTYPE, requires_grad=True)
-        k, v = (
-            torch.randn(B, HQ // ratio, seq, d, device="cuda", dtype=mod.DTYPE, requires_grad=True)
-            for _ in range(2)
-        )
-        do = torch.randn(B, HQ, seq, d, device="cuda", dtype=mod.DTYPE)
+        k = torch.randn(B, HQ // ratio, seq, d, device="cuda", dtype=mod.DTYPE, requires_grad=True)
+        v = torch.randn(B, HQ // ratio, seq, dv, device="cuda", dtype=mod.DTYPE, requires_grad=True)
+        do = torch.randn(B, HQ, seq, dv, device="cuda", dtype=mod.DTYPE)
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             ref_out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=True
+                q, k, v, is_causal=causal, enable_gqa=True
             )
             ref = torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True)
             ms = do_bench(lambda: torch.autograd.grad(ref_out, (q, k, v), do, retain_graph=True))

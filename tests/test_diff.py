@@ -257,3 +257,7 @@ def test_compiled_section_shows_what_qk_ahead_does_to_the_loop_schedule(tmp_path
     assert not any(overlaps(loop) for loop in plain)
     text = diff(spec, "--set", "qk_ahead=true", "--gen", tmp_path).stdout
     assert "      loops: W Q8 W E66 P8 W" in text
+    # What a step issues, per side: the instruction mix of each inner loop.
+    assert "      a step: " in text and " instructions: " in text
+    mixes = [m for k in kernels[0] for m in k["loop_mix"]]
+    assert mixes and all(m["mma"] > 0 and m["exp"] > 0 for m in mixes), mixes

@@ -44,3 +44,24 @@ def test_a_predicated_float8_mma_is_read():
     assert sass._event("@P1 QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ, !UPT", started) == "Q"
     assert sass._event("QGMMA.64x128x32.F32.E4M3.E4M3 R90, R12, gdesc[UR4], R90", started) == "P"
     assert sass._event("FADD R1, R2, R3", started) is None
+
+
+def test_loop_mix_counts_one_step_of_each_inner_loop():
+    body = LISTING[:4] + [
+        (0x032, "IMAD R2, R3, 0x85ebca6b, RZ"),
+        (0x034, "@P1 LOP3.LUT R2, R2, 0xffff, RZ, 0xc0, !PT"),
+        (0x036, "FFMA R4, R4, R5, -R6"),
+        (0x038, "STL [R1+0x10], R4"),
+        (0x03c, "LDL R7, [R1+0x10]"),
+    ] + LISTING[4:]
+    (mix,) = sass.loop_mix(body)
+    # The loop runs from 0x30 to its branch back at 0xb0: 14 instructions.
+    assert mix == {"instructions": 14, "integer": 2, "float": 1, "exp": 3, "mma": 3, "spill": 2}
+    assert sass.describe_mix(mix) == "14 instructions: 2 integer, 1 float, 3 exp, 3 MMA, 2 spill"
+    assert sass.loop_mix(LISTING[:3]) == []  # no loop, no mix
+    assert len(sass.loop_mix(body)) == len(sass.loop_schedules(body))
+
+
+def test_cli_refuses_a_missing_cubin(tmp_path, capsys):
+    assert sass.main([str(tmp_path / "none.cubin")]) == 2
+    assert "none.cubin: no such cubin" in capsys.readouterr().err

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 from specgen.errors import CompileError, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
+from specgen.compile.sass import describe_mix
 from specgen.emit.render import HEADER_RE, render
 from specgen.spec import parse_spec_text, read_spec_text, validate_spec
 from specgen.spec.hooks import Hook
@@ -215,7 +216,7 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
     """Per kernel in a cubin: registers, stack, shared and local memory (spills
     land in local memory), and the schedules of its inner loops where nvdisasm is
     there too (specgen.compile.sass). None where cuobjdump is not available."""
-    from specgen.compile.sass import cubin_schedules, cuobjdump_path
+    from specgen.compile.sass import cubin_loops, cuobjdump_path
 
     tool = cuobjdump_path()
     if tool is None:
@@ -223,7 +224,7 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
     text = subprocess.run(
         [tool, "--dump-resource-usage", str(cubin)], capture_output=True, text=True, check=True
     ).stdout
-    schedules = cubin_schedules(cubin) or {}
+    loops = cubin_loops(cubin) or {}
     kernels = []
     name = None
     for line in text.splitlines():
@@ -234,7 +235,9 @@ def resource_usage(cubin: Path, plan: Plan) -> Optional[list[dict]]:
             reg, stack, shared, local = map(int, match.groups())
             kernels.append({"kernel": _variant_label(name, plan), "registers": reg,
                             "stack": stack, "shared": shared, "local": local,
-                            "loops": schedules.get(name)})
+                            "loops": [lp["schedule"] for lp in loops[name]] if name in loops else None,
+                            "loop_mix": [{k: v for k, v in lp.items() if k != "schedule"}
+                                         for lp in loops[name]] if name in loops else None})
             name = None
     return kernels
 
@@ -461,6 +464,11 @@ def format_tail(report: dict) -> str:
                     # The inner loops' schedules (specgen.compile.sass), where they differ.
                     lines.append(f"      loops: {' | '.join(loops_a or ['-'])}")
                     lines.append(f"         {ARROW} {' | '.join(loops_b or ['-'])}")
+                mix_a, mix_b = ka.get("loop_mix"), kb.get("loop_mix")
+                if (mix_a or mix_b) and mix_a != mix_b:
+                    # What one step of each inner loop issues (specgen.compile.sass.loop_mix).
+                    lines.append(f"      a step: {' | '.join(describe_mix(m) for m in mix_a or []) or '-'}")
+                    lines.append(f"         {ARROW} {' | '.join(describe_mix(m) for m in mix_b or []) or '-'}")
     if report.get("performance"):
         lines += ["", "5. Performance (specgen kernel, from bench/results; ratio above 1: b is faster)"]
         for block in report["performance"]:

@@ -14,6 +14,12 @@ softmax. ``Q2 E2 Q1 E13 ... W P8 W`` issues the MMAs between the exponentials an
 waits after them: the tensor cores run while the softmax does. A count follows
 each letter (consecutive events of one kind).
 
+Each loop's instruction mix (``loop_mix``) says what else a step issues: its
+instructions, how many are integer (address, mask and hash arithmetic), floating
+point, exponentials and MMAs, and the stack traffic of spilled registers. A
+dropout hash per element, for example, showed as two thirds of a step's
+instructions being integer.
+
     python -m specgen.compile.sass CUBIN...
 
 Needs cuobjdump and nvdisasm (pip: nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm).
@@ -107,26 +113,74 @@ def _compress(events: list[str]) -> str:
     return " ".join(f"{e}{n}" if n > 1 or e != "W" else e for e, n in runs)
 
 
-def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
-    """The event strings of the innermost loops that hold a warpgroup MMA (no other
-    such loop inside their span; wait-and-retry loops without MMAs do not count), in
-    address order."""
-    started: set = set()
-    events_at = {}
-    for addr, instr in body:  # in order, so a chain begun before a loop is known in it
-        events_at[addr] = _event(instr, started)
-    loops = {}
+def _inner_loops(body: list[tuple[int, str]], events_at: dict) -> list[tuple[int, int]]:
+    """The (first, last) addresses of the innermost loops that hold a warpgroup MMA
+    (no other such loop inside their span; wait-and-retry loops without MMAs do not
+    count), in address order."""
+    loops = []
     for addr, instr in body:
         match = _BRANCH.search(instr)
         # A loop closes with a predicated branch back; an unconditional one back is
         # a slow path (a barrier's retry) returning into the loop.
         if match and instr.startswith("@") and int(match.group(1), 16) < addr:
             span = (int(match.group(1), 16), addr)
-            events = [e for a, e in events_at.items() if span[0] <= a <= span[1] and e]
-            if any(e in "QP" for e in events):
-                loops[span] = events
-    inner = [s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops)]
-    return [_compress(loops[span]) for span in sorted(inner)]
+            if any(events_at[a] in ("Q", "P") for a, _ in body if span[0] <= a <= span[1]):
+                loops.append(span)
+    return sorted(s for s in loops if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in loops))
+
+
+def _events(body: list[tuple[int, str]]) -> dict:
+    started: set = set()
+    # In order, so that a chain begun before a loop is known in it.
+    return {addr: _event(instr, started) for addr, instr in body}
+
+
+def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
+    """The event strings of the innermost loops with a warpgroup MMA, in address order."""
+    events_at = _events(body)
+    return [_compress([events_at[a] for a, _ in body if first <= a <= last and events_at[a]])
+            for first, last in _inner_loops(body, events_at)]
+
+
+# Opcode classes of a loop's mix (the opcode before its first '.').
+_INTEGER = {"IMAD", "IADD3", "LOP3", "SHF", "ISETP", "SEL", "LEA", "PRMT", "IABS", "IMNMX",
+            "VIADD", "VIMNMX", "I2F", "F2I", "FLO", "POPC", "BMSK", "SGXT"}
+_FLOAT = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "F2FP", "FCHK", "HADD2", "HMUL2",
+          "HFMA2"}
+
+
+def loop_mix(body: list[tuple[int, str]]) -> list[dict]:
+    """Per innermost loop with a warpgroup MMA (as loop_schedules): the instructions of
+    one step and how many are integer, floating point, exponentials (MUFU.EX2), MMAs
+    and stack traffic (STL/LDL: spilled registers)."""
+    events_at = _events(body)
+    mixes = []
+    for first, last in _inner_loops(body, events_at):
+        mix = {"instructions": 0, "integer": 0, "float": 0, "exp": 0, "mma": 0, "spill": 0}
+        for addr, instr in body:
+            if not first <= addr <= last:
+                continue
+            op = (instr.split(None, 1)[1] if instr.startswith("@") else instr).split()[0]
+            base = op.split(".")[0]
+            mix["instructions"] += 1
+            if base in _INTEGER:
+                mix["integer"] += 1
+            elif base in _FLOAT:
+                mix["float"] += 1
+            elif op.startswith("MUFU.EX2"):
+                mix["exp"] += 1
+            elif base in ("HGMMA", "QGMMA"):
+                mix["mma"] += 1
+            elif base in ("STL", "LDL"):
+                mix["spill"] += 1
+        mixes.append(mix)
+    return mixes
+
+
+def describe_mix(mix: dict) -> str:
+    """'714 instructions: 450 integer, 150 float, 34 exp, 8 MMA, 0 spill'."""
+    return (f"{mix['instructions']} instructions: {mix['integer']} integer, {mix['float']} float, "
+            f"{mix['exp']} exp, {mix['mma']} MMA, {mix['spill']} spill")
 
 
 def cubin_schedules(cubin: Path) -> Optional[dict[str, list[str]]]:
@@ -137,16 +191,29 @@ def cubin_schedules(cubin: Path) -> Optional[dict[str, list[str]]]:
     return {name: loop_schedules(body) for name, body in functions.items()}
 
 
+def cubin_loops(cubin: Path) -> Optional[dict[str, list[dict]]]:
+    """Per function symbol of a cubin, each inner loop's schedule and mix (the
+    loop_mix dict with its "schedule"); None without the tools."""
+    functions = sass_functions(cubin)
+    if functions is None:
+        return None
+    return {name: [{"schedule": sched, **mix} for sched, mix in zip(loop_schedules(body), loop_mix(body))]
+            for name, body in functions.items()}
+
+
 def main(argv: list[str]) -> int:
     for path in argv:
-        schedules = cubin_schedules(Path(path))
-        if schedules is None:
+        if not Path(path).is_file():
+            print(f"specgen.compile.sass: {path}: no such cubin", file=sys.stderr)
+            return 2
+        found = cubin_loops(Path(path))
+        if found is None:
             print("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump "
                   "nvidia-cuda-nvdisasm", file=sys.stderr)
             return 2
-        for name, loops in schedules.items():
-            for i, text in enumerate(loops):
-                print(f"{Path(path).name} {name} loop {i}: {text}")
+        for name, loops in found.items():
+            for i, loop in enumerate(loops):
+                print(f"{Path(path).name} {name} loop {i}: {loop['schedule']}  [{describe_mix(loop)}]")
     return 0
 
 

@@ -95,9 +95,9 @@ DESCRIPTIONS: dict[str, str] = {
     "sync) and can be reused across layers and steps. See "
     "[block-sparse masks](features.md#block-sparse-masks).",
     "dropout": "Dropout on the attention probabilities: `attention(..., dropout_p, seed)`. "
-    "A probability is kept where 16 bits of murmur3's finaliser of (seed, b·H + h, query "
-    "position, key pair) clear `round(p · 2¹⁶)`, so a seed reproduces its mask exactly "
-    "(one hash decides two keys: k and k + 8 of each aligned 16) "
+    "A probability is kept where its 16 bits of murmur3's finaliser of (seed, b·H + h, query "
+    "position, key pair) clear `round(p · 2¹⁶)`; one hash serves keys k and k + 8 of each "
+    "aligned 16. A seed reproduces its mask exactly "
     "(`specgen.check.reference.dropout_keep` regenerates it); kept weights are scaled by "
     "1 / (1 − p). The LSE is the one before dropout.",
     "varlen": "A packed batch without padding (FlashAttention's varlen): q `[total_q, Hq, "

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -36,29 +34,16 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specgen.check.cases import feature_inputs, shape_dims  # noqa: E402
+from specgen.compile.export import load_module_renamed  # noqa: E402
 
 PREFIXES = {"dkdv": "fmha_bwd_dkdv", "dq": "fmha_bwd_dq"}
 
 
 def load(variant: str, index: int):
-    """The module of ``variant`` with its hint replacements applied. A generated module
-    registers its custom op once per process under its spec's name, and a second
-    module of that name would reuse the first's op (and so its kernels): each
-    variant's op gets a name of its own."""
+    """The module of ``variant`` with its hint replacements applied, its custom op named
+    for the variant (load_module_renamed)."""
     path, _, hints = variant.partition("#")
-    source = re.sub(
-        r'^OP_NAME = "specgen::(\w+)"$',
-        rf'OP_NAME = "specgen::\1_ab{index}"',
-        Path(path).read_text(),
-        count=1,
-        flags=re.M,
-    )
-    if f"_ab{index}\"" not in source:
-        raise SystemExit(f"{path}: no OP_NAME line to rename")
-    mod = types.ModuleType(f"ab{index}_{Path(path).stem}")
-    mod.__file__ = str(Path(path).resolve())
-    sys.modules[mod.__name__] = mod
-    exec(compile(source, mod.__file__, "exec"), mod.__dict__)
+    mod = load_module_renamed(path, f"ab{index}")
     for item in filter(None, hints.split(",")):
         which, _, value = item.partition("=")
         if which not in PREFIXES:

@@ -10,28 +10,18 @@ Usage:  python bench/dropout_ab.py OUT.json FWD_OLD.py FWD_NEW.py TRAIN_OLD.py T
 """
 
 import json
-import re
 import statistics
 import sys
-import types
 from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specgen.compile.export import load_module_renamed  # noqa: E402
+
 P = 0.15
-
-
-def load(path: str, tag: str):
-    """A module with its custom op renamed: two modules of one spec would share it."""
-    source = re.sub(r'^OP_NAME = "specgen::(\w+)"$', rf'OP_NAME = "specgen::\1_{tag}"',
-                    Path(path).read_text(), count=1, flags=re.M)
-    mod = types.ModuleType(f"ab_{tag}")
-    mod.__file__ = str(Path(path).resolve())
-    sys.modules[mod.__name__] = mod
-    exec(compile(source, mod.__file__, "exec"), mod.__dict__)
-    return mod
 
 
 def main() -> None:
@@ -39,7 +29,7 @@ def main() -> None:
         raise SystemExit(__doc__.split("Usage:", 1)[1].strip())
     out_path, *paths = sys.argv[1:]
     names = ["old_fwd", "new_fwd", "old_train", "new_train"]
-    mods = {name: load(path, name) for name, path in zip(names, paths)}
+    mods = {name: load_module_renamed(path, name) for name, path in zip(names, paths)}
     d = mods["old_fwd"].HEAD_DIM
     B, H = 4, 32
     rows = []

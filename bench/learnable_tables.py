@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specgen.compile.export import load_module_from_source  # noqa: E402
+from specgen.compile.export import load_module_from_source, load_module_renamed  # noqa: E402
 from specgen.emit.render import render  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.spec import validate_spec  # noqa: E402
@@ -51,17 +50,6 @@ def spec_module(name: str, learnable: bool):
     return load_module_from_source(name, render(plan, f"bench/{name}.yaml").text, f"generated/{name}.py")
 
 
-def file_module(path: str):
-    """A generated module from a file, its custom op renamed: a module of the same spec
-    names its op after the spec, and would otherwise reuse the op (and so the kernels)
-    that the current module registered first."""
-    source = re.sub(r'^OP_NAME = "specgen::(\w+)"$', r'OP_NAME = "specgen::\1_old"', Path(path).read_text(),
-                    count=1, flags=re.M)
-    if '_old"' not in source:
-        raise SystemExit(f"{path}: no OP_NAME line to rename")
-    return load_module_from_source("learnable_old", source, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="2048,8192")
@@ -72,7 +60,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     learn, frozen = spec_module("tables_learnable", True), spec_module("tables_frozen", False)
-    old = file_module(args.old_module) if args.old_module else None
+    old = load_module_renamed(args.old_module, "old") if args.old_module else None
     flex = torch.compile(flex_attention, dynamic=False)
     rows = []
     seqs = [int(s) for s in args.seqs.split(",")]

@@ -10,6 +10,7 @@ from specgen.compile.export import (
     compile_target,
     decode_signatures,
     load_module_from_source,
+    load_module_renamed,
     pdl_value,
     signatures,
     target_configs,
@@ -375,3 +376,17 @@ def test_learnable_tables_at_d128_compile_as_the_jit_specialises_them(tmp_path):
             end += 1
         adds.append(source[start:end])
     assert len(adds) == 2 and all("memory_order=ct.MemoryOrder.RELAXED" in a for a in adds), adds
+
+
+def test_a_module_loaded_renamed_registers_an_op_of_its_own(tmp_path):
+    """Two modules of one spec in one process (an old build beside the new) must not
+    share a custom op, and so kernels: the loaded copy's op takes the suffix."""
+    path = ROOT / "generated" / "fmha_train_gemma2.py"
+    shipped = re.search(r'^OP_NAME = "(.+)"$', path.read_text(), re.M).group(1)
+    module = load_module_renamed(path, "old")
+    assert module.OP_NAME == f"{shipped}_old"
+    assert module.__file__ == str(path.resolve())  # its .aot folder is found beside it
+    stranger = tmp_path / "plain.py"
+    stranger.write_text("x = 1\n")
+    with pytest.raises(ValueError, match=r"plain.py: no OP_NAME line to rename"):
+        load_module_renamed(stranger, "old")

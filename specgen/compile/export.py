@@ -12,6 +12,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -187,6 +188,19 @@ def load_module_from_source(name: str, source: str, origin: str):
         sys.modules.pop(module_name, None)
         raise CompileError(f"{origin}: import failed: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def load_module_renamed(path: Path | str, suffix: str):
+    """A generated module from its file, its custom op registered as
+    ``specgen::<spec>_<suffix>``: a module names its op after its spec, so a second
+    module of the same spec in one process (an older build, a variant) would otherwise
+    reuse the first one's op, and with it the first one's kernels."""
+    path = Path(path).resolve()
+    source, count = re.subn(r'^OP_NAME = "specgen::(\w+)"$', rf'OP_NAME = "specgen::\1_{suffix}"',
+                            path.read_text(), count=1, flags=re.M)
+    if not count:
+        raise ValueError(f"{path}: no OP_NAME line to rename; is it a module specgen generated?")
+    return load_module_from_source(f"{path.stem}_{suffix}", source, str(path))
 
 
 def pdl_value(plan: Plan, target: str) -> bool:

@@ -371,14 +371,6 @@ def reshape(x, shape):
     return x.reshape(tuple(shape))
 
 
-def cat(tiles, axis):
-    return torch.cat([_tensor(t) for t in tiles], dim=axis)
-
-
-def expand_dims(x, axis):
-    return _tensor(x).unsqueeze(axis)
-
-
 def broadcast_to(x, shape):
     return torch.broadcast_to(_tensor(x), tuple(shape)).clone()
 

@@ -183,14 +183,6 @@ def describe_mix(mix: dict) -> str:
             f"{mix['exp']} exp, {mix['mma']} MMA, {mix['spill']} spill")
 
 
-def cubin_schedules(cubin: Path) -> Optional[dict[str, list[str]]]:
-    """Per function symbol of a cubin, its loop schedules; None without the tools."""
-    functions = sass_functions(cubin)
-    if functions is None:
-        return None
-    return {name: loop_schedules(body) for name, body in functions.items()}
-
-
 def cubin_loops(cubin: Path) -> Optional[dict[str, list[dict]]]:
     """Per function symbol of a cubin, each inner loop's schedule and mix (the
     loop_mix dict with its "schedule"); None without the tools."""

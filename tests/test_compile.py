@@ -11,6 +11,7 @@ from specgen.compile.export import (
     decode_signatures,
     load_module_from_source,
     load_module_renamed,
+    rename_op,
     pdl_value,
     signatures,
     target_configs,
@@ -390,3 +391,19 @@ def test_a_module_loaded_renamed_registers_an_op_of_its_own(tmp_path):
     stranger.write_text("x = 1\n")
     with pytest.raises(ValueError, match=r"plain.py: no OP_NAME line to rename"):
         load_module_renamed(stranger, "old")
+
+
+def test_rename_op_renames_training_sources_and_passes_inference_ones():
+    """The bench scripts' rename of a module's op from its source: a training module's
+    op takes the suffix (the name carries the spec hash, so a replace of the bare spec
+    name would miss it), an inference module has none to rename, and a source that
+    registers an op without an OP_NAME line is refused."""
+    train = (ROOT / "generated" / "fmha_train_document.py").read_text()
+    shipped = re.search(r'^OP_NAME = "(.+)"$', train, re.M).group(1)
+    renamed = rename_op(train, "variant")
+    assert re.search(r'^OP_NAME = "(.+)"$', renamed, re.M).group(1) == f"{shipped}_variant"
+    assert renamed.replace(f"{shipped}_variant", shipped) == train
+    inference = (ROOT / "generated" / "fmha_document_mask.py").read_text()
+    assert rename_op(inference, "variant") == inference
+    with pytest.raises(ValueError, match=r"<x>: no OP_NAME line to rename"):
+        rename_op("import torch\ntorch.library.custom_op('a::b', f)\n", "v", "<x>")

@@ -1048,3 +1048,49 @@ def test_a_broken_split_head_dim_fails_the_emulated_check(what):
     broken = _module("fmha_phi2_d80", source.replace(old, new))
     row = _run(broken, Case(1, 1, 130, 300, 170))
     assert not row["ok"], what
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gptoss_sinks", "fmha_train_vit_dropout"])
+def test_eager_path_skips_the_op_and_matches_it_bit_for_bit(name):
+    """An eager call with gradients runs _EagerAttention (the op's forward, context
+    and backward without the dispatcher), one without gradients calls the forward
+    directly; both give the custom op's bits: output, LSE and every gradient
+    (learnable sinks and dropout included)."""
+    if (ROOT / "generated" / f"{name}.py").exists():
+        module = _module(name)
+    else:  # a training spec of bench/train
+        import yaml
+
+        path = f"bench/train/{name}.yaml"
+        module = _emulated(yaml.safe_load((ROOT / path).read_text(encoding="utf-8")), f"eager_{name}", path)
+    g = torch.Generator().manual_seed(5)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(1, hq, 70, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 90, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    extra = {"sinks": torch.randn(hq, generator=g)} if module.SPEC.get("sinks") else {}
+    if module.SPEC.get("dropout"):
+        extra = {"dropout_p": 0.25, "seed": 11}
+    dout = torch.randn(1, hq, 70, d, generator=g).to(torch.bfloat16)
+
+    def leaves():
+        return [t.clone().requires_grad_() for t in (q, k, v, *(t for t in extra.values() if isinstance(t, torch.Tensor)))]
+
+    def grads_of(out, inputs):
+        out = out[0] if isinstance(out, tuple) else out
+        return [out, *torch.autograd.grad(out, inputs, dout)]
+
+    with emulate.emulating():
+        eager_inputs = leaves()
+        eager_extra = dict(extra, **({"sinks": eager_inputs[3]} if "sinks" in extra else {}))
+        eager_out = module.attention(*eager_inputs[:3], **eager_extra)
+        assert type((eager_out[0] if isinstance(eager_out, tuple) else eager_out).grad_fn).__name__ == "_EagerAttentionBackward"
+        eager = grads_of(eager_out, eager_inputs)
+        op_inputs = leaves()
+        scalars = (0.25, 11) if module.SPEC.get("dropout") else ()
+        op_out = module._OP(*op_inputs[:3], 1.0 / math.sqrt(d), 0, *scalars, *op_inputs[3:])
+        op = grads_of(op_out, op_inputs)
+        with torch.no_grad():
+            plain = module.attention(q, k, v, **extra)
+    for got, want in zip(eager, op):
+        assert torch.equal(got, want)
+    assert torch.equal(plain[0] if isinstance(plain, tuple) else plain, eager[0])

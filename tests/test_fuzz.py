@@ -139,7 +139,7 @@ ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "os", "torch", "cud
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
 ALLOWED_TOP_CALLS = {"_register_op", "math.log", "math.sqrt", "_AotStore",
                      "os.path.join", "os.path.dirname", "os.path.abspath"}
-ALLOWED_CLASSES = {"_AotStore", "AotKernel"}
+ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention"}
 
 
 def _check_module_text(text: str, spec_dict: dict) -> None:

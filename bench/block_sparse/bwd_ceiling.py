@@ -38,7 +38,7 @@ from triton.testing import do_bench
 sys.path[:0] = [".", str(Path(__file__).parent)]
 from ceiling import BATCH, HEADS, KV_HEADS, document_inputs, edit_kernel  # noqa: E402  (this folder's forward script)
 from specgen.bench.baselines import Inputs, _flex  # noqa: E402
-from specgen.compile.export import load_module_from_source  # noqa: E402
+from specgen.compile.export import load_module_from_source, rename_op  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.spec.load import load_spec  # noqa: E402
 SEQS = (1024, 4096, 16384)
@@ -115,7 +115,7 @@ def main(out_dir: str, seqs=SEQS) -> None:
     # Each variant registers its own custom op: a module loaded twice reuses the op
     # registered first, which would run the first variant's kernels.
     modules = {label: load_module_from_source(
-        f"bwdceil_{label}", t.replace(f'OP_NAME = "specgen::{NAME}"', f'OP_NAME = "specgen::{NAME}_{label}"'),
+        f"bwdceil_{label}", rename_op(t, label, f"<{label}>"),
         f"<{label}>") for label, t in texts.items()}
     plan = make_plan(load_spec(f"specs/{NAME}.yaml"))
     flex = _flex(torch, "backward", plan)

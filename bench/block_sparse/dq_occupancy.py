@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [".", str(Path(__file__).parent)]
-from specgen.compile.export import backward_signatures, load_module_from_source  # noqa: E402
+from specgen.compile.export import backward_signatures, load_module_from_source, rename_op  # noqa: E402
 from specgen.emit.render import render  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.spec.load import load_spec  # noqa: E402
@@ -140,8 +140,7 @@ def modules(spec_path: str):
     mods = {}
     for label, edit in [("shipped", None), *VARIANTS.items()]:
         source = text if edit is None else edit(text, plan.bwd_names[1])
-        source = source.replace(f'OP_NAME = "specgen::{plan.module_name}"',
-                                f'OP_NAME = "specgen::{plan.module_name}_{label}"')
+        source = rename_op(source, label, f"<{label}>")
         mods[label] = load_module_from_source(f"{label}_{plan.module_name}", source, f"<{label}>")
     return plan, mods
 

@@ -28,7 +28,7 @@ import torch
 sys.path[:0] = [".", str(Path(__file__).parent)]
 from ceiling import BATCH, HEADS, document_inputs  # noqa: E402  (this folder's forward script)
 from specgen.bench.baselines import Inputs, _flex  # noqa: E402
-from specgen.compile.export import load_module_from_source  # noqa: E402
+from specgen.compile.export import load_module_from_source, rename_op  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.spec.load import load_spec  # noqa: E402
 
@@ -46,8 +46,7 @@ def main(per_head_path: str, out_dir: str, seqs=SEQS) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     # The per-head module registers its custom op under a name of its own: an op is
     # registered once per process and name, and the second module would reuse the first's.
-    per_head = Path(per_head_path).read_text().replace(f'OP_NAME = "specgen::{NAME}"',
-                                                        f'OP_NAME = "specgen::{NAME}_per_head"')
+    per_head = rename_op(Path(per_head_path).read_text(), "per_head", per_head_path)
     modules = {"per-head": load_module_from_source(f"perhead_{NAME}", per_head, "<per-head>"),
                "packed": load_module_from_source(f"packed_{NAME}", Path(f"generated/{NAME}.py").read_text(),
                                                  "<packed>")}

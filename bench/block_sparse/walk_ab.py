@@ -32,7 +32,7 @@ sys.path[:0] = ["."]
 from specgen.bench.backward import BACKWARD_FLOP_FACTOR, backward_flops  # noqa: E402
 from specgen.bench.flops import mask_mod_flops  # noqa: E402
 from specgen.check.cases import feature_inputs, random_qkv, shape_dims  # noqa: E402
-from specgen.compile.export import load_module_from_source  # noqa: E402
+from specgen.compile.export import load_module_from_source, rename_op  # noqa: E402
 from specgen.plan.make import make_plan  # noqa: E402
 from specgen.emit.render import render  # noqa: E402
 from specgen.spec.load import load_spec  # noqa: E402
@@ -55,8 +55,7 @@ def modules(spec_path: str, old_dir: Path, variants=()):
     new_text = render(plan, spec_path).text
     old_text = (old_dir / f"{plan.module_name}.py").read_text()
     # Each module its own custom-op name: an op is registered once per process and name.
-    old_text = old_text.replace(f'OP_NAME = "specgen::{plan.module_name}"',
-                                f'OP_NAME = "specgen::{plan.module_name}_old"')
+    old_text = rename_op(old_text, "old", str(old_dir / f"{plan.module_name}.py"))
     mods = {"old": load_module_from_source(f"old_{plan.module_name}", old_text, "<old>"),
             "new": load_module_from_source(f"new_{plan.module_name}", new_text, "<new>")}
     for label, constants in variants:

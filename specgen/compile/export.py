@@ -190,16 +190,24 @@ def load_module_from_source(name: str, source: str, origin: str):
     return module
 
 
+def rename_op(source: str, suffix: str, origin: str = "<source>", required: bool = False) -> str:
+    """A generated module's source with its custom op named ``specgen::<op>_<suffix>``:
+    a module names its op after its spec, so a second module of the same spec in one
+    process (an older build, a variant) would otherwise reuse the first one's op, and
+    with it the first one's kernels. A module without an op (no backward) is returned
+    as it is unless ``required``; one that registers an op without an OP_NAME line
+    is refused."""
+    renamed, count = re.subn(r'^OP_NAME = "specgen::(\w+)"$', rf'OP_NAME = "specgen::\1_{suffix}"',
+                             source, count=1, flags=re.M)
+    if not count and (required or "torch.library.custom_op" in source):
+        raise ValueError(f"{origin}: no OP_NAME line to rename; is it a module specgen generated?")
+    return renamed
+
+
 def load_module_renamed(path: Path | str, suffix: str):
-    """A generated module from its file, its custom op registered as
-    ``specgen::<spec>_<suffix>``: a module names its op after its spec, so a second
-    module of the same spec in one process (an older build, a variant) would otherwise
-    reuse the first one's op, and with it the first one's kernels."""
+    """A generated module from its file, its custom op renamed by rename_op."""
     path = Path(path).resolve()
-    source, count = re.subn(r'^OP_NAME = "specgen::(\w+)"$', rf'OP_NAME = "specgen::\1_{suffix}"',
-                            path.read_text(), count=1, flags=re.M)
-    if not count:
-        raise ValueError(f"{path}: no OP_NAME line to rename; is it a module specgen generated?")
+    source = rename_op(path.read_text(), suffix, str(path), required=True)
     return load_module_from_source(f"{path.stem}_{suffix}", source, str(path))
 
 

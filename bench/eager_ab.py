@@ -26,10 +26,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from host_overhead import host_us
 from results_json import write_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
@@ -39,19 +39,6 @@ from specgen.check.cases import feature_inputs, shape_dims  # noqa: E402
 from specgen.compile.export import load_module_renamed  # noqa: E402
 
 B, HQ = 4, 32
-
-
-def host_us(fn, calls: int) -> float:
-    """Average host µs of one call of fn, the GPU queue drained before and after."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - start) / calls
-    torch.cuda.synchronize()
-    return host * 1e6
 
 
 def calls_of(attend, q, k, v, do):

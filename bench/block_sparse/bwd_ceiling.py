@@ -25,6 +25,12 @@ forward FLOPs of the visible pairs. Flex: the Triton backend compiled for one
 shape, the same mask as a block mask.
 
     python3 bench/block_sparse/bwd_ceiling.py OUT_DIR [SEQS]
+
+The edits are patterns over the kernels' text, written against the kernels of
+commit e0b9bee (experiments, section 44); the backward kernels have changed since
+(runs of full tiles walked by index, section 46; the preprocessing folded into the
+dQ kernel, section 48), and `all_full` no longer finds its mask there. Run it from a checkout of that commit, or rewrite the
+edits for the kernels of the day.
 """
 
 import json

@@ -1094,3 +1094,23 @@ def test_eager_path_skips_the_op_and_matches_it_bit_for_bit(name):
     for got, want in zip(eager, op):
         assert torch.equal(got, want)
     assert torch.equal(plain[0] if isinstance(plain, tuple) else plain, eager[0])
+
+
+def test_tracers_and_tensor_subclasses_see_the_op():
+    """make_fx records the custom op (not the kernels' launches, which a trace would
+    drop); plain tensors and parameters take the eager path."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    module = _module("fmha_train_gqa_causal")
+    g = torch.Generator().manual_seed(1)
+    d = module.SPEC["head_dim"]
+    q = torch.randn(1, module.SPEC["gqa_ratio"], 40, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 40, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    with emulate.emulating():
+        for mode in ("fake", "real"):
+            graph = make_fx(lambda q, k, v: module.attention(q, k, v), tracing_mode=mode)(q, k, v)
+            targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+            assert any(module.OP_NAME.replace("::", ".") in t for t in targets), (mode, targets)
+        assert module._eager([q, torch.nn.Parameter(k)])
+        with torch._subclasses.fake_tensor.FakeTensorMode():
+            assert not module._eager([q])

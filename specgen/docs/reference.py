@@ -161,7 +161,8 @@ DESCRIPTIONS: dict[str, str] = {
     "`false`: never (the generated code is then the same as without the field).",
     "backward": "Also generate FlashAttention-2's backward kernels (D = rowsum(dO·O); dK "
     "and dV per key tile, summed over each KV head's query heads; dQ per query tile) and "
-    "make `attention` differentiable through a `torch.library` custom op. Covers every "
+    "make `attention` differentiable: a `torch.library` custom op under `torch.compile`, "
+    "a `torch.autograd.Function` with the same functions when eager. Covers every "
     "prefill feature (masks, windows, soft-cap, hooks and learnable hook tensors, sinks, "
     "dropout, varlen, any head dim 16-256, `v_head_dim`, any `gqa_ratio`); a float8 "
     "`dtype` (and its `out_dtype`) is refused with a one-line error. See "

@@ -273,8 +273,8 @@ class Spec(_Strict):
     backward: bool = Field(
         False,
         description="Also generate the backward kernels (D = rowsum(dO * O), dK/dV with "
-        "GQA reduction, dQ); attention becomes differentiable through a torch.library "
-        "custom op. Covers causal or not, windows, soft-cap, score_mod/mask_mod hooks "
+        "GQA reduction, dQ); attention becomes differentiable (a torch.library custom op "
+        "under torch.compile, a torch.autograd.Function when eager). Covers causal or not, windows, soft-cap, score_mod/mask_mod hooks "
         "(learnable tensors too), sinks, dropout, any gqa_ratio and head_dim, and "
         "v_head_dim.",
     )

@@ -214,3 +214,37 @@ def test_interior_tiles_run_unmasked_where_no_pair_is_chosen(changes, split_dq, 
     if split_dkdv:
         interior = dkdv[dkdv.index("for i in range(lo_m, hi_m):"):dkdv.index("for i in range(hi_m, end_m):")]
         assert "visible =" not in interior and "where(visible" not in interior and "ct.exp2(" in interior
+
+
+@pytest.mark.parametrize("extra", [{}, {"softcap": 30.0}, {"fast_math": {"exp2": False}}],
+                         ids=["exp2", "softcap", "natural_exp"])
+def test_prescale_is_float32_arithmetic_on_the_host(extra):
+    """prescale_q's backward takes pre = the forward's Q multiplier, computed on the
+    host in float32 as the kernel does (struct, no tensor op per call): the same value
+    as float32 tensor arithmetic for scales over sixty orders of magnitude."""
+    import random
+
+    import torch
+
+    from .helpers import render_spec_data
+
+    data = {"name": "pre", "dtype": "bfloat16", "head_dim": 64, "causal": True, "backward": True,
+            "prescale_q": True, **extra}
+    plan, source = render_spec_data(data)
+    assert plan.bwd_prescale == {"exp2": "qk_scale * INV_LN2", "softcap": "qk_scale / SOFTCAP"}.get(
+        "softcap" if extra.get("softcap") else "exp2" if not extra else "", "qk_scale")
+    assert plan.bwd_prescale_host and source.count("import struct") == 1
+    namespace = {}
+    helper = source[source.index("def _float32"):source.index("\n\n\n", source.index("def _float32"))]
+    exec("import struct\nimport math\nINV_LN2 = 1.0 / math.log(2.0)\n"
+         f"SOFTCAP = {extra.get('softcap', 1.0)}\n" + helper, namespace)
+    rng = random.Random(0)
+    scales = [1 / math.sqrt(d) for d in range(1, 300)] + [10 ** rng.uniform(-30, 30) for _ in range(3000)]
+    ops = {"qk_scale": lambda t: t,
+           "qk_scale * INV_LN2": lambda t: t * (1.0 / math.log(2.0)),
+           "qk_scale / SOFTCAP": lambda t: t / extra.get("softcap", 1.0)}
+    for scale in scales:
+        want = ops[plan.bwd_prescale](torch.tensor(scale, dtype=torch.float32)).item()
+        assert eval(plan.bwd_prescale_host, namespace, {"scale": scale}) == want, scale
+    inference = render_spec_data({**data, "backward": False})[1]
+    assert "import struct" not in inference  # only a backward needs it

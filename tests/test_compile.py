@@ -232,8 +232,9 @@ def test_backward_scores_use_q_as_the_forward_prescaled_it(extra, pre):
     assert re.search(r"ct\.store\(\s*QS,", dq)
     assert len(re.findall(r"\(\s*q_s,\s*k,\s*v,", source)) == 1  # the dK/dV launch
     assert len(re.findall(r"\(\s*q,\s*k,\s*v,\s*dout,\s*out,(.|\n)*?q_s,\s*pre,", source)) == 1  # dQ's
-    torch_pre = pre.replace("qk_scale", "")
-    assert f"pre = (torch.tensor(float(scale), dtype=torch.float32){torch_pre}).item()" in source
+    # pre in float32 on the host (tests/test_backward_render.py checks its values)
+    host = "_float32(scale)" if pre == "qk_scale" else f"_float32(_float32(scale) {pre.split()[1]} _float32({pre.split()[2]}))"
+    assert plan.bwd_prescale_host == host and f"pre = {host}" in source
     # Without prescale_q the backward reads Q as given.
     data["prescale_q"] = False
     plain = render(make_plan(validate_spec(data)), "specs/pre.yaml").text

@@ -293,6 +293,18 @@ class Plan:
         return "qk_scale / SOFTCAP" if self.softcap is not None else self.scale_expr
 
     @property
+    def bwd_prescale_host(self) -> str | None:
+        """bwd_prescale as the backward's launcher computes it from ``scale`` on the
+        host: in float32 arithmetic, through the module's ``_float32``; None without
+        a backward or without prescale_q."""
+        if not (self.backward and self.bwd_prescale):
+            return None
+        if self.bwd_prescale == "qk_scale":
+            return "_float32(scale)"
+        _, op, constant = self.bwd_prescale.split(" ")
+        return f"_float32(_float32(scale) {op} _float32({constant}))"
+
+    @property
     def bwd_masked(self) -> bool:
         """The backward's scores need more than causal/bounds masking and scaling:
         windows, soft-cap, hooks or sinks."""

@@ -240,6 +240,7 @@ def test_prescale_is_float32_arithmetic_on_the_host(extra):
          f"SOFTCAP = {extra.get('softcap', 1.0)}\n" + helper, namespace)
     rng = random.Random(0)
     scales = [1 / math.sqrt(d) for d in range(1, 300)] + [10 ** rng.uniform(-30, 30) for _ in range(3000)]
+    scales += [2.4e38, 3.0e38, torch.finfo(torch.float32).max]  # pre overflows to inf, as in float32
     ops = {"qk_scale": lambda t: t,
            "qk_scale * INV_LN2": lambda t: t * (1.0 / math.log(2.0)),
            "qk_scale / SOFTCAP": lambda t: t / extra.get("softcap", 1.0)}

@@ -12,8 +12,9 @@ autotuned on its first call) is timed last on the same inputs: importing it patc
 cuda.tile.launch, so it comes after every specgen call.
 
 A spec with hook tensors or sinks (an ALiBi slope) gets them drawn as the test suite
-draws them, the same for every variant; its gradients are then compared with the first
-variant's rather than cuDNN's (which has no such hooks).
+draws them, the same for every variant. The gradients of a spec with any mask feature
+(specgen.bench.baselines.features: windows, soft-cap, sinks, hooks, dropout) are
+compared with the first variant's rather than cuDNN's, which runs without them.
 
 Usage:  python bench/bwd_ab.py /tmp/old/fmha_train_d64.py generated/x.py#dq=2:0
         [--seqs 2048,8192] [--rounds 3] [--tilegym] [--json out.json]
@@ -33,8 +34,11 @@ from results_json import write_rows
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specgen.bench.baselines import features  # noqa: E402
 from specgen.check.cases import feature_inputs, shape_dims  # noqa: E402
 from specgen.compile.export import load_module_renamed  # noqa: E402
+from specgen.plan.make import make_plan  # noqa: E402
+from specgen.spec import validate_spec  # noqa: E402
 
 PREFIXES = {"dkdv": "fmha_bwd_dkdv", "dq": "fmha_bwd_dq"}
 
@@ -72,8 +76,8 @@ def main() -> None:
     mods = [load(v, i) for i, v in enumerate(args.variants)]
     ratio, d, dtype = mods[0].GROUP_SIZE, mods[0].HEAD_DIM, mods[0].DTYPE
     spec = mods[0].SPEC
-    hooked = bool(spec.get("tensors") or spec.get("sinks") or spec.get("score_mod")
-                  or spec.get("mask_mod") or spec.get("softcap") or spec.get("dropout"))
+    # cuDNN computes none of the mask features (sdpa_kernel is called without them)
+    hooked = bool(features(make_plan(validate_spec(spec))))
     causal, dv = bool(spec.get("causal")), spec.get("v_head_dim") or d
     B, HQ = 4, 32
     rows, inputs = [], {}

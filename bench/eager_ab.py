@@ -35,8 +35,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specgen.bench.baselines import features  # noqa: E402
 from specgen.check.cases import feature_inputs, shape_dims  # noqa: E402
 from specgen.compile.export import load_module_renamed  # noqa: E402
+from specgen.plan.make import make_plan  # noqa: E402
+from specgen.spec import validate_spec  # noqa: E402
 
 B, HQ = 4, 32
 
@@ -74,8 +77,7 @@ def main() -> None:
         old, new = load_module_renamed(old_path, f"old{index}"), load_module_renamed(new_path, f"new{index}")
         spec, ratio, d = new.SPEC, new.GROUP_SIZE, new.HEAD_DIM
         dv, causal = spec.get("v_head_dim") or d, bool(spec.get("causal"))
-        plain = not (spec.get("tensors") or spec.get("sinks") or spec.get("score_mod") or spec.get("mask_mod")
-                     or spec.get("softcap") or spec.get("dropout") or spec.get("window"))
+        plain = not features(make_plan(validate_spec(spec)))  # cuDNN runs without any mask feature
         for seq in [int(s) for s in args.seqs.split(",")]:
             torch.manual_seed(seq)
             q = torch.randn(B, HQ, seq, d, device="cuda", dtype=new.DTYPE, requires_grad=True)

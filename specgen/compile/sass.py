@@ -135,11 +135,15 @@ def _events(body: list[tuple[int, str]]) -> dict:
     return {addr: _event(instr, started) for addr, instr in body}
 
 
+def _schedule(body: list[tuple[int, str]], events_at: dict, span: tuple[int, int]) -> str:
+    first, last = span
+    return _compress([events_at[a] for a, _ in body if first <= a <= last and events_at[a]])
+
+
 def loop_schedules(body: list[tuple[int, str]]) -> list[str]:
     """The event strings of the innermost loops with a warpgroup MMA, in address order."""
     events_at = _events(body)
-    return [_compress([events_at[a] for a, _ in body if first <= a <= last and events_at[a]])
-            for first, last in _inner_loops(body, events_at)]
+    return [_schedule(body, events_at, span) for span in _inner_loops(body, events_at)]
 
 
 # Opcode classes of a loop's mix (the opcode before its first '.').
@@ -149,32 +153,33 @@ _FLOAT = {"FADD", "FMUL", "FFMA", "FMNMX", "FSEL", "FSETP", "F2FP", "FCHK", "HAD
           "HFMA2"}
 
 
+def _mix(body: list[tuple[int, str]], span: tuple[int, int]) -> dict:
+    first, last = span
+    mix = {"instructions": 0, "integer": 0, "float": 0, "exp": 0, "mma": 0, "spill": 0}
+    for addr, instr in body:
+        if not first <= addr <= last:
+            continue
+        op = (instr.split(None, 1)[1] if instr.startswith("@") else instr).split()[0]
+        base = op.split(".")[0]
+        mix["instructions"] += 1
+        if base in _INTEGER:
+            mix["integer"] += 1
+        elif base in _FLOAT:
+            mix["float"] += 1
+        elif op.startswith("MUFU.EX2"):
+            mix["exp"] += 1
+        elif base in ("HGMMA", "QGMMA"):
+            mix["mma"] += 1
+        elif base in ("STL", "LDL"):
+            mix["spill"] += 1
+    return mix
+
+
 def loop_mix(body: list[tuple[int, str]]) -> list[dict]:
     """Per innermost loop with a warpgroup MMA (as loop_schedules): the instructions of
     one step and how many are integer, floating point, exponentials (MUFU.EX2), MMAs
     and stack traffic (STL/LDL: spilled registers)."""
-    events_at = _events(body)
-    mixes = []
-    for first, last in _inner_loops(body, events_at):
-        mix = {"instructions": 0, "integer": 0, "float": 0, "exp": 0, "mma": 0, "spill": 0}
-        for addr, instr in body:
-            if not first <= addr <= last:
-                continue
-            op = (instr.split(None, 1)[1] if instr.startswith("@") else instr).split()[0]
-            base = op.split(".")[0]
-            mix["instructions"] += 1
-            if base in _INTEGER:
-                mix["integer"] += 1
-            elif base in _FLOAT:
-                mix["float"] += 1
-            elif op.startswith("MUFU.EX2"):
-                mix["exp"] += 1
-            elif base in ("HGMMA", "QGMMA"):
-                mix["mma"] += 1
-            elif base in ("STL", "LDL"):
-                mix["spill"] += 1
-        mixes.append(mix)
-    return mixes
+    return [_mix(body, span) for span in _inner_loops(body, _events(body))]
 
 
 def describe_mix(mix: dict) -> str:
@@ -183,14 +188,20 @@ def describe_mix(mix: dict) -> str:
             f"{mix['exp']} exp, {mix['mma']} MMA, {mix['spill']} spill")
 
 
+def _loops(body: list[tuple[int, str]]) -> list[dict]:
+    """Each inner loop's schedule and mix, its events and spans found once."""
+    events_at = _events(body)
+    return [{"schedule": _schedule(body, events_at, span), **_mix(body, span)}
+            for span in _inner_loops(body, events_at)]
+
+
 def cubin_loops(cubin: Path) -> Optional[dict[str, list[dict]]]:
     """Per function symbol of a cubin, each inner loop's schedule and mix (the
     loop_mix dict with its "schedule"); None without the tools."""
     functions = sass_functions(cubin)
     if functions is None:
         return None
-    return {name: [{"schedule": sched, **mix} for sched, mix in zip(loop_schedules(body), loop_mix(body))]
-            for name, body in functions.items()}
+    return {name: _loops(body) for name, body in functions.items()}
 
 
 def main(argv: list[str]) -> int:

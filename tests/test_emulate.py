@@ -1050,19 +1050,13 @@ def test_a_broken_split_head_dim_fails_the_emulated_check(what):
     assert not row["ok"], what
 
 
-@pytest.mark.parametrize("name", ["fmha_train_gptoss_sinks", "fmha_train_vit_dropout"])
+@pytest.mark.parametrize("name", ["fmha_train_gptoss_sinks", "fmha_vit_dropout"])
 def test_eager_path_skips_the_op_and_matches_it_bit_for_bit(name):
     """An eager call with gradients runs _EagerAttention (the op's forward, context
     and backward without the dispatcher), one without gradients calls the forward
     directly; both give the custom op's bits: output, LSE and every gradient
-    (learnable sinks and dropout included)."""
-    if (ROOT / "generated" / f"{name}.py").exists():
-        module = _module(name)
-    else:  # a training spec of bench/train
-        import yaml
-
-        path = f"bench/train/{name}.yaml"
-        module = _emulated(yaml.safe_load((ROOT / path).read_text(encoding="utf-8")), f"eager_{name}", path)
+    (learnable sinks, and the ViT spec trained for dropout)."""
+    module = _module(name) if name.startswith("fmha_train_") else _emulated(trained_spec_data(name), f"eager_{name}")
     g = torch.Generator().manual_seed(5)
     hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
     q = torch.randn(1, hq, 70, d, generator=g).to(torch.bfloat16)

@@ -975,6 +975,45 @@ def test_the_sinks_gradient_takes_the_delta_of_the_kernels_own_p(monkeypatch):
     assert row["ok"] and row["grad_ok"] and ratio < 0.05, (case_verdict(row), ratio)
 
 
+@pytest.mark.parametrize("exact_delta", [True, False])
+def test_the_dq_kernel_sums_the_sinks_gradient_of_its_rows(exact_delta):
+    """The dQ kernel stores each query tile's share of dsinks, -sum of P_sink * D over
+    its rows, and the launcher sums the shares: with exact_delta off (a block of a
+    larger attention) D is dO . O, and dsinks is that formula's, in float32, tile
+    edges and rows before the first key included."""
+    module = _module("fmha_train_gptoss_sinks")
+    g = torch.Generator().manual_seed(11)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(2, hq, 150, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 170, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    dout = torch.randn(2, hq, 150, d, generator=g).to(torch.bfloat16)
+    sinks = torch.randn(hq, generator=g)
+    sinks[1] = -math.inf  # a head without a sink
+    with emulate.emulating():
+        out, lse = module._forward(q, k, v, q_offset=-20, sinks=sinks)
+        dq, dk, dv, dsinks = module._backward(q, k, v, out, lse, dout, 0.125, -20, sinks,
+                                              exact_delta=exact_delta)
+    assert dsinks.shape == sinks.shape and torch.isfinite(dsinks).all() and dsinks[1] == 0
+    p_sink = torch.exp(sinks.view(1, -1, 1) - lse).nan_to_num(nan=0.0)
+    if exact_delta:  # D' of the kernel's own P: near dO . O, not equal to it
+        assert (lse == -math.inf).any()
+        ref = _emulated_reference_dsinks(module, q, k, v, dout, sinks)
+        assert (dsinks.double() - ref).abs().max() < 2e-2 * ref.abs().max()
+    else:
+        delta = (dout.float() * out.float()).sum(-1)
+        expected = -(p_sink * delta).sum(dim=(0, 2))
+        assert (dsinks - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def _emulated_reference_dsinks(module, q, k, v, dout, sinks):
+    """dsinks of the fp64 reference through autograd."""
+    sinks64 = sinks.double().requires_grad_()
+    ref, _ = reference_for(module.SPEC, q.double(), k.double(), v.double(), {"sinks": sinks64},
+                           q_offset=-20)
+    (grad,) = torch.autograd.grad(ref, sinks64, dout.double())
+    return grad
+
+
 def test_a_learnable_table_read_by_both_positions_takes_the_kernels_own_delta(monkeypatch):
     """rel[h, (q_idx - kv_idx) // 32] under a window of 2: every key a row sees reads
     rel[h, 0], whose exact gradient is the row's sum of dS, 0. Added in the dQ kernel

@@ -331,8 +331,10 @@ def backward_signatures(plan: Plan) -> dict:
         hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
-    # the sink logits, for the dQ kernel's own D
-    sinks = [_array_constraint(ct.float32, 1, 4, False)] if plan.sinks and plan.bwd_own_delta else []
+    # the sink logits, for the dQ kernel's own D, and its tiles' shares of their
+    # gradient [B, H, query tiles]
+    sinks = ([_array_constraint(ct.float32, 1, 4, False), _array_constraint(ct.float32, 3, 4, False)]
+             if plan.sinks and plan.bwd_own_delta else [])
     dkdv, dq = plan.bwd_names
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
     # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes

@@ -29,7 +29,9 @@ def main() -> None:
         raise SystemExit(__doc__.split("Usage:", 1)[1].strip())
     out_path, *paths = sys.argv[1:]
     names = ["old_fwd", "new_fwd", "old_train", "new_train"]
-    mods = {name: load_module_renamed(path, name) for name, path in zip(names, paths)}
+    # (the forward modules are inference modules: no op to rename)
+    mods = {name: load_module_renamed(path, name, required=name.endswith("train"))
+            for name, path in zip(names, paths)}
     d = mods["old_fwd"].HEAD_DIM
     B, H = 4, 32
     rows = []

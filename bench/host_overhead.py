@@ -6,13 +6,15 @@ host (perf_counter, no synchronisation inside the loop; the GPU queue is drained
 before and after) the average of N calls of:
 
 - `attention` through autograd (forward with LSE), and `torch.autograd.grad` of a
-  saved forward graph (what the backward suite times);
-- the backward custom op called directly, and the module's `_backward`;
+  saved forward graph (what the backward suite times; sinks are leaves too);
+- the module's `_backward` called directly;
 - `ct.launch` alone, summed over the launches of one `_backward`;
 
-then runs cProfile over `_backward` calls and prints the functions with the most
-cumulative time. Where the host time of a call exceeds its GPU time, the eager
-call is bound by the host.
+then runs cProfile over `_backward` calls and torch.profiler over
+`torch.autograd.grad` calls, and prints the functions with the most cumulative time
+and the torch ops with the most host time (each CUDA op's dispatch, allocation and
+launch). Where the host time of a call exceeds its GPU time, the eager call is bound
+by the host.
 
     python3 bench/host_overhead.py OUT_DIR [SPEC.yaml ...] [--seq 1024] [--calls 200]
 """
@@ -37,7 +39,8 @@ from specgen.plan.make import make_plan  # noqa: E402
 from specgen.spec.load import load_spec  # noqa: E402
 
 BATCH, HEADS = 4, 32
-SPECS = ("specs/fmha_train_gqa_causal.yaml", "bench/train/fmha_train_d64.yaml")
+SPECS = ("specs/fmha_train_gqa_causal.yaml", "bench/train/fmha_train_d64.yaml",
+         "specs/fmha_train_gptoss_sinks.yaml")
 
 
 def host_us(fn, calls: int) -> float:
@@ -69,6 +72,9 @@ def run_spec(spec_path: str, seq: int, calls: int) -> dict:
     extra = feature_inputs(plan.spec_dict, shape_dims(q, k), gen)
     scale = 1.0 / math.sqrt(plan.head_dim)
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+    if "sinks" in extra:  # learnable, as a training run has them
+        extra["sinks"] = extra["sinks"].detach().requires_grad_(True)
+    leaves = (q, k, v) + tuple(t for t in extra.values() if t.requires_grad)
     out = module.attention(q, k, v, **extra)
     out = out[0] if isinstance(out, tuple) else out
     dout = torch.randn_like(out)
@@ -78,19 +84,14 @@ def run_spec(spec_path: str, seq: int, calls: int) -> dict:
         return module.attention(q, k, v, **extra)
 
     def backward():
-        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
-    op = module._lookup(module.OP_NAME + "_backward")
-
-    def op_call():
-        return op(q.detach(), k.detach(), v.detach(), out_d, lse, dout, scale, 0)
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
 
     def direct():
-        return module._backward(q.detach(), k.detach(), v.detach(), out_d, lse, dout, scale, 0)
+        return module._backward(q.detach(), k.detach(), v.detach(), out_d, lse, dout, scale, 0,
+                                **{n: t.detach() for n, t in extra.items()})
 
     row = {"spec": plan.module_name, "seq": seq}
-    for name, fn in (("forward", forward), ("autograd_grad", backward), ("backward_op", op_call),
-                     ("_backward", direct)):
+    for name, fn in (("forward", forward), ("autograd_grad", backward), ("_backward", direct)):
         row[f"{name}_host_us"] = host_us(fn, calls)
         row[f"{name}_gpu_us"] = gpu_us(fn)
     launches, real = [], module.ct.launch
@@ -116,12 +117,20 @@ def run_spec(spec_path: str, seq: int, calls: int) -> dict:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(25)
     row["profile"] = text.getvalue()
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            backward()
+    torch.cuda.synchronize()
+    row["torch_profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     print(f"[{plan.module_name}] S={seq}: " + ", ".join(
         f"{n} host {row[n + '_host_us']:.0f} µs / GPU {row[n + '_gpu_us']:.0f} µs"
-        for n in ("forward", "autograd_grad", "backward_op", "_backward"))
+        for n in ("forward", "autograd_grad", "_backward"))
           + f"; ct.launch {row['ct_launch_host_us_per_backward']:.0f} µs over {per_call:.1f} launches",
           flush=True)
     print(row["profile"], flush=True)
+    print(f"torch ops of {calls} torch.autograd.grad calls:\n" + row["torch_profile"], flush=True)
     return row
 
 

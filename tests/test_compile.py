@@ -392,6 +392,8 @@ def test_a_module_loaded_renamed_registers_an_op_of_its_own(tmp_path):
     stranger.write_text("x = 1\n")
     with pytest.raises(ValueError, match=r"plain.py: no OP_NAME line to rename"):
         load_module_renamed(stranger, "old")
+    inference = load_module_renamed(ROOT / "generated" / "fmha_document_mask.py", "old", required=False)
+    assert not hasattr(inference, "OP_NAME") and callable(inference.attention)
 
 
 def test_rename_op_renames_training_sources_and_passes_inference_ones():

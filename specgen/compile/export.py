@@ -204,10 +204,11 @@ def rename_op(source: str, suffix: str, origin: str = "<source>", required: bool
     return renamed
 
 
-def load_module_renamed(path: Path | str, suffix: str):
-    """A generated module from its file, its custom op renamed by rename_op."""
+def load_module_renamed(path: Path | str, suffix: str, required: bool = True):
+    """A generated module from its file, its custom op renamed by rename_op
+    (``required``: refuse a module without an op, as an inference module is)."""
     path = Path(path).resolve()
-    source = rename_op(path.read_text(), suffix, str(path), required=True)
+    source = rename_op(path.read_text(), suffix, str(path), required=required)
     return load_module_from_source(f"{path.stem}_{suffix}", source, str(path))
 
 

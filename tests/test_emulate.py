@@ -1129,6 +1129,33 @@ def test_eager_path_skips_the_op_and_matches_it_bit_for_bit(name):
     assert torch.equal(plain[0] if isinstance(plain, tuple) else plain, eager[0])
 
 
+@pytest.mark.parametrize("loss", ["lse", "out_and_lse"])
+def test_eager_path_takes_unused_outputs_as_none(loss):
+    """The eager path gets None, not zeros made for it, for an output the loss does
+    not use: an LSE-only loss has no output gradient (zeros in its place), and an
+    output-only loss no LSE gradient (the dQ kernel weights it 0). Both give the
+    op's bits, whose autograd makes the zeros."""
+    module = _module("fmha_train_gptoss_sinks")
+    g = torch.Generator().manual_seed(9)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(1, hq, 70, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 90, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    sinks, dout = torch.randn(hq, generator=g), torch.randn(1, hq, 70, d, generator=g).to(torch.bfloat16)
+    dlse = torch.randn(1, hq, 70, generator=g)
+
+    def grads(call):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out, lse = call(inputs)
+        total = (lse * dlse).sum() + ((out.float() * dout.float()).sum() if loss == "out_and_lse" else 0)
+        return torch.autograd.grad(total, inputs)
+
+    with emulate.emulating():
+        eager = grads(lambda t: module.attention(*t[:3], sinks=t[3]))
+        op = grads(lambda t: module._OP(*t[:3], 1.0 / math.sqrt(d), 0, t[3]))
+    assert all(torch.equal(a, b) for a, b in zip(eager, op))
+    assert eager[0].abs().max() > 0 and eager[3].abs().max() > 0
+
+
 def test_tracers_and_tensor_subclasses_see_the_op():
     """make_fx records the custom op (not the kernels' launches, which a trace would
     drop); plain tensors and parameters take the eager path."""

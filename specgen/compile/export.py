@@ -349,6 +349,7 @@ def backward_signatures(plan: Plan) -> dict:
                                + scalars + order + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + sinks + scalars
+                             + ([ScalarConstraint(ct.float32)] if lse_grad else [])  # dlse_weight
                              + [ScalarConstraint(ct.int32)]  # exact_delta
                              + order + list(plan.bwd_dq_tile), convention)],
     }

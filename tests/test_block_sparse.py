@@ -508,7 +508,7 @@ def test_maps_as_built_pass_their_check(name, monkeypatch):
     from tests.helpers import generated_module
 
     mod = generated_module(name)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(mod, "_stream", lambda device: 0)
     monkeypatch.setattr(mod.ct, "launch", lambda *args: None)
     cpu = torch.device("cpu")
     extra = {"backward": True} if mod.SPEC["backward"] else {}
@@ -639,7 +639,7 @@ def test_decode_block_map_is_checked_before_any_launch(monkeypatch):
     import torch
 
     module = _decode_map_module("doc", 8, 1, 128)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(module, "_stream", lambda device: 0)
     monkeypatch.setattr(module.ct, "launch", lambda *args: None)
     cpu = torch.device("cpu")
     lens = torch.tensor([5, 300], dtype=torch.int32)

@@ -138,7 +138,8 @@ ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "os", "struct", "to
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
 ALLOWED_TOP_CALLS = {"_register_op", "math.log", "math.sqrt", "_AotStore",
-                     "os.path.join", "os.path.dirname", "os.path.abspath"}
+                     "os.path.join", "os.path.dirname", "os.path.abspath",
+                     "getattr"}
 ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention"}
 
 

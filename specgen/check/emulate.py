@@ -480,10 +480,25 @@ def _device(*args, **kwargs) -> torch.device:
     return torch.device("cpu") if made.type == "cpu" else made
 
 
+class _FakeC(types.ModuleType):
+    """torch._C, with the raw current stream of the one emulated device."""
+
+    def __init__(self):
+        super().__init__("torch._C")
+
+    @staticmethod
+    def _cuda_getCurrentRawStream(index):
+        return 0
+
+    def __getattr__(self, name):
+        return getattr(torch._C, name)
+
+
 class _TorchShim(types.ModuleType):
     def __init__(self, sm):
         super().__init__("torch")
         self.cuda = _FakeCuda(sm)
+        self._C = _FakeC()
         self.device = _device
 
     def __getattr__(self, name):

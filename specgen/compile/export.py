@@ -336,6 +336,8 @@ def backward_signatures(plan: Plan) -> dict:
     # gradient [B, H, query tiles]
     sinks = ([_array_constraint(ct.float32, 1, 4, False), _array_constraint(ct.float32, 3, 4, False)]
              if plan.sinks and plan.bwd_own_delta else [])
+    # the dK/dV kernel sums those shares per head (not varlen): DSinkParts, DSinks
+    sink_sum = [_array_constraint(ct.float32, 3, 4, False), _array_constraint(ct.float32, 1, 4, False)]
     dkdv, dq = plan.bwd_names
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
     # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes
@@ -346,6 +348,7 @@ def backward_signatures(plan: Plan) -> dict:
     return {
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks
                                + (grads if plan.dkdv_tensor_grads else [])
+                               + (sink_sum if sinks and not plan.varlen else [])
                                + scalars + order + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + sinks + scalars

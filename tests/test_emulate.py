@@ -6,6 +6,7 @@ catch are tested beside them."""
 
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -1154,6 +1155,38 @@ def test_eager_path_takes_unused_outputs_as_none(loss):
         op = grads(lambda t: module._OP(*t[:3], 1.0 / math.sqrt(d), 0, t[3]))
     assert all(torch.equal(a, b) for a, b in zip(eager, op))
     assert eager[0].abs().max() > 0 and eager[3].abs().max() > 0
+
+
+def test_launchers_take_the_public_stream_where_torch_has_no_raw_handle():
+    """_stream hands ct.launch torch's raw current-stream handle; a torch without
+    that private call gives the public stream object's handle, and the launches
+    (forward and backward) run the same."""
+    module = _module("fmha_train_gqa_causal")
+    g = torch.Generator().manual_seed(1)
+    d = module.SPEC["head_dim"]
+    q = torch.randn(1, module.SPEC["gqa_ratio"], 40, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 40, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    streams = []
+    with emulate.emulating():
+        launch = module.ct.launch
+
+        def spy(stream, *args, **kwargs):
+            streams.append(stream)
+            return launch(stream, *args, **kwargs)
+
+        module.ct.launch = spy
+        try:
+            raw = module.attention(q, k, v)
+            module._RAW_STREAM, saved = None, module._RAW_STREAM
+            module.torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=7)
+            try:
+                public = module.attention(q, k, v)
+            finally:
+                module._RAW_STREAM = saved
+                del module.torch.cuda.current_stream  # the emulator's own again
+        finally:
+            module.ct.launch = launch
+    assert torch.equal(raw, public) and streams == [0, 7]
 
 
 def test_tracers_and_tensor_subclasses_see_the_op():

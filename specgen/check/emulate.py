@@ -462,7 +462,7 @@ class _FakeCuda(types.ModuleType):
                                      multi_processor_count=132, total_memory=80 << 30)
 
     def current_stream(self, device=None):
-        return None
+        return types.SimpleNamespace(cuda_stream=0)  # the one emulated stream
 
     def is_available(self):
         return True

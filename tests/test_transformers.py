@@ -26,14 +26,19 @@ def stand_in(**spec_fields):
     spec.update(spec_fields)
     module = types.ModuleType("stand_in")
     module.SPEC = spec
-    module.calls = []
+    module.calls, module.outs = [], []
 
     def attention(q, k, v, *, scale=None, q_offset=0, out=None, **extra):
         module.calls.append((tuple(q.shape), tuple(k.shape), q_offset, extra))
+        module.outs.append(out)
         assert q.shape[1] == spec["gqa_ratio"] * k.shape[1]
         window = (spec["window"]["left"], None) if spec["window"] else None
-        return attention_reference(q, k, v, causal=spec["causal"], scale=scale,
-                                   q_offset=q_offset, window=window).to(q.dtype)
+        result = attention_reference(q, k, v, causal=spec["causal"], scale=scale,
+                                     q_offset=q_offset, window=window).to(q.dtype)
+        if out is None:
+            return result
+        assert out.shape == result.shape and out.stride(-1) == 1  # as a generated module checks
+        return out.copy_(result)
 
     module.attention = attention
     return module
@@ -60,6 +65,10 @@ def test_logits_and_greedy_generation_match_sdpa():
     decode_calls = [c for c in module.calls if c[0][2] == 1]
     assert decode_calls and all(off == kv[2] - 1 for _, kv, off, _ in decode_calls)
     assert function.stats["fallback"] == 0
+    # Without gradients the kernel writes transformers' layout itself: out is a
+    # transposed view of a [B, Sq, Hq, D] buffer, so no copy follows.
+    assert module.outs and all(o is not None and o.transpose(1, 2).is_contiguous() for o in module.outs)
+    assert any(not o.is_contiguous() for o in module.outs)  # the prefill's
 
 
 def test_padded_batch_falls_back_to_sdpa_with_one_warning():
@@ -128,6 +137,23 @@ def test_gradients_need_a_backward_spec():
     with pytest.raises(ValueError, match="set backward: true"):
         model(torch.zeros((1, 8), dtype=torch.long))
     assert module.calls == []
+
+
+def test_a_training_call_takes_the_kernels_own_output():
+    """With gradients the kernel allocates its output (autograd owns it) and the
+    adapter hands transformers a copy in its layout; the loss matches sdpa's."""
+    module = stand_in(backward=True)
+    tf_integration.register(module, name="specgen-cpu-train")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for implementation in ("specgen-cpu-train", "sdpa"):
+        model = tiny_qwen2(implementation).train()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-4)
+    assert module.outs and all(o is None for o in module.outs)
 
 
 @pytest.mark.parametrize("target, message", [

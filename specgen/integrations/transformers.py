@@ -222,9 +222,17 @@ def make_attention_function(module: ModuleType) -> Callable:
                 # it off the same way).
                 key, value = key[:, :, :q_len], value[:, :, :q_len]
         scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            # Autograd owns the kernel's output: transformers' layout is a copy of it.
+            out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)
+            out = out.transpose(1, 2).contiguous()
+        else:
+            # The kernel stores transformers' layout [B, Sq, Hq, Dv] itself, through a
+            # transposed view of it: no copy of the output follows.
+            out = query.new_empty((query.shape[0], q_len, query.shape[1], v_head_dim))
+            kernel(query, key, value, scale=scale, q_offset=q_offset, out=out.transpose(1, 2), **extra)
         stats["kernel"] += 1
-        return out.transpose(1, 2).contiguous(), None
+        return out, None
 
     attention_function.stats = stats
     attention_function.module = module

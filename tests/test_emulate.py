@@ -1157,6 +1157,41 @@ def test_eager_path_takes_unused_outputs_as_none(loss):
     assert eager[0].abs().max() > 0 and eager[3].abs().max() > 0
 
 
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks"])
+def test_an_eager_backward_runs_no_torch_compute_beside_its_kernels(name):
+    """The host time of an eager backward is its allocations and launches: no zeros
+    filled for the unused LSE's gradient, and the sinks' gradient summed by the
+    kernels, not by torch ops after them (launches stubbed out, torch's ops
+    recorded by its profiler, which leaves the eager path in place)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    module = _module(name)
+    g = torch.Generator().manual_seed(4)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    leaves = [torch.randn(1, hq, 64, d, generator=g).to(torch.bfloat16).requires_grad_()]
+    leaves += [torch.randn(1, 2, 64, d, generator=g).to(torch.bfloat16).requires_grad_() for _ in range(2)]
+    extra = {"sinks": torch.randn(hq, generator=g).requires_grad_()} if module.SPEC.get("sinks") else {}
+    with emulate.emulating():
+        launch, module.ct.launch = module.ct.launch, lambda *args, **kwargs: None
+        try:
+            out = module.attention(*leaves, **extra)
+            out = out[0] if isinstance(out, tuple) else out
+            assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                torch.autograd.grad(out, leaves + list(extra.values()), torch.ones_like(out))
+        finally:
+            module.ct.launch = launch
+    ops = {e.name for e in prof.events() if e.name.startswith("aten::")}
+    computing = {op for op in ops if op not in {"aten::empty", "aten::empty_like", "aten::empty_strided",
+                                               "aten::detach", "aten::to", "aten::_to_copy", "aten::copy_",
+                                               "aten::contiguous", "aten::ones_like", "aten::fill_",
+                                               "aten::as_strided", "aten::view", "aten::lift_fresh"}}
+    assert not computing, computing
+    # the one fill is the test's own ones_like (the output's gradient); none for the LSE
+    fills = [e for e in prof.events() if e.name == "aten::fill_"]
+    assert len(fills) <= 1, [e.name for e in prof.events()]
+
+
 def test_launchers_take_the_public_stream_where_torch_has_no_raw_handle():
     """_stream hands ct.launch torch's raw current-stream handle; a torch without
     that private call gives the public stream object's handle, and the launches

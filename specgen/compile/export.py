@@ -332,12 +332,12 @@ def backward_signatures(plan: Plan) -> dict:
         hooks += [_array_constraint(ct.int32, 4, 4, False)] * 2
     ndim = {name: len(dims) for name, _, _, dims in plan.extra_tensors}
     grads = [_array_constraint(ct.float32, ndim[name], 4, False) for name, _ in plan.learnable]
-    # the sink logits, for the dQ kernel's own D, and its tiles' shares of their
-    # gradient [B, H, query tiles]
-    sinks = ([_array_constraint(ct.float32, 1, 4, False), _array_constraint(ct.float32, 3, 4, False)]
-             if plan.sinks and plan.bwd_own_delta else [])
-    # the dK/dV kernel sums those shares per head (not varlen): DSinkParts, DSinks
-    sink_sum = [_array_constraint(ct.float32, 3, 4, False), _array_constraint(ct.float32, 1, 4, False)]
+    # The dQ kernel takes the sink logits (for its own D) and stores its tiles' shares
+    # of their gradient [B, H, query tiles]; the dK/dV kernel (not varlen) sums those
+    # shares into the gradient [H].
+    per_head, shares = _array_constraint(ct.float32, 1, 4, False), _array_constraint(ct.float32, 3, 4, False)
+    sinks = [per_head, shares] if plan.sinks and plan.bwd_own_delta else []
+    sink_sum = [shares, per_head] if sinks and not plan.varlen else []
     dkdv, dq = plan.bwd_names
     order = [ScalarConstraint(ct.int32)] if plan.bwd_heavy_first else []  # global_order
     # The dQ kernel also reads Out (it forms D), and where it forms Q * pre it takes
@@ -348,7 +348,7 @@ def backward_signatures(plan: Plan) -> dict:
     return {
         dkdv: [KernelSignature([qkv] * 4 + [rows, rows, qkv, qkv] + hooks
                                + (grads if plan.dkdv_tensor_grads else [])
-                               + (sink_sum if sinks and not plan.varlen else [])
+                               + sink_sum
                                + scalars + order + [tile_m, tile_n],
                                convention)],
         dq: [KernelSignature([qkv] * 5 + [rows] * (3 if lse_grad else 2) + [qkv] + q_s + hooks + grads + sinks + scalars

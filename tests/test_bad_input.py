@@ -7,7 +7,7 @@ import pytest
 
 from specgen.errors import SpecError
 from specgen.spec import load_spec, parse_spec_text, validate_spec
-from specgen.spec.fields import KNOWN_TARGETS, RESERVED_NAMES
+from specgen.spec.fields import KERNEL_NAMES, KNOWN_TARGETS, RESERVED_NAMES, kernel_param
 
 from .helpers import ROOT, SPECS
 
@@ -299,6 +299,61 @@ def test_reserved_names_cover_every_generated_signature(path):
     assert not missing, f"{module.name}: add {sorted(missing)} to LAUNCHER_ARGUMENTS"
 
 
+@pytest.mark.parametrize("tensors,message", [
+    ({"a_1b": {}, "a1_b": {}}, "tensor names 'a_1b' and 'a1_b' both become the kernel parameter A1B; rename one"),
+    ({"delta": {}}, "tensor name 'delta' becomes the kernel parameter Delta, a name the kernels already use"),
+    ({"d_out": {}}, "tensor name 'd_out' becomes the kernel parameter DOut"),
+    ({"o_part": {}}, "tensor name 'o_part' becomes the kernel parameter OPart"),
+    ({"map_idx": {}}, "tensor name 'map_idx' becomes the kernel parameter MapIdx"),
+    ({"qs": {}}, "tensor name 'qs' becomes the kernel parameter Qs"),
+    ({"slope": {"learnable": True}, "d_slope": {}},
+     "tensor names 'slope' and 'd_slope' both become the kernel parameter DSlope; rename one"),
+])
+def test_tensor_names_that_make_one_kernel_parameter_are_refused(tensors, message):
+    """A hook tensor is a kernel parameter named kernel_param(name) (a learnable one's
+    gradient "D" + that): two of them, or one and a name the kernels use, would be a
+    duplicate argument or a shadowed array."""
+    specs = {n: {"dtype": "float32", "shape": ["heads"], **extra} for n, extra in tensors.items()}
+    score = "score - " + " - ".join(f"{n}[h]" for n in tensors)
+    (line,) = _lines({"name": "ok", "backward": True, "tensors": specs, "score_mod": score})
+    assert line == f"specs/bad.yaml: tensors: {message}" or line.startswith(f"specs/bad.yaml: tensors: {message}")
+
+
+def _kernel_names(text: str) -> set:
+    """Names a module's kernels take or read that kernel_param could make (no
+    underscore, not lowercase): parameters, array slices, module-level names."""
+    names = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and any("ernel" in ast.unparse(d) for d in node.decorator_list):
+            args = node.args
+            names |= {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return {n for n in names if "_" not in n and not n.islower()}
+
+
+def test_kernel_names_cover_every_kernel_of_the_templates():
+    """KERNEL_NAMES holds every name a hook tensor's parameter could clash with, over
+    the shipped modules, the bench variants and the training specs."""
+    from specgen.commands.explore import load_variants
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+
+    texts = {p.name: (p.read_text(), load_spec(ROOT / "specs" / f"{p.stem}.yaml"))
+             for p in (ROOT / "generated").glob("*.py") if (ROOT / "specs" / f"{p.stem}.yaml").is_file()}
+    for path in sorted((ROOT / "bench" / "variants").glob("*.yaml")):
+        config, plans, sources = load_variants(path.relative_to(ROOT))
+        for label, text in sources.items():
+            texts[f"{path.stem}/{label}"] = (text, plans[label].spec)
+    for path in sorted((ROOT / "bench" / "train").glob("*.yaml")):
+        spec = load_spec(path)
+        texts[path.name] = (render(make_plan(spec), str(path)).text, spec)
+    assert len(texts) > 100
+    for where, (text, spec) in texts.items():
+        hooks = {kernel_param(n) for n in spec.tensors} | {"D" + kernel_param(n) for n in spec.tensors}
+        missing = _kernel_names(text) - KERNEL_NAMES - hooks
+        assert not missing, f"{where}: add {sorted(missing)} to KERNEL_NAMES"
+
+
 # --- the command line ------------------------------------------------------------------
 
 
@@ -352,6 +407,7 @@ SPEC = "specs/fmha_gqa_causal.yaml"
      "specgen docs: README.md is not a specgen project (it has no specs/ or bench/results/)"),
     (["docs", "--root", "specs"],
      "specgen docs: specs is not a specgen project (it has no specs/ or bench/results/)"),
+    (["docs", "--check", "--root", ""], "specgen docs: --root: expected a folder, got ''"),
     (["build", SPEC, "--check", "--force"],
      "specgen build: --check and --force cannot be combined (--check writes nothing)"),
     (["test", SPEC, "--fuzz", "5", "--fuzz-case", "0:1"],

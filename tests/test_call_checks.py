@@ -4,6 +4,8 @@ argument should have stopped fails the test. Each bad call is a ValueError befor
 any launch; each good neighbour reaches the launch."""
 
 import contextlib
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -302,6 +304,42 @@ def test_a_decode_block_map_is_refused_once_seq_lens_advance(refused, launches):
     launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, block_map=step))
 
 
+@pytest.mark.parametrize("name", ["fmha_document_mask", "fmha_decode_chunked_local"])
+def test_a_block_map_holds_the_memory_of_the_tensors_it_was_built_from(name, refused):
+    """A training loop drops each batch's doc (and a decode loop its seq_lens); an
+    allocator then hands their memory to the next tensor of that size. The map
+    keeps its tensors alive, so a tensor with other values never shows up at the
+    address, shape and version the map recorded."""
+    mod = _module(name)
+    if "decode" in name:
+        batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+        q, k_cache, v_cache, seq_lens = batch.args()[:4]
+        block_map = _built_map(mod, seq_lens, q.shape[1] * q.shape[2], k_cache.shape[1])
+        built, address = weakref.ref(seq_lens), seq_lens.data_ptr()
+        del batch, seq_lens
+        seq_lens = torch.tensor([9, 30], dtype=torch.int32)
+
+        def call():
+            return mod.attention(q, k_cache, v_cache, seq_lens, block_map=block_map)
+    else:
+        q, k, v = random_qkv(mod.SPEC, 1, 4, 200, 200, generator=_gen(), device="cpu")
+        doc = torch.zeros(1, 200, dtype=torch.int32)
+        block_map = _built_map(mod, 1, q.shape[1], 200, 200, doc=doc)
+        built, address = weakref.ref(doc), doc.data_ptr()
+        del doc
+        doc = torch.arange(200, dtype=torch.int32)[None] // 50
+
+        def call():
+            return mod.attention(q, k, v, doc=doc, block_map=block_map)
+    gc.collect()
+    assert built() is not None and built().data_ptr() == address
+    what = "seq_lens" if "decode" in name else "doc"
+    refused(call, f"block_map was built from another {what} tensor")
+    del block_map
+    gc.collect()
+    assert built() is None  # the map held it, nothing else
+
+
 def test_a_block_map_of_another_module_is_named_so(refused):
     mask, window = _module("fmha_document_mask"), _module("fmha_window_document")
     q, k, v = random_qkv(window.SPEC, 1, 4, 64, 64, generator=_gen(), device="cpu")
@@ -343,3 +381,115 @@ def test_float8_decode_descale_numbers_must_be_float32_normal(bad):
                                          "or a one-element float32 tensor"):
         mod._descale("k_descale", bad, torch.device("cpu"))
     assert mod._descale("k_descale", 0.5, torch.device("cpu")).tolist() == [0.5]
+
+
+# --- grid limits, empty calls, descales, max_seqlen bounds ---------------------------
+
+
+@pytest.mark.parametrize("name", ["fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp", "fmha_decode_chunked_local"])
+def test_decode_refuses_a_batch_beyond_the_grid_y_limit(name, refused):
+    """The split kernel's grid has batch * KV heads on its y axis (at most 65535)."""
+    mod = _module(name)
+    batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens = batch.args()[:4]
+    rest = batch.args()[4:5]  # a paged cache's page table
+    many = 70000
+    big_q = q[:1].expand(many, *q.shape[1:])
+    big_lens = seq_lens[:1].expand(many).contiguous()
+    if rest:
+        caches, rest = (k_cache, v_cache), (rest[0][:1].expand(many, -1),)
+    else:
+        caches = tuple(c[:1].expand(many, *c.shape[1:]) for c in (k_cache, v_cache))
+    refused(lambda: mod.attention(big_q, *caches, big_lens, *rest),
+            "batch * KV heads must be at most 65535 (the grid's y limit), got 70000 * 1")
+    if mod.SPEC.get("mask_mod"):
+        refused(lambda: mod.make_block_map(big_lens, q.shape[2], k_cache.shape[1]), "at most 65535")
+
+
+def test_decode_launch_plan_takes_ints(refused):
+    mod = _module("fmha_decode_paged_mtp")
+    cpu = torch.device("cpu")
+    refused(lambda: mod.launch_plan("2", 1, 256, cpu), "batch must be an int >= 0, got '2'")
+    refused(lambda: mod.launch_plan(1, 0, 256, cpu), "num_kv_heads must be an int >= 1, got 0")
+    refused(lambda: mod.launch_plan(1, 1, -5, cpu), "max_seq_len must be an int >= 1, got -5")
+
+
+def test_a_decode_step_of_no_sequences_launches_nothing(monkeypatch):
+    mod = _module("fmha_decode_gqa8_bf16")
+    batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens = batch.args()[:4]
+    with _no_launch(monkeypatch):
+        out = mod.attention(q[:0], k_cache[:0], v_cache[:0], seq_lens[:0])
+    assert out.shape == (0, *q.shape[1:])
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks", "fmha_train_document"])
+@pytest.mark.parametrize("batch,seq_q", [(0, 16), (1, 0)])
+def test_a_backward_without_query_rows_launches_nothing(name, batch, seq_q, monkeypatch):
+    """No query row: the gradients are zeros (keys, sinks) or empty (queries), and no
+    grid of zero blocks is launched."""
+    mod = _module(name)
+    ratio, d = mod.SPEC["gqa_ratio"], mod.SPEC["head_dim"]
+    q = torch.randn(batch, ratio, seq_q, d, generator=_gen()).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(batch, 1, 16, d, generator=_gen(i)).to(torch.bfloat16).requires_grad_() for i in (1, 2))
+    extra = {}
+    if mod.SPEC.get("sinks"):
+        extra["sinks"] = torch.randn(ratio, generator=_gen()).requires_grad_()
+    if name == "fmha_train_document":
+        extra["doc"] = torch.zeros(batch, 16, dtype=torch.int32)
+    leaves = [q, k, v] + [t for t in extra.values() if t.is_floating_point()]
+    with _no_launch(monkeypatch):
+        out = mod.attention(q, k, v, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    assert all(not g.any() for g in grads)
+
+
+@pytest.mark.parametrize("name,which", [("fmha_fp8_llama", "q_descale"), ("fmha_decode_gqa8_fp8kv", "v_descale")])
+def test_forward_only_float8_modules_refuse_descales_that_require_grad(name, which, refused):
+    """The kernels read a descale tensor outside autograd: one that requires grad
+    would get no gradient."""
+    mod = _module(name)
+    descale = torch.ones(1, requires_grad=True)
+    if "decode" in name:
+        batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+        args = batch.args()[:4]
+        refused(lambda: mod.attention(*args, **{which: descale}), "an input requires grad, but decode has no backward")
+    else:
+        q, k, v = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
+        refused(lambda: mod.attention(q, k, v, **{which: descale}), "this module has no backward")
+
+
+def test_varlen_max_seqlen_is_bounded_by_the_packed_total(refused, monkeypatch):
+    """B sequences of total rows: the longest holds at least ceil(total / B) rows (a
+    smaller max_seqlen is refused) and at most total (a larger one is taken as total,
+    so it sizes no grid beyond the rows)."""
+    mod = _module("fmha_varlen_llama")
+    packed = random_packed(mod.SPEC, [(5, 30), (40, 60)], 1, generator=_gen(), device="cpu")
+    kwargs = packed.kwargs()
+    refused(lambda: mod.attention(packed.q, packed.k, packed.v, **{**kwargs, "max_seqlen_q": 0}),
+            "max_seqlen_q must be at least 23 (2 sequences hold 45 rows")
+    refused(lambda: mod.attention(packed.q, packed.k, packed.v, **{**kwargs, "max_seqlen_k": 44}),
+            "max_seqlen_k must be at least 45 (2 sequences hold 90 rows")
+    grids = []
+
+    def launch(stream, grid, kernel, args, **kw):
+        grids.append(grid)
+        raise Launched(kernel)
+
+    with monkeypatch.context() as patch, emulate.emulating():
+        patch.setattr(mod.ct, "launch", launch)
+        with pytest.raises(Launched):
+            mod.attention(packed.q, packed.k, packed.v, **{**kwargs, "max_seqlen_q": 2**40, "max_seqlen_k": 2**40})
+    smallest = min(c["tile_m"] for configs in mod.CONFIGS.values() for c in configs)
+    rows = -(-45 // smallest)
+    heads = packed.q.shape[1]
+    assert grids and max(grids[0]) <= max(rows, 2 * heads), grids
+
+
+def test_an_empty_call_still_checks_its_block_map(refused):
+    mod = _module("fmha_chunked_local")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 16, 16, generator=_gen(), device="cpu")
+    refused(lambda: mod.attention(q[:, :, :0], k, v, block_map="garbage"),
+            "block_map must be a BlockMap (make_block_map) or None, got str")

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from specgen.commands import cli
 from specgen.commands.cli import schema_text
@@ -343,6 +344,14 @@ def test_backward_suite_without_cuda_exits_2(project):
                      "--results", "results", cwd=project)
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr, result.stderr
     assert not (project / "results").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_test_names_a_bad_spec_before_asking_for_a_gpu(project):
+    (project / "specs" / "bad.yaml").write_text("name: bad\nhead_dim: 17\n")
+    result = specgen("test", "specs/bad.yaml", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == ["specs/bad.yaml: head_dim: must be a multiple of 8 in [16, 256], got 17"]
 
 
 @pytest.mark.slow

@@ -39,6 +39,18 @@ def test_set_values_are_yaml_and_nested():
     assert "3. Source: +" in result.stdout
 
 
+@pytest.mark.parametrize("sets,message", [
+    (["head_dim=64", "head_dim=96"], "specgen diff: --set: head_dim is given twice; give each key once"),
+    (["fast_math.exp2=false", "fast_math={exp2: true}"],
+     "specgen diff: --set: fast_math would replace fast_math.exp2, given before it; give fast_math first"),
+])
+def test_set_refuses_a_key_given_twice(sets, message):
+    """No assignment silently undoes another (a key inside one given after it, as
+    in fast_math={...} --set fast_math.exp2=..., refines it)."""
+    result = diff("specs/fmha_gqa_causal.yaml", *[arg for s in sets for arg in ("--set", s)], "--no-compile")
+    assert result.returncode == 2 and result.stderr.splitlines() == [message], result.stderr
+
+
 def test_identical_is_exit_0_and_generated_module_side():
     result = diff("specs/fmha_mha_bf16.yaml", "generated/fmha_mha_bf16.py", "--no-compile")
     assert result.returncode == 0, result.stderr

@@ -156,3 +156,27 @@ def test_prefill_feature_argument_checks(monkeypatch):
     for value in (torch.zeros(2 * r + 1, device="cuda"), torch.zeros(2 * r, dtype=torch.float64, device="cuda"), None):
         with pytest.raises(ValueError, match=f"{name} must be a torch.float32 tensor of shape"):
             alibi.attention(q, k, k, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks", "fmha_train_document"])
+def test_calls_without_query_rows_run_on_the_gpu(name):
+    """Batch 0 or Sq 0: an empty output and zero key gradients, no zero-sized grid
+    (which CUDA would refuse); a decode step of no sequences returns at once."""
+    mod = generated_module(name)
+    ratio, d = mod.SPEC["gqa_ratio"], mod.SPEC["head_dim"]
+    for batch, seq_q in ((0, 16), (1, 0)):
+        q = _bf16(batch, ratio, seq_q, d).requires_grad_()
+        k, v = (torch.randn(batch, 1, 16, d, device="cuda").to(torch.bfloat16).requires_grad_() for _ in range(2))
+        extra = {"sinks": torch.ones(ratio, device="cuda", requires_grad=True)} if mod.SPEC.get("sinks") else {}
+        if name == "fmha_train_document":
+            extra["doc"] = torch.zeros(batch, 16, dtype=torch.int32, device="cuda")
+        out = mod.attention(q, k, v, **extra)
+        out = out[0] if isinstance(out, tuple) else out
+        leaves = [q, k, v] + [t for t in extra.values() if t.is_floating_point()]
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        torch.cuda.synchronize()
+        assert [g.shape for g in grads] == [t.shape for t in leaves] and all(not g.any() for g in grads)
+    decode = generated_module(DECODE)
+    args = decode_args(q=_bf16(0, 1, 16, 128), k_cache=_bf16(0, 64, 2, 128), v_cache=_bf16(0, 64, 2, 128),
+                       seq_lens=torch.zeros(0, dtype=torch.int32, device="cuda"))
+    assert decode.attention(**args).shape == (0, 1, 16, 128)

@@ -282,7 +282,8 @@ NEW_FIELDS_BAD = [
     ({"causal": True, "window": {"left": 10, "right": 4}},
      "specs/bad.yaml: window.right: 4 needs causal: false (a causal kernel never sees keys after the "
      "query); use null or 0"),
-    ({"softcap": 0.0}, "specs/bad.yaml: softcap: must be a number in (0, 1000000.0], got 0.0"),
+    ({"softcap": 0.0}, "specs/bad.yaml: softcap: must be a number in [0.01, 1000000.0], got 0.0"),
+    ({"softcap": 1e-300}, "specs/bad.yaml: softcap: must be a number in [0.01, 1000000.0], got 1e-300"),
     ({"softcap": "high"}, "specs/bad.yaml: softcap: must be a finite number, got \"high\""),
     ({"sinks": "yes"}, "specs/bad.yaml: sinks: must be true or false"),
     ({"return_lse": True, "q_subtiles": 2},

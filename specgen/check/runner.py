@@ -473,6 +473,9 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         log("kernels emulated on the CPU (specgen.check.emulate): numerics and indexing, "
             "not the GPU's rounding or speed")
     else:
+        from specgen.compile.jobs import load_plans
+
+        load_plans(paths)  # bad specs are named before the GPU is asked for
         require_cuda("test")
         loaded = [(job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)]
         worker, scale = _worker_case, 1

@@ -386,6 +386,8 @@ def _run(args) -> int:
     if args.command == "docs":
         from specgen.docs import DocsError, write_docs
 
+        if not args.root.strip():
+            raise UsageError("specgen docs: --root: expected a folder, got ''")
         try:
             changed = write_docs(Path(args.root), check=args.check)
         except DocsError as exc:

@@ -82,15 +82,26 @@ def load_side(path_text: str) -> tuple[dict, Side]:
     return data, Side(str(path), plan, render(plan, path.as_posix()).text)
 
 
-def apply_sets(data: dict, assignments: list[str], where: str = "--set") -> dict:
-    """A copy of spec data with `key.path=value` assignments (values parsed as YAML).
-    ``where`` names the assignments' origin in errors (a variants file's variant)."""
+def apply_sets(data: dict, assignments: list[str], where: str = "--set", once: bool = False) -> dict:
+    """A copy of spec data with `key.path=value` assignments (values parsed as YAML),
+    applied in order. ``where`` names the assignments' origin in errors (a variants
+    file's variant). ``once``: refuse a key given twice, and a key after one inside
+    it (which it would undo), where the assignments are one list (the command line)."""
     data = copy.deepcopy(data)
+    given = []
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         key = key.strip()
         if not sep or not key or not all(part.strip() for part in key.split(".")):
             raise UsageError(f"{where}: expected key.path=value (names joined by dots), got {assignment!r}")
+        path = tuple(part.strip() for part in key.split("."))
+        for earlier in given if once else ():
+            if path == earlier:
+                raise UsageError(f"{where}: {key} is given twice; give each key once")
+            if earlier[:len(path)] == path:
+                raise UsageError(f"{where}: {key} would replace {'.'.join(earlier)}, given before it; "
+                                 f"give {key} first")
+        given.append(path)
         try:
             # The loader of spec files: the same numbers, and its guards against
             # numbers too long to read and nesting too deep.
@@ -112,7 +123,7 @@ def apply_sets(data: dict, assignments: list[str], where: str = "--set") -> dict
 
 def variant_side(data: dict, base: Side, assignments: list[str]) -> Side:
     label = f"{base.label} with " + ", ".join(assignments)
-    new_data = apply_sets(data, assignments)
+    new_data = apply_sets(data, assignments, once=True)
     keys = " ".join(a.partition("=")[0].strip() for a in assignments)
     try:
         plan = make_plan(validate_spec(new_data, f"--set {keys}"))

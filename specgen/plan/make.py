@@ -14,6 +14,7 @@ from specgen.spec.hooks import Gather, Hook, block_quotients, compile_hook, tile
 from specgen.spec.derive import score_derivative, tensor_derivatives
 from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
+from specgen.spec.fields import kernel_param
 from specgen.spec import (
     HINT_DEFAULTS,
     HINT_FIELDS,
@@ -811,7 +812,7 @@ def _dims(spec: Spec) -> dict:
 
 def tensor_param(name: str) -> str:
     """The kernel parameter of an extra tensor: doc_ids -> DocIds."""
-    return name.title().replace("_", "")
+    return kernel_param(name)
 
 
 _DIM_EXPRS = {"batch": "batch", "heads": "num_heads", "kv_heads": "num_kv_heads",

@@ -241,6 +241,28 @@ LAUNCHER_ARGUMENTS = frozenset({
     "indices",
     "batch", "num_heads", "seq_q", "seq_k", "device", "backward", "max_len", "q_len",  # maps
 })
+# The names a kernel of a generated module gives its parameters, its array slices
+# and the module-level constants and classes it reads, in any family and with any
+# feature, where they have no underscore (so kernel_param can make them: d_out ->
+# DOut, p_d_l -> PDL). A hook tensor's kernel parameter and a learnable one's
+# gradient ("D" + that) may not be one of these, nor each other's.
+# tests/test_bad_input.py checks the set against the kernels of every module in
+# generated/, bench/variants/ and bench/train/.
+KERNEL_NAMES = frozenset({
+    "Q", "K", "V", "Out", "Lse", "QS", "VT", "Descales", "KDescale", "VDescale",
+    "Sinks", "CuSeqlensQ", "CuSeqlensK", "SeqLens", "PageTable", "OPart", "LsePart",
+    "DOut", "DLse", "Delta", "DQ", "DK", "DV", "DSinkParts", "DSinks",
+    "MapCounts", "MapIdx", "MapState",
+    "Qs", "Ks", "Vs", "Outs", "Lses", "QSs", "DOuts", "DLses", "Deltas", "DQs", "DKs", "DVs",
+    "AotKernel", "ConstInt", "ConstBool", "BlockMap", "PDL", "CHUNK", "LN2", "SOFTCAP",
+})
+
+
+def kernel_param(name: str) -> str:
+    """A hook tensor's kernel parameter: doc_ids -> DocIds."""
+    return name.title().replace("_", "")
+
+
 # Names a tensor may not take: the launcher's arguments, its locals, the hook
 # variables and functions, and module-level names of a generated module.
 RESERVED_NAMES = LAUNCHER_ARGUMENTS | frozenset({

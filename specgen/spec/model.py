@@ -19,6 +19,7 @@ from specgen.spec.defaults import measured_targets
 from specgen.spec.fields import (
     DEFAULT_TARGET,
     MAX_TILE,
+    KERNEL_NAMES,
     RESERVED_NAMES,
     TENSOR_NAME_RE,
     AutotuneSpace,
@@ -36,6 +37,7 @@ from specgen.spec.fields import (
     decode_rows,
     head_dim_parts,
     int_choice,
+    kernel_param,
     splits_head_dims,
 )
 
@@ -139,9 +141,10 @@ class Spec(_Strict):
         "edge tiles masked (Mistral: causal with left 4095). null: no window.",
     )
     softcap: Optional[float] = Field(
-        None, gt=0, le=1e6,
+        None, ge=0.01, le=1e6,
         description="Logit soft-cap c: score = c * tanh(score / c) (Gemma 2: 50). "
-        "null: none.",
+        "At least 0.01: the kernels scale scores by 1 / c, and with prescale_q Q by "
+        "scale / c in the input dtype, which a smaller c would overflow. null: none.",
     )
     tensors: dict[str, ExtraTensor] = Field(
         default_factory=dict,
@@ -247,7 +250,8 @@ class Spec(_Strict):
         description="Stack the gqa_ratio query heads that share a KV head along each CTA's "
         "tile: a tile holds tile_m / gqa_ratio positions of every head of the group, so each "
         "K/V tile is read once per group and a query tile spans fewer positions (fewer keys "
-        "wasted at mask borders). Pays where rows are short: packed documents. With block_sparse "
+        "wasted at mask borders). Pays where rows are short: packed documents. Needs a gqa_ratio "
+        "that is a power of two >= 2 and tile_m >= gqa_ratio. With block_sparse "
         "and backward, the backward kernels pack the same way.",
     )
     splits: Union[Literal["auto"], Annotated[int, Field(ge=1, le=64)]] = Field(
@@ -384,6 +388,23 @@ class Spec(_Strict):
                     "31 characters) that is not a keyword nor one of the launcher's names "
                     "(q, k, v, out, scale, seed, seq_lens, b, h, q_idx, kv_idx, ...)"
                 )
+        taken = {}
+        for name, tensor in value.items():
+            params = [kernel_param(name)]
+            if isinstance(tensor, ExtraTensor) and tensor.learnable:
+                params.append("D" + params[0])  # its gradient's parameter
+            for param in params:
+                if param in KERNEL_NAMES:
+                    raise ValueError(
+                        f"tensor name {name!r} becomes the kernel parameter {param}, a name the "
+                        "kernels already use; rename the tensor"
+                    )
+                if param in taken:
+                    raise ValueError(
+                        f"tensor names {taken[param]!r} and {name!r} both become the kernel "
+                        f"parameter {param}; rename one"
+                    )
+                taken[param] = name
         return value
 
     @field_validator("score_mod", "mask_mod")

@@ -108,3 +108,22 @@ def qwen2_model(implementation: str, size: str, dtype, device: str = "cpu", seed
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=implementation, dtype=dtype)
     return model.to(device)
+
+
+def unknown_kernel_names(text: str, tensors) -> set:
+    """Names the kernels of module source ``text`` take or read that a hook tensor's
+    kernel parameter could spell (no underscore, not lowercase: parameters, array
+    slices, module-level names) and that KERNEL_NAMES lacks, apart from the spec's
+    own hook tensors (``tensors``: their names) and their gradients."""
+    import ast
+
+    from specgen.spec.fields import KERNEL_NAMES, kernel_param
+
+    names = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and any("ernel" in ast.unparse(d) for d in node.decorator_list):
+            args = node.args
+            names |= {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    hooks = {kernel_param(n) for n in tensors} | {"D" + kernel_param(n) for n in tensors}
+    return {n for n in names if "_" not in n and not n.islower()} - KERNEL_NAMES - hooks

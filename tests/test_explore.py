@@ -7,7 +7,7 @@ import pytest
 from specgen.errors import UsageError
 from specgen.commands.explore import VariantsResult, VariantTiming, format_markdown, load_variants
 
-from .helpers import ROOT
+from .helpers import ROOT, unknown_kernel_names
 from .test_cli import specgen
 
 
@@ -24,6 +24,9 @@ def test_shipped_variant_files_all_render(path, monkeypatch):
     config, plans, sources = load_variants(path.relative_to(ROOT))
     assert set(plans) == set(config.variants) == set(sources)
     assert len(set(sources.values())) == len(sources), f"{path.name}: two variants render alike"
+    for label, text in sources.items():  # a hook tensor's parameter may not take these names
+        missing = unknown_kernel_names(text, plans[label].spec.tensors)
+        assert not missing, f"{path.name} {label}: add {sorted(missing)} to KERNEL_NAMES"
 
 
 def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):

@@ -32,6 +32,8 @@ from specgen.plan.make import make_plan  # noqa: E402
 from specgen.emit.render import BLACK_MODE, render, render_raw  # noqa: E402
 from specgen.spec import Spec, validate_spec  # noqa: E402
 
+from .helpers import unknown_kernel_names  # noqa: E402
+
 # 30 random specs of each family in the default run (about 20 s each on one core); a deep run:
 # SPECGEN_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py. derandomize=True
 # makes every run draw the same specs, so a failure reproduces.
@@ -195,6 +197,7 @@ def _render_clean_importable(data):
     first = render(plan, "specs/fuzz.yaml").text
     assert black.format_str(first, mode=BLACK_MODE) == first
     _check_module_text(first, plan.spec_dict)
+    assert not unknown_kernel_names(first, spec.tensors)  # KERNEL_NAMES is complete
     module = load_module_from_source(f"fuzz_{plan.module_name}", first, f"<fuzz {plan.module_name}>")
     assert module.SPEC == plan.spec_dict and callable(module.attention)
 

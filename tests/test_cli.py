@@ -205,6 +205,20 @@ def test_a_spec_file_name_with_a_line_break_is_refused(project):
     assert not (project / "generated").exists()
 
 
+def test_every_spec_file_name_with_a_control_character_is_named(project):
+    """One line per bad file name, beside the other specs' problems, and nothing written."""
+    _keep(project, ("fmha_mha_bf16", "fmha_alibi"))
+    (project / "specs" / "fmha_mha_bf16.yaml").rename(project / "specs" / "a\nb.yaml")
+    (project / "specs" / "fmha_alibi.yaml").rename(project / "specs" / "c\x1b[31m.yaml")
+    (project / "specs" / "bad.yaml").write_text("name: bad\nhead_dim: 17\n")
+    result = specgen("build", "specs", "--no-compile", cwd=project)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 3, lines
+    assert sum("a spec path with a control character" in line for line in lines) == 2
+    assert "specs/bad.yaml: head_dim: must be a multiple of 8" in result.stderr
+    assert not (project / "generated").exists()
+
+
 def test_out_dir_and_header_path_are_project_relative(project):
     result = specgen("build", project / "specs" / "fmha_mha_bf16.yaml", "--out",
                      project / "gen", "--no-compile", cwd=ROOT)

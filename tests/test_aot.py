@@ -45,7 +45,9 @@ def test_build_writes_a_manifest_for_the_module_it_wrote(built):
     manifest = json.loads((folder / "manifest.json").read_text())
     import cuda.tile as ct
 
-    assert manifest["format"] == 1 and manifest["cuda_tile"] == ct.__version__
+    assert manifest["format"] == 2 and manifest["cuda_tile"] == ct.__version__
+    assert manifest["cubins"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                                  for p in folder.glob("*.cubin")}
     assert manifest["source_sha256"] == hashlib.sha256(built.read_bytes()).hexdigest()
     module = load(built)
     kernel = getattr(module, manifest["entries"][0]["kernel"])
@@ -89,6 +91,81 @@ def test_a_stale_or_disabled_folder_is_never_used(built, tmp_path, monkeypatch):
     shutil.rmtree(tmp_path / f"{SPEC}.aot")
     store = module._AotStore()
     assert store._load() == [] and "specgen build" in store.reason
+
+
+def _first_entry(module):
+    from cuda.tile.compilation import demangle_kernel_name
+
+    store = module._AotStore()
+    entry = store._load()[0]
+    return entry, demangle_kernel_name(entry["signature"])[1]
+
+
+@pytest.mark.parametrize("damage", ["cubin gone", "cubin changed", "manifest garbage", "manifest cut",
+                                    "entry without a field"])
+def test_a_damaged_folder_falls_back_to_the_jit(built, tmp_path, damage):
+    """A folder that a crash, a disk or a hand left damaged is ignored (the call
+    compiles), never a failed call or a wrong cubin; build --check names it."""
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    folder = tmp_path / f"{SPEC}.aot"
+    shutil.copytree(built.with_name(f"{SPEC}.aot"), folder)
+    module = load(copy)
+    entry, sig = _first_entry(module)
+    manifest = folder / "manifest.json"
+    if damage == "cubin gone":
+        (folder / entry["cubin"]).unlink()
+    elif damage == "cubin changed":
+        data = bytearray((folder / entry["cubin"]).read_bytes())
+        data[100] ^= 0xFF
+        (folder / entry["cubin"]).write_bytes(bytes(data))
+    elif damage == "manifest garbage":
+        manifest.write_text("garbage")
+    elif damage == "manifest cut":
+        manifest.write_text(manifest.read_text()[:200])
+    else:
+        data = json.loads(manifest.read_text())
+        del data["entries"][0]["symbol"]
+        manifest.write_text(json.dumps(data))
+    store = module._AotStore()
+    assert store.lookup(entry["kernel"], "sm_90", entry["hints"], sig) is None
+    assert "specgen build" in store.reason
+    from specgen.compile.aot import folder_problem
+
+    assert folder_problem(copy, copy.read_text(), ["sm_90"]) is not None
+    assert folder_problem(built, built.read_text(), ["sm_90"]) is None
+
+
+def test_a_build_without_changes_leaves_the_folder_untouched(built):
+    folder = built.with_name(f"{SPEC}.aot")
+    before = {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in folder.iterdir()}
+    _build(built.parent.parent)  # cached: no compile
+    assert {p.name: (p.stat().st_mtime_ns, p.stat().st_ino) for p in folder.iterdir()} == before
+
+
+def test_build_check_reads_the_aot_folder(built):
+    """--check (unless --no-compile) names a folder that a build would change."""
+    work = built.parent.parent
+
+    def check(*extra):
+        return subprocess.run(
+            [sys.executable, "-m", "specgen", "build", f"specs/{SPEC}.yaml", "--targets", "sm_90",
+             "--out", "gen", "--check", *extra], cwd=work, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+
+    assert check().returncode == 0
+    folder = built.with_name(f"{SPEC}.aot")
+    cubin = next(folder.glob("*.cubin"))
+    saved = cubin.read_bytes()
+    cubin.unlink()
+    try:
+        result = check()
+        assert result.returncode == 1 and "listed in the manifest but missing" in result.stderr, result.stderr
+        assert not cubin.exists()  # --check writes nothing
+        assert check("--no-compile").returncode == 0  # modules only
+    finally:
+        cubin.write_bytes(saved)
+    assert check().returncode == 0
 
 
 def _signature(module, *, base=16, stride=8, last=16, dtype="float16", even=True):

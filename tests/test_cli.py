@@ -219,6 +219,17 @@ def test_every_spec_file_name_with_a_control_character_is_named(project):
     assert not (project / "generated").exists()
 
 
+def test_spec_paths_with_other_spaces_and_scripts_are_fine(project):
+    _keep(project, ("fmha_mha_bf16",))
+    folder = project / "spécs\u00a0à\u3000x"
+    folder.mkdir()
+    (project / "specs" / "fmha_mha_bf16.yaml").rename(folder / "fmha_mha_bf16.yaml")
+    result = specgen("build", folder.name, "--no-compile", cwd=project)
+    assert result.returncode == 0, result.stderr
+    header = (project / "generated" / "fmha_mha_bf16.py").read_text(encoding="utf-8").splitlines()[0]
+    assert f"from {folder.name}/fmha_mha_bf16.yaml." in header
+
+
 def test_out_dir_and_header_path_are_project_relative(project):
     result = specgen("build", project / "specs" / "fmha_mha_bf16.yaml", "--out",
                      project / "gen", "--no-compile", cwd=ROOT)

@@ -36,6 +36,21 @@ def test_a_copied_spec_that_kept_its_name_is_refused_without_force(project):
     assert "from mine.yaml" in module.read_text().splitlines()[0]
 
 
+def test_test_refuses_to_overwrite_another_specs_module(project):
+    """`specgen test` renders stale modules as build does, and refuses as build does."""
+    assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
+    module = project / "generated" / "fmha_gqa_causal.py"
+    before = module.read_bytes()
+    mine = project / "mine.yaml"
+    mine.write_text((project / "specs" / "fmha_gqa_causal.yaml").read_text().replace("dtype: float16", "dtype: bfloat16"))
+    result = specgen("test", "mine.yaml", "--emulate", "--fuzz-case", "0:0", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "mine.yaml: name: 'fmha_gqa_causal' would overwrite generated/fmha_gqa_causal.py, made from "
+        "specs/fmha_gqa_causal.yaml; rename the spec's name, or replace it with `specgen build --force` first"]
+    assert module.read_bytes() == before
+
+
 def test_generated_files_get_the_mode_open_would_give(project):
     old = os.umask(0o022)
     try:

@@ -5,7 +5,7 @@ import pytest
 from specgen.errors import SpecError
 from specgen.spec import Spec, load_spec, parse_spec_text, validate_spec
 
-from .helpers import SPECS
+from .helpers import ROOT, SPECS
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
@@ -360,3 +360,18 @@ def test_cross_field_problems_all_come_in_one_run():
         "lie in one page), got 128",
         "specs/bad.yaml: targets.sm_90.by_seq_k: decode specs take one config per target",
     ]
+
+
+def test_the_order_of_targets_in_the_file_does_not_change_the_module():
+    """Targets (and autotune spaces) come out default first, then by architecture,
+    whatever order the file lists them in: the same spec gives the same bytes."""
+    from .helpers import render_spec_data
+
+    text = (ROOT / "specs" / "fmha_gemma_softcap.yaml").read_text()
+    data = parse_spec_text(text, "specs/fmha_gemma_softcap.yaml")
+    shuffled = {**data, "targets": dict(reversed(list(data["targets"].items())))}
+    assert list(shuffled["targets"]) != list(data["targets"])
+    assert list(validate_spec(shuffled).targets) == ["default", "sm_90", "sm_100"]
+    assert render_spec_data(shuffled)[1] == render_spec_data(data)[1]
+    spaces = {"sm_100": {"tile_m": [64, 128]}, "sm_90": {"tile_m": [64, 128]}}
+    assert list(validate_spec({"name": "x", "autotune": spaces}).autotune) == ["sm_90", "sm_100"]

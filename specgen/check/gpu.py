@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from specgen.compile.jobs import Job, load_jobs, write_jobs
+from specgen.compile.jobs import Job, foreign_modules, load_jobs, write_jobs
 from specgen.compile.export import package_version
-from specgen.errors import UsageError
+from specgen.errors import InvalidSpecs, UsageError
 
 
 def require_cuda(command: str):
@@ -30,6 +30,10 @@ def require_cuda(command: str):
 def fresh_jobs(paths: list[str], out_dir: Path, log) -> list[Job]:
     """Build stale modules (render only; the JIT compiles at first launch)."""
     jobs = load_jobs(paths, out_dir)
+    # Another spec's module of the same name is refused, as build refuses it.
+    foreign = foreign_modules(jobs, "replace it with `specgen build --force` first")
+    if foreign:
+        raise InvalidSpecs("\n".join(foreign))
     refused = write_jobs(jobs, out_dir, force=False, log=log)
     if refused:
         raise UsageError("; ".join(refused))

@@ -97,8 +97,18 @@ def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = 
         "tile_order": config.tile_order,
         **({"v_transposed": True} if config.v_transposed else {}),
         **toolchain_versions(),
+        # The cubin's debug information names cuda.tile's own files by their path: a
+        # copy of the same version elsewhere gives other bytes, so it gets its own
+        # cache entries (the module's own file is named without its folder).
+        "cuda_tile_dir": _cuda_tile_dir(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _cuda_tile_dir() -> str:
+    import cuda.tile
+
+    return str(Path(cuda.tile.__file__).resolve().parent)
 
 
 def cubin_path(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,

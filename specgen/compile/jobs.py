@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from specgen.compile.aot import write_aot_folder
+from specgen.compile.aot import folder_problem, write_aot_folder
 from specgen.compile.export import CompileResult, atomic_write, compile_target
 from specgen.errors import CompileError, InvalidSpecs, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
-from specgen.emit.render import HEADER_RE, Rendered, hand_edited, render
+from specgen.emit.render import HEADER_RE, Rendered, hand_edited, render, unnameable_path
 from specgen.spec import load_spec
 from specgen.spec.fields import target_problem
 
@@ -81,7 +81,7 @@ def load_plans(paths: Iterable[str | Path]) -> list[tuple[Path, Plan]]:
     problems: list[str] = []
     plans: list[tuple[Path, Plan]] = []
     for spec_path in collect_spec_paths(paths):
-        if not str(spec_path).isprintable():  # (make_header refuses it too)
+        if unnameable_path(str(spec_path)):  # (make_header refuses it too)
             problems.append(f"{ascii(str(spec_path))}: a spec path with a control character cannot be "
                             "named in a generated module's header; rename the file")
             continue
@@ -185,9 +185,9 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
     return problems
 
 
-def foreign_modules(jobs: list[Job]) -> list[str]:
+def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     """Modules a build would overwrite although another spec file made them (a copied
-    spec that kept its ``name:``): one line each."""
+    spec that kept its ``name:``): one line each, ending in ``remedy``."""
     problems = []
     for job in jobs:
         if not job.out_path.is_file():
@@ -196,7 +196,7 @@ def foreign_modules(jobs: list[Job]) -> list[str]:
         if match and match["spec_path"] != job.rendered.spec_path:
             problems.append(
                 f"{job.spec_path}: name: {job.plan.module_name!r} would overwrite {job.out_path}, "
-                f"made from {match['spec_path']}; rename the spec's name, or pass --force"
+                f"made from {match['spec_path']}; rename the spec's name, or {remedy}"
             )
     return problems
 
@@ -224,6 +224,12 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
         atomic_write(job.out_path, new.encode())
         log(f"{job.out_path}: written")
     return refused
+
+
+def _origin(plan: Plan) -> str:
+    """The file name a module is compiled under: its cubins' debug information holds
+    it, so it names no folder (a build into another --gen gives the same bytes)."""
+    return f"{plan.module_name}.py"
 
 
 def compile_jobs(
@@ -257,7 +263,7 @@ def compile_jobs(
         if workers <= 1 or len(tasks) <= 1:
             for job, target in tasks:
                 try:
-                    yield job, target, compile_target(job.plan, job.rendered.text, str(job.out_path), target)
+                    yield job, target, compile_target(job.plan, job.rendered.text, _origin(job.plan), target)
                 except CompileError as exc:
                     yield job, target, exc
             return
@@ -265,7 +271,7 @@ def compile_jobs(
         with ProcessPoolExecutor(max_workers=pool_size) as pool:
             futures = {
                 pool.submit(
-                    compile_target, job.plan, job.rendered.text, str(job.out_path), target
+                    compile_target, job.plan, job.rendered.text, _origin(job.plan), target
                 ): (job, target)
                 for job, target in tasks
             }
@@ -304,10 +310,17 @@ def compile_jobs(
             report(done, outcome)
     order = {(job.plan.module_name, t): i for i, (job, t) in enumerate(tasks)}
     results.sort(key=lambda r: order[(r.module, r.target)])
-    for job in jobs if write_aot else ():  # the cubins beside each module, for its first call on a GPU
+    for job in jobs:  # the cubins beside each module, for its first call on a GPU
         mine = [r for r in results if r.module == job.plan.module_name]
-        if mine and job.out_path.is_file() and job.out_path.read_bytes() == job.rendered.text.encode():
+        if not (mine and job.out_path.is_file() and job.out_path.read_bytes() == job.rendered.text.encode()):
+            continue
+        if write_aot:
             write_aot_folder(job.out_path, job.rendered.text, mine)
+        else:  # --check: the folder as this build would leave it, or what differs
+            problem = folder_problem(job.out_path, job.rendered.text, [r.target for r in mine],
+                                     {p.name for r in mine for p in r.paths})
+            if problem:
+                failures.append(problem)
     return results, failures
 
 

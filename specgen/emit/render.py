@@ -12,6 +12,7 @@ import json
 import os
 import re
 import traceback
+import unicodedata
 from importlib import resources
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,10 +140,17 @@ def render_body(plan: Plan) -> str:
         ) from exc
 
 
+def unnameable_path(path: str) -> bool:
+    """Whether ``path`` holds a character a module's header comment cannot carry: a
+    control or format character (a line break would end the comment and put the
+    rest of the file name into the module as code; bidirectional controls reorder
+    what a reader sees), a line or paragraph separator, or an undecodable byte.
+    Spaces of any kind and other scripts are fine."""
+    return any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") for c in path)
+
+
 def make_header(plan: Plan, spec_path: str, body: str, templates_sha: str) -> str:
-    # A comment line: a line break (or another control character) in the path would
-    # end it and put the rest of the file name into the module as code.
-    if not spec_path.isprintable():
+    if unnameable_path(spec_path):
         raise UsageError(f"{ascii(spec_path)}: a spec path with a control character cannot be "
                          "named in a generated module's header; rename the file")
     return (

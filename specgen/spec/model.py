@@ -20,6 +20,7 @@ from specgen.spec.fields import (
     DEFAULT_TARGET,
     MAX_TILE,
     KERNEL_NAMES,
+    KNOWN_TARGETS,
     RESERVED_NAMES,
     TENSOR_NAME_RE,
     AutotuneSpace,
@@ -72,6 +73,13 @@ FAMILY_ONLY = {
                      "deterministic", "context_parallel"), "prefill"),
 }
 
+
+
+def _target_order(value: dict) -> dict:
+    """A per-target mapping in one order whatever the file's: default first, then
+    the targets by architecture, so a module does not change with the keys' order."""
+    rank = {name: i for i, name in enumerate(("default",) + KNOWN_TARGETS)}
+    return dict(sorted(value.items(), key=lambda item: rank.get(item[0], len(rank))))
 
 class Spec(_Strict):
     """An attention kernel: what it computes and how it is built, per GPU target."""
@@ -308,6 +316,11 @@ class Spec(_Strict):
         "written back into targets.",
     )
 
+    @field_validator("autotune", mode="after")
+    @classmethod
+    def _autotune_order(cls, value: dict) -> dict:
+        return _target_order(value)
+
     @field_validator("splits", "pdl", "head_dim_split", mode="wrap")
     @classmethod
     def _auto_union_message(cls, value, handler, info):
@@ -366,7 +379,7 @@ class Spec(_Strict):
                 tile_n = min(64, paged.page_size) if paged else 64
                 default = TargetConfig(tile_m=rows, tile_n=tile_n, occupancy=2)
             value = {"default": default, **value}
-        return value
+        return _target_order(value)
 
     @field_validator("compile_for")
     @classmethod

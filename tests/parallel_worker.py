@@ -114,6 +114,32 @@ def reference_cases(rank, world, options):
         errs = [_max_err(out, ref.detach().index_select(0, index))]
         errs += [_max_err(s.grad, t.grad.index_select(0, index)) for s, t in zip(shards, leaves)]
         rows.append(dict(mode=mode, layout="packed-" + layout, causal=causal, errors=errs))
+    # Sequences whose shards are one row long: a zigzag shard's two halves are then
+    # one row and none, so some ring steps pair the queries with no keys at all (a
+    # kernel refuses such a call: it is skipped, as it adds nothing).
+    class NoEmptyCalls(ReferenceKernel):
+        def forward_varlen(self, q, k, v, *args):
+            assert q.shape[0] and k.shape[0], "a call without rows or keys"
+            return super().forward_varlen(q, k, v, *args)
+
+        def backward_varlen(self, q, k, v, *args, **kwargs):
+            assert q.shape[0] and k.shape[0], "a call without rows or keys"
+            return super().backward_varlen(q, k, v, *args, **kwargs)
+
+    cu = torch.tensor([0, world, 2 * world], dtype=torch.int32)
+    q, dout = (torch.randn(2 * world, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2 * world, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    kern = NoEmptyCalls(causal=True, dtype=torch.float64, head_dim=8, group_size=2, varlen=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = kern.attention(*leaves, kern.default_scale(), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref.backward(dout)
+    index = torch.cat([a + layouts.positions("zigzag", world, rank, 1) for a in (0, world)])
+    shards = [t.index_select(0, index).requires_grad_() for t in (q, k, v)]
+    out = ContextParallelAttention(kern, mode="ring", layout="zigzag")(*shards, cu_seqlens=cu)
+    out.backward(dout.index_select(0, index))
+    errs = [_max_err(out, ref.detach().index_select(0, index))]
+    errs += [_max_err(s.grad, t.grad.index_select(0, index)) for s, t in zip(shards, leaves)]
+    rows.append(dict(mode="ring", layout="packed-zigzag-one-row", causal=True, errors=errs))
     return {"rows": rows}
 
 
@@ -171,6 +197,20 @@ def error_cases(rank, world, options):
     seen["cu_start"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu + 2 * world))
     seen["max_seqlen"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu,
                                                             max_seqlen=1 if first else None))
+    # Two kernels of one name that compute other attentions (a causal and a
+    # non-causal spec both named so): the ranks compare the whole spec, not its name.
+    unlike = ReferenceKernel(causal=first, dtype=torch.float64, head_dim=8, group_size=2)
+    seen["spec_differs"] = _expect_error(lambda: ContextParallelAttention(unlike, mode="ring")(*parts))
+    # One rank's shards on another kind of device (a transfer between them cannot run).
+    elsewhere = [t.to("meta") if not first else t for t in parts]
+    seen["device_differs"] = _expect_error(lambda: attn(*elsewhere))
+    # Arguments of the other kind of spec, on one rank only.
+    seen["dense_max_seqlen"] = _expect_error(lambda: attn(*parts, max_seqlen=3 if first else None))
+    seen["packed_seq_len"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu,
+                                                                seq_len=99 if first else None))
+    # Empty shards on every rank: an empty output, in both modes (nothing to exchange).
+    empty = [t[:, :, :0] for t in parts]
+    seen["empty"] = [tuple(ContextParallelAttention(kern, mode=m)(*empty).shape) for m in ("ring", "ulysses")]
     # After all that, a good call.
     whole = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2)
     ref = whole.forward(q, k, v, whole.default_scale(), 0)[0]

@@ -157,6 +157,25 @@ def test_single_process_checks_inputs_before_any_launch():
         attn(q, k[:, :, :8], k[:, :, :8])
 
 
+def test_the_kernels_grid_limit_is_checked_before_any_transfer():
+    """batch x heads beyond the kernels' grid y limit is a ValueError of the call
+    (on every rank, through the agreement), not a kernel error after the ring has
+    posted its first transfer; packed GQA specs count KV heads."""
+    kernel = SpecKernel(generated_module("fmha_train_gqa_causal"))
+    assert kernel.grid_problem(16383, 4, 1) is None
+    assert kernel.grid_problem(16385, 4, 1) == ("batch * heads per call must be at most 65535 (the kernels' "
+                                                "grid y limit), got 16385 * 4")
+    kernel.pack_gqa = True  # a packed-GQA spec's grid holds batch x KV heads
+    assert kernel.grid_problem(16385, 4, 1) is None
+    assert "got 65536 * 1" in kernel.grid_problem(65536, 4, 1)
+    attn = ContextParallelAttention(generated_module("fmha_train_gqa_causal"))
+    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16).expand(16385, 4, 2, 128)
+    k = torch.zeros(1, 1, 2, 128, dtype=torch.bfloat16).expand(16385, 1, 2, 128)
+    attn.kernel.needs_cuda = False  # reach the shape checks on the CPU
+    with pytest.raises(ValueError, match="the kernels' grid y limit"):
+        attn(q, k, k)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_ring_and_all_to_all_match_the_whole_sequence(world, tmp_path):
     """gloo, float64 reference kernels: outputs and gradients of every layout and
@@ -166,6 +185,7 @@ def test_ring_and_all_to_all_match_the_whole_sequence(world, tmp_path):
         for row in result["rows"]:
             assert max(row["errors"]) < 1e-5, (rank, row)
     rows = results[0]["rows"]
+    assert ("ring", "packed-zigzag-one-row") in {(r["mode"], r["layout"]) for r in rows}
     assert {(r["mode"], r["layout"]) for r in rows} >= {("ring", "zigzag"), ("ring", "contiguous"),
                                                         ("ulysses", "zigzag"), ("ring", "packed-zigzag"),
                                                         ("ring", "packed-contiguous"), ("ulysses", "packed-contiguous")}
@@ -199,6 +219,13 @@ def test_bad_input_raises_on_every_rank(tmp_path):
         for key, words in differ.items():
             assert words in seen[key], (rank, key, seen[key])
         assert f"rank {rank}: cu_seqlens must start at 0, got 4" in seen["cu_start"], seen
+        assert "every rank must agree on the spec: rank 1 differs from rank 0" in seen["spec_differs"], seen
+        assert "every rank must agree on the device type: rank 1 differs from rank 0" in seen["device_differs"]
+        assert ("max_seqlen is for varlen specs" in seen["dense_max_seqlen"]) if rank == 0 else \
+            ("rank 0's inputs are invalid" in seen["dense_max_seqlen"]), seen
+        assert ("seq_len is for [B, H, S, D] shards" in seen["packed_seq_len"]) if rank == 0 else \
+            ("rank 0's inputs are invalid" in seen["packed_seq_len"]), seen
+        assert seen["empty"] == [[1, 4, 0, 8], [1, 4, 0, 8]], seen
         assert seen["after"] < 1e-6
 
 

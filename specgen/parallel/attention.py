@@ -64,6 +64,8 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
     if q.shape[seq] != k.shape[seq] or (not varlen and q.shape[0] != k.shape[0]):
         return (f"q, k and v shards must hold the same positions, got q {tuple(q.shape)} and "
                 f"k {tuple(k.shape)}")
+    if k.shape[heads] == 0:
+        return "q, k and v need at least one head, got k/v with 0"
     if q.shape[heads] != kernel.group_size * k.shape[heads]:
         return (f"q has {q.shape[heads]} heads and k/v have {k.shape[heads]}; the kernel needs "
                 f"q heads == {kernel.group_size} * kv heads")
@@ -76,7 +78,8 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
 # number of ints each takes.
 _SIGNATURE = (("q/k/v shapes", 12), ("the dtype", 1), ("the spec", 1), ("the mode", 1),
               ("the layout", 1), ("scale", 1), ("whether gradients are needed", 1),
-              ("cu_seqlens", 1), ("max_seqlen", 1))
+              ("cu_seqlens", 1), ("max_seqlen", 1), ("the device type", 1))
+_DEVICE_TYPES = ("cuda", "cpu")
 _WIDTH = sum(n for _, n in _SIGNATURE)
 
 
@@ -100,9 +103,10 @@ def _signature(q, k, v, *, spec: str, mode: str, layout: str, scale: float, grad
     shapes += [-1] * (12 - len(shapes))  # packed shards are 3-D
     cu = -1 if cu_seqlens is None else _crc(struct.pack(f"<{cu_seqlens.numel()}q",
                                                         *cu_seqlens.tolist()))
+    device = _DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _crc(q.device.type)
     return [*shapes, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, _crc(spec),
             MODES.index(mode), _crc(layout), struct.unpack("<q", struct.pack("<d", scale))[0],
-            int(grads), cu, -1 if max_seqlen is None else max_seqlen]
+            int(grads), cu, -1 if max_seqlen is None else max_seqlen, device]
 
 
 def agree(group, problem: str | None, signature: list[int]) -> None:
@@ -222,13 +226,15 @@ class ContextParallelAttention:
             problem = _local_problem(kernel, q, k, v, kernel.varlen)
         if problem is None:
             problem = self._shape_problem(q, k, seq_len, cu_seqlens, max_seqlen)
+        if problem is None:
+            problem = self._grid_problem(q, k, cu_seqlens)
         grads = problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         if grads and not kernel.has_backward:
             problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
         if problem is None:
             scale = kernel.default_scale() if scale is None else float(scale)
         signature = [] if problem else _signature(
-            q, k, v, spec=kernel.name, mode=self.mode, layout=self.layout, scale=scale, grads=grads,
+            q, k, v, spec=kernel.identity, mode=self.mode, layout=self.layout, scale=scale, grads=grads,
             cu_seqlens=cu_seqlens if kernel.varlen else None,
             max_seqlen=max_seqlen if kernel.varlen else None)
         agree(self.group, problem, signature)
@@ -244,6 +250,13 @@ class ContextParallelAttention:
         out, _ = rings.RingAttention.apply(q, k, v, kernel, self.ring, plans, scale)
         return out
 
+    def _grid_problem(self, q, k, cu_seqlens) -> str | None:
+        """The kernels' grid limits for the calls this rank will make (ring: its
+        shard's heads; all-to-all: its share of the heads), before any transfer."""
+        batch = cu_seqlens.numel() - 1 if self.kernel.varlen else q.shape[0]
+        share = self.world_size if self.mode == "ulysses" else 1
+        return self.kernel.grid_problem(batch, q.shape[1] // share, k.shape[1] // share)
+
     def _heads_problem(self, q, k) -> str | None:
         if self.mode != "ulysses":
             return None
@@ -256,6 +269,9 @@ class ContextParallelAttention:
     def _shape_problem(self, q, k, seq_len, cu_seqlens, max_seqlen=None) -> str | None:
         world = self.world_size
         if self.kernel.varlen:
+            if seq_len is not None:
+                return (f"seq_len is for [B, H, S, D] shards; {self.kernel.name} is a varlen spec, "
+                        "whose lengths cu_seqlens gives")
             if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1
                     or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2):
                 return ("cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative "
@@ -280,6 +296,8 @@ class ContextParallelAttention:
             return self._heads_problem(q, k)
         if cu_seqlens is not None:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
+        if max_seqlen is not None:
+            return f"max_seqlen is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
         if seq_len is not None and seq_len != q.shape[2] * world:
             return (f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
                     f"got {q.shape[2]}")
@@ -287,6 +305,14 @@ class ContextParallelAttention:
 
     def _ulysses(self, q, k, v, scale, cu_seqlens, max_seqlen):
         group, world = self.group, self.world_size
+        if q.numel() == 0:
+            # Every rank holds no rows (the ranks agreed on the shapes): the local call
+            # gives the empty output, with nothing to exchange.
+            extra = {}
+            if self.kernel.varlen:  # every sequence empty: cu_seqlens all 0
+                extra = dict(cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=0, max_seqlen_k=0)
+            out = self.kernel.attention(q, k, v, scale, **extra)
+            return out[0] if isinstance(out, tuple) else out
         if self.kernel.varlen:
             if world > 1:
                 total = q.shape[0] * world

@@ -12,6 +12,7 @@ out in the input dtype and lse [B, Hq, S] float32, -inf for a row with no key.
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -67,6 +68,21 @@ class SpecKernel:
         self.v_head_dim = getattr(module, "V_HEAD_DIM", module.HEAD_DIM)
         self.group_size = module.GROUP_SIZE
         self.needs_cuda = True
+        # What every rank must run alike: the whole spec, not only its name (two
+        # modules of one name from other specs compute other attentions).
+        self.identity = json.dumps(spec, sort_keys=True)
+        self.max_grid_y = getattr(module, "MAX_GRID_Y", None)
+        self.pack_gqa = bool(spec.get("pack_gqa"))
+
+    def grid_problem(self, batch: int, q_heads: int, kv_heads: int) -> str | None:
+        """What this rank's kernel calls would refuse of their grid (batch x heads on
+        its y axis), found before any transfer; None where they fit."""
+        rows = batch * (kv_heads if self.pack_gqa else q_heads)
+        if self.max_grid_y is not None and rows > self.max_grid_y:
+            what = "KV heads" if self.pack_gqa else "heads"
+            return (f"batch * {what} per call must be at most {self.max_grid_y} (the kernels' grid y "
+                    f"limit), got {batch} * {rows // max(batch, 1)}")
+        return None
 
     def default_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
@@ -118,7 +134,12 @@ class ReferenceKernel:
         self.group_size = group_size
         self.has_backward, self.varlen, self.needs_cuda = True, varlen, False
         self.name = "reference"
+        self.identity = repr(("reference", self.mask, softcap, str(dtype), head_dim, self.v_head_dim,
+                              group_size, varlen))
         self.calls = 0  # kernel calls made, for tests of the block planner
+
+    def grid_problem(self, batch: int, q_heads: int, kv_heads: int) -> str | None:
+        return None  # torch has no grid limit
 
     def default_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)

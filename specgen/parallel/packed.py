@@ -16,6 +16,7 @@ batch; a batch it does not fit raises ValueError before any transfer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -121,6 +122,7 @@ class _Selection:
             starts.append(base + a)
             sizes.append(b - a)
         self.all = which is None
+        self.rows = sum(sizes)  # none: the call has nothing to compute (a piece empty in every sequence)
         self.cu = torch.tensor([0] + list(itertools.accumulate(sizes)), dtype=torch.int32, device=device)
         self.longest = max(sizes) if sizes else 0
         if not self.all:
@@ -152,21 +154,25 @@ def packed_forward(kernel, ring, plans, layout, lengths, q, k, v, scale):
     out = torch.zeros((total, heads, kernel.v_head_dim), dtype=torch.float32, device=q.device)
     lse = torch.full((total, heads), float("-inf"), dtype=torch.float32, device=q.device)
     select = _selections(layout, world, rank, lengths, q.device)
-    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
-        src = (rank - step) % world
-        for call in plans[step]:
-            qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
-            block_out, block_lse = kernel.forward_varlen(
-                qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.cu, ks.cu, qs.longest, ks.longest,
-                call.q_shift, scale)
-            block_lse = block_lse.t()  # [rows, heads], the accumulator's layout
-            if qs.all:
-                merge_into(out, lse, block_out, block_lse)
-            else:
-                rows_out, rows_lse = out.index_select(0, qs.index), lse.index_select(0, qs.index)
-                merge_into(rows_out, rows_lse, block_out, block_lse)
-                out.index_copy_(0, qs.index, rows_out)
-                lse.index_copy_(0, qs.index, rows_lse)
+    steps = rotate(ring, k, v, len(plans))
+    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+        for step, k_cur, v_cur in steps:
+            src = (rank - step) % world
+            for call in plans[step]:
+                qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
+                if not (qs.rows and ks.rows):
+                    continue
+                block_out, block_lse = kernel.forward_varlen(
+                    qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.cu, ks.cu, qs.longest, ks.longest,
+                    call.q_shift, scale)
+                block_lse = block_lse.t()  # [rows, heads], the accumulator's layout
+                if qs.all:
+                    merge_into(out, lse, block_out, block_lse)
+                else:
+                    rows_out, rows_lse = out.index_select(0, qs.index), lse.index_select(0, qs.index)
+                    merge_into(rows_out, rows_lse, block_out, block_lse)
+                    out.index_copy_(0, qs.index, rows_out)
+                    lse.index_copy_(0, qs.index, rows_lse)
     return out.to(q.dtype), lse
 
 
@@ -177,26 +183,30 @@ def packed_backward(kernel, ring, plans, layout, lengths, q, k, v, out, lse, dou
     select = _selections(layout, world, rank, lengths, q.device)
     lse_rows = lse.t().contiguous()  # [heads, T], the kernels' layout
     carry = GradCarry(ring, k, v)
-    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
-        src = (rank - step) % world
-        grads, dk_part, dv_part = carry.new()
-        for call in plans[step]:
-            qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
-            call_lse = lse_rows if qs.all else lse_rows.index_select(1, qs.index)
-            dq_c, dk_c, dv_c = kernel.backward_varlen(
-                qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.take(out), call_lse.contiguous(), qs.take(dout),
-                qs.cu, ks.cu, qs.longest, ks.longest, call.q_shift, scale)
-            if qs.all:
-                dq += dq_c
-            else:
-                dq.index_add_(0, qs.index, dq_c.float())
-            if ks.all:
-                dk_part += dk_c
-                dv_part += dv_c
-            else:
-                dk_part.index_add_(0, ks.index, dk_c.float())
-                dv_part.index_add_(0, ks.index, dv_c.float())
-        carry.pass_on(grads)
+    steps = rotate(ring, k, v, len(plans))
+    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+        for step, k_cur, v_cur in steps:
+            src = (rank - step) % world
+            grads, dk_part, dv_part = carry.new()
+            for call in plans[step]:
+                qs, ks = select(call.q_piece, rank), select(call.k_piece, src)
+                if not (qs.rows and ks.rows):
+                    continue
+                call_lse = lse_rows if qs.all else lse_rows.index_select(1, qs.index)
+                dq_c, dk_c, dv_c = kernel.backward_varlen(
+                    qs.take(q), ks.take(k_cur), ks.take(v_cur), qs.take(out), call_lse.contiguous(), qs.take(dout),
+                    qs.cu, ks.cu, qs.longest, ks.longest, call.q_shift, scale)
+                if qs.all:
+                    dq += dq_c
+                else:
+                    dq.index_add_(0, qs.index, dq_c.float())
+                if ks.all:
+                    dk_part += dk_c
+                    dv_part += dv_c
+                else:
+                    dk_part.index_add_(0, ks.index, dk_c.float())
+                    dv_part.index_add_(0, ks.index, dv_c.float())
+            carry.pass_on(grads)
     dk, dv = carry.own()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -13,6 +13,7 @@ adding its part, until they reach the shard's owner; dQ stays local.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -101,7 +102,14 @@ def rotate(ring: Ring, k, v, steps: int):
         if step + 1 < ring.world_size:
             incoming = packed.empty()
             works = ring.shift(current, incoming)
-        yield step, k_cur, v_cur
+        try:
+            yield step, k_cur, v_cur
+        except GeneratorExit:
+            # The step raised (the caller closes this generator): finish the transfer
+            # it posted, which the neighbours posted too, so the next call starts on
+            # a clean ring instead of matching this call's leftover transfers.
+            _wait(works)
+            raise
         if incoming is not None:
             _wait(works)
             current = incoming  # the sent buffer is dropped only after its transfer
@@ -159,18 +167,20 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
     out = torch.zeros((batch, heads, rows, kernel.v_head_dim), dtype=torch.float32, device=q.device)
     lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
     touched = [False] * rows  # rows that hold a block's result already
-    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
-        for c in plans[step]:
-            block_out, block_lse = kernel.forward(
-                q[:, :, c.q_start:c.q_stop], k_cur[:, :, c.k_start:c.k_stop],
-                v_cur[:, :, c.k_start:c.k_stop], scale, c.q_offset)
-            rows_out, rows_lse = out[:, :, c.q_start:c.q_stop], lse[:, :, c.q_start:c.q_stop]
-            if any(touched[c.q_start:c.q_stop]):
-                merge_into(rows_out, rows_lse, block_out, block_lse)
-            else:  # the first block these rows see: nothing to merge with
-                rows_out.copy_(block_out)
-                rows_lse.copy_(block_lse)
-                touched[c.q_start:c.q_stop] = [True] * (c.q_stop - c.q_start)
+    steps = rotate(ring, k, v, len(plans))
+    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+        for step, k_cur, v_cur in steps:
+            for c in plans[step]:
+                block_out, block_lse = kernel.forward(
+                    q[:, :, c.q_start:c.q_stop], k_cur[:, :, c.k_start:c.k_stop],
+                    v_cur[:, :, c.k_start:c.k_stop], scale, c.q_offset)
+                rows_out, rows_lse = out[:, :, c.q_start:c.q_stop], lse[:, :, c.q_start:c.q_stop]
+                if any(touched[c.q_start:c.q_stop]):
+                    merge_into(rows_out, rows_lse, block_out, block_lse)
+                else:  # the first block these rows see: nothing to merge with
+                    rows_out.copy_(block_out)
+                    rows_lse.copy_(block_lse)
+                    touched[c.q_start:c.q_stop] = [True] * (c.q_stop - c.q_start)
     return out.to(q.dtype), lse
 
 
@@ -183,17 +193,19 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
     carry = GradCarry(ring, k, v)
-    for step, k_cur, v_cur in rotate(ring, k, v, len(plans)):
-        grads, dk_part, dv_part = carry.new()
-        for c in plans[step]:
-            rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
-            dq_c, dk_c, dv_c = kernel.backward(
-                q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], out[:, :, rows],
-                lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)  # a block: D = dO . O
-            dq[:, :, rows] += dq_c
-            dk_part[:, :, keys] += dk_c
-            dv_part[:, :, keys] += dv_c
-        carry.pass_on(grads)
+    steps = rotate(ring, k, v, len(plans))
+    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+        for step, k_cur, v_cur in steps:
+            grads, dk_part, dv_part = carry.new()
+            for c in plans[step]:
+                rows, keys = slice(c.q_start, c.q_stop), slice(c.k_start, c.k_stop)
+                dq_c, dk_c, dv_c = kernel.backward(
+                    q[:, :, rows], k_cur[:, :, keys], v_cur[:, :, keys], out[:, :, rows],
+                    lse[:, :, rows].contiguous(), dout[:, :, rows], scale, c.q_offset)  # a block: D = dO . O
+                dq[:, :, rows] += dq_c
+                dk_part[:, :, keys] += dk_c
+                dv_part[:, :, keys] += dv_c
+            carry.pass_on(grads)
     dk, dv = carry.own()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -211,6 +211,25 @@ def error_cases(rank, world, options):
     # Empty shards on every rank: an empty output, in both modes (nothing to exchange).
     empty = [t[:, :, :0] for t in parts]
     seen["empty"] = [tuple(ContextParallelAttention(kern, mode=m)(*empty).shape) for m in ("ring", "ulysses")]
+    # A kernel that raises in the ring's first step, after the next K/V shard's
+    # transfer was posted: the transfer is finished before the error leaves, so the
+    # good call below does not meet it.
+    class FailsOnce(ReferenceKernel):
+        failed = False
+
+        def forward(self, *args):
+            if not self.failed:
+                self.failed = True
+                raise ValueError("the kernel failed in a ring step")
+            return super().forward(*args)
+
+    failing = FailsOnce(causal=False, dtype=torch.float64, head_dim=8, group_size=2)
+    kept = []  # the error kept, traceback and all (as a caller that logs it later would)
+    try:
+        ContextParallelAttention(failing, mode="ring")(*parts)
+    except ValueError as error:
+        kept.append(error)
+    seen["step_raised"] = str(kept[0]) if kept else ""
     # After all that, a good call.
     whole = ReferenceKernel(causal=True, dtype=torch.float64, head_dim=8, group_size=2)
     ref = whole.forward(q, k, v, whole.default_scale(), 0)[0]

@@ -226,6 +226,7 @@ def test_bad_input_raises_on_every_rank(tmp_path):
         assert ("seq_len is for [B, H, S, D] shards" in seen["packed_seq_len"]) if rank == 0 else \
             ("rank 0's inputs are invalid" in seen["packed_seq_len"]), seen
         assert seen["empty"] == [[1, 4, 0, 8], [1, 4, 0, 8]], seen
+        assert seen["step_raised"] == "the kernel failed in a ring step", seen
         assert seen["after"] < 1e-6
 
 
@@ -335,3 +336,40 @@ def test_ring_of_two_ranks_over_the_emulated_generated_kernels(tmp_path):
     ]
     results = parallel_worker.spawn(2, "gloo", "emulated", tmp_path, {"cases": cases})
     parallel_worker.assert_rows_agree(results)
+
+
+def test_a_ring_step_that_raises_finishes_the_transfers_it_posted():
+    """The K/V transfer posted before a step (and the gradients in flight) are waited
+    for before the step's error leaves `transfers`, even while the caller keeps the
+    error and its traceback (which would keep an unclosed generator alive)."""
+    from specgen.parallel import ring as rings
+
+    class Work:
+        def __init__(self, log):
+            self.log = log
+
+        def wait(self):
+            self.log.append("waited")
+
+    class FakeRing:
+        world_size, rank = 2, 0
+
+        def __init__(self):
+            self.log = []
+
+        def shift(self, send, recv):
+            self.log.append("posted")
+            return [Work(self.log)]
+
+    ring = FakeRing()
+    k = v = torch.zeros(1, 1, 4, 8)
+    carry = rings.GradCarry(ring, k, v)
+    carry.pass_on(carry.new()[0])  # gradients in flight, as after a backward step
+    kept = []
+    try:
+        with rings.transfers(rings.rotate(ring, k, v, 2), carry) as steps:
+            for step, _, _ in steps:
+                raise ValueError("a kernel refused the call")
+    except ValueError as error:
+        kept.append(error)
+    assert kept and ring.log == ["posted", "posted", "waited", "waited"], ring.log

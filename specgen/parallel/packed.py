@@ -16,7 +16,6 @@ batch; a batch it does not fit raises ValueError before any transfer.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -26,7 +25,7 @@ import torch
 from specgen.parallel import layout as layouts
 from specgen.parallel.blocks import Mask, _exact, _hidden, plan_step
 from specgen.parallel.merge import merge_into
-from specgen.parallel.ring import GradCarry, rotate
+from specgen.parallel.ring import GradCarry, rotate, transfers
 
 # A shift past any sequence length: every query sees every key of its sequence.
 FULL = 1 << 29
@@ -155,7 +154,7 @@ def packed_forward(kernel, ring, plans, layout, lengths, q, k, v, scale):
     lse = torch.full((total, heads), float("-inf"), dtype=torch.float32, device=q.device)
     select = _selections(layout, world, rank, lengths, q.device)
     steps = rotate(ring, k, v, len(plans))
-    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+    with transfers(steps):
         for step, k_cur, v_cur in steps:
             src = (rank - step) % world
             for call in plans[step]:
@@ -184,7 +183,7 @@ def packed_backward(kernel, ring, plans, layout, lengths, q, k, v, out, lse, dou
     lse_rows = lse.t().contiguous()  # [heads, T], the kernels' layout
     carry = GradCarry(ring, k, v)
     steps = rotate(ring, k, v, len(plans))
-    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+    with transfers(steps, carry):
         for step, k_cur, v_cur in steps:
             src = (rank - step) % world
             grads, dk_part, dv_part = carry.new()

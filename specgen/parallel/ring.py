@@ -116,6 +116,21 @@ def rotate(ring: Ring, k, v, steps: int):
             k_cur, v_cur = packed.views(current)
 
 
+@contextlib.contextmanager
+def transfers(steps, carry=None):
+    """Run a ring's ``steps`` (a rotate generator); where a step raises, finish the
+    transfers it posted (the K/V, and the gradients ``carry`` has in flight) before
+    the error leaves, so the next call starts on a clean ring."""
+    try:
+        yield steps
+    except BaseException:
+        if carry is not None:
+            carry.drain()
+        raise
+    finally:
+        steps.close()
+
+
 class GradCarry:
     """The float32 dK, dV of the shard in hand, carried around the ring with it:
     each rank adds its part to what the ranks before it summed and passes the total
@@ -143,6 +158,11 @@ class GradCarry:
         else:
             self.incoming = grads
 
+    def drain(self) -> None:
+        """Wait for the gradients in flight (a step raised: the ring stops here)."""
+        _wait(self.works)
+        self.works, self.sent = None, None
+
     def own(self):
         """(dk, dv) float32 of this rank's shard, summed over every rank."""
         if self.ring.world_size > 1:
@@ -168,7 +188,7 @@ def ring_forward(kernel, ring: Ring, plans, q, k, v, scale):
     lse = torch.full((batch, heads, rows), float("-inf"), dtype=torch.float32, device=q.device)
     touched = [False] * rows  # rows that hold a block's result already
     steps = rotate(ring, k, v, len(plans))
-    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+    with transfers(steps):
         for step, k_cur, v_cur in steps:
             for c in plans[step]:
                 block_out, block_lse = kernel.forward(
@@ -194,7 +214,7 @@ def ring_backward(kernel, ring: Ring, plans, q, k, v, out, lse, dout, scale):
     dout = dout.contiguous() if dout.stride(-1) != 1 else dout
     carry = GradCarry(ring, k, v)
     steps = rotate(ring, k, v, len(plans))
-    with contextlib.closing(steps):  # a step that raises still finishes its transfer
+    with transfers(steps, carry):
         for step, k_cur, v_cur in steps:
             grads, dk_part, dv_part = carry.new()
             for c in plans[step]:

@@ -18,12 +18,18 @@ def project(tmp_path):
     return tmp_path
 
 
-def test_a_copied_spec_that_kept_its_name_is_refused_without_force(project):
+def _copied_spec(project):
+    """fmha_gqa_causal built from specs/, and mine.yaml: a copy of its spec, changed,
+    that kept its name. Returns the module and its bytes."""
     assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
     module = project / "generated" / "fmha_gqa_causal.py"
-    before = module.read_bytes()
-    mine = project / "mine.yaml"
-    mine.write_text((project / "specs" / "fmha_gqa_causal.yaml").read_text().replace("dtype: float16", "dtype: bfloat16"))
+    spec = (project / "specs" / "fmha_gqa_causal.yaml").read_text()
+    (project / "mine.yaml").write_text(spec.replace("dtype: float16", "dtype: bfloat16"))
+    return module, module.read_bytes()
+
+
+def test_a_copied_spec_that_kept_its_name_is_refused_without_force(project):
+    module, before = _copied_spec(project)
     result = specgen("build", "mine.yaml", "--no-compile", cwd=project)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [
@@ -38,11 +44,7 @@ def test_a_copied_spec_that_kept_its_name_is_refused_without_force(project):
 
 def test_test_refuses_to_overwrite_another_specs_module(project):
     """`specgen test` renders stale modules as build does, and refuses as build does."""
-    assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
-    module = project / "generated" / "fmha_gqa_causal.py"
-    before = module.read_bytes()
-    mine = project / "mine.yaml"
-    mine.write_text((project / "specs" / "fmha_gqa_causal.yaml").read_text().replace("dtype: float16", "dtype: bfloat16"))
+    module, before = _copied_spec(project)
     result = specgen("test", "mine.yaml", "--emulate", "--fuzz-case", "0:0", cwd=project)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [

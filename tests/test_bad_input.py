@@ -415,9 +415,9 @@ SPEC = "specs/fmha_gqa_causal.yaml"
     (["diff", SPEC, "--no-compile", "--set", "head_dim=0200"],
      '--set head_dim: head_dim: must be an integer, got "0200"'),
     # diff's inputs: a module that is not one, text that is not UTF-8, a --results file
-    (["diff", "bad.py", SPEC, "--no-compile"], "bad.py: not a generated module (not Python: line 1"),
+    (["diff", "bad.py", SPEC, "--no-compile"], "bad.py: not a generated module (no specgen header)"),
     (["diff", "literal.py", SPEC, "--no-compile"],
-     "literal.py: not a generated module (its SPEC is not a literal mapping)"),
+     "literal.py: not a generated module (no specgen header)"),
     (["diff", "latin1.yaml", SPEC, "--no-compile"], "latin1.yaml: file is not UTF-8 text"),
     (["diff", SPEC, "specs/fmha_prefix_lm.yaml", "--no-compile", "--results", "README.md"],
      "--results README.md: exists and is not a folder"),

@@ -51,6 +51,24 @@ def test_set_refuses_a_key_given_twice(sets, message):
     assert result.returncode == 2 and result.stderr.splitlines() == [message], result.stderr
 
 
+def test_a_module_side_is_never_run_unless_it_is_specgen_output(tmp_path):
+    """The compiled section imports a module side: a hand-edited module (its hash no
+    longer matches) or a file without specgen's header is refused, and its code
+    never runs."""
+    marker = tmp_path / "ran"
+    edited = tmp_path / "edited.py"
+    edited.write_text((ROOT / "generated" / "fmha_gqa_causal.py").read_text()
+                      + f"\nopen({str(marker)!r}, 'w').close()\n")
+    result = diff("generated/fmha_gqa_causal.py", str(edited), "--stat")
+    assert result.returncode == 2 and not marker.exists()
+    assert result.stderr.splitlines() == [f"{edited}: edited by hand (its content no longer matches its "
+                                          "header's hash); diff its spec, or rebuild the module"]
+    plain = tmp_path / "plain.py"
+    plain.write_text("SPEC = {'name': 'x'}\n")
+    result = diff(str(plain), "generated/fmha_gqa_causal.py", "--stat")
+    assert result.returncode == 2 and result.stderr.splitlines() == [f"{plain}: not a generated module (no specgen header)"]
+
+
 def test_identical_is_exit_0_and_generated_module_side():
     result = diff("specs/fmha_mha_bf16.yaml", "generated/fmha_mha_bf16.py", "--no-compile")
     assert result.returncode == 0, result.stderr

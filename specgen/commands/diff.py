@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 from specgen.errors import CompileError, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
 from specgen.compile.sass import describe_mix
-from specgen.emit.render import HEADER_RE, render
+from specgen.emit.render import HEADER_RE, hand_edited, render
 from specgen.spec import parse_spec_text, read_spec_text, validate_spec
 from specgen.spec.hooks import Hook
 
@@ -74,6 +74,13 @@ def load_side(path_text: str) -> tuple[dict, Side]:
         raise UsageError(f"{path_text}: no such spec file or generated module")
     if path.suffix == ".py":
         text = read_spec_text(path, MAX_MODULE_BYTES)
+        # The compiled section imports the module: only specgen's own output, byte for
+        # byte as its header's hash says, is ever run.
+        if not HEADER_RE.match(text.replace("\r\n", "\n")):
+            raise UsageError(f"{path}: not a generated module (no specgen header)")
+        if hand_edited(text):
+            raise UsageError(f"{path}: edited by hand (its content no longer matches its header's "
+                             "hash); diff its spec, or rebuild the module")
         data = _spec_data_from_module(path, text)
         plan = make_plan(validate_spec(data, path))
         return data, Side(str(path), plan, text)

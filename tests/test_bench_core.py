@@ -5,6 +5,7 @@ every specgen kernel), the last with a fake suite, torch and do_bench."""
 
 import dataclasses
 import json
+import re
 import sys
 import types
 from pathlib import Path
@@ -540,8 +541,49 @@ def test_results_round_trip_through_json_with_a_schema_version(make, tmp_path):
     bad = dict(data, rows=[dict(data["rows"][0], extra=1)])
     with pytest.raises(Exception):
         BenchResult.model_validate(bad)
-    with pytest.raises(ValueError, match="schema: expected a version up to 3, got 4"):
+    with pytest.raises(ValueError, match="schema: expected a version from 1 to 3, got 4"):
         upgrade(dict(data, schema=4))
+
+
+@pytest.mark.parametrize("edit,where", [
+    (lambda row: row["timings"]["specgen"].update(ms=float("nan")), "rows.0.timings.specgen.ms"),
+    (lambda row: row["timings"]["specgen"].update(ms=float("inf")), "rows.0.timings.specgen.ms"),
+    (lambda row: row["timings"]["specgen"].update(ms=0.0), "rows.0.timings.specgen.ms"),
+    (lambda row: row["timings"]["specgen"].update(ms="0.09"), "rows.0.timings.specgen.ms"),
+    (lambda row: row["timings"]["specgen"].update(tflops=-1.0), "rows.0.timings.specgen.tflops"),
+    (lambda row: row.update(batch="4"), "rows.0.batch"),
+    (lambda row: row.update(heads_q=0), "rows.0.heads_q"),
+    (lambda row: row.update(flops=10**400), "rows.0.flops"),
+    (lambda row: row.update(causal="yes"), "rows.0.causal"),
+])
+def test_a_result_the_pages_could_not_print_as_measured_is_refused(edit, where, tmp_path):
+    """What `specgen docs` prints comes from a validated result: JSON numbers, finite,
+    times above 0, rates not negative, counts that fit 64 bits."""
+    data = json.loads(_prefill_result().model_dump_json(by_alias=True))
+    edit(data["rows"][0])
+    path = tmp_path / "x-prefill.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"not a bench result of this schema: {re.escape(where)}"):
+        load_result(path)
+
+
+def test_result_files_that_are_not_regular_files_or_json_numbers_are_refused(tmp_path):
+    import os
+
+    fifo = tmp_path / "f-prefill.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="f-prefill.json: not a regular file, not a bench result"):
+        load_result(fifo)
+    huge = tmp_path / "h-prefill.json"
+    huge.write_text('{"schema": 1' + "0" * 5000 + "}")
+    with pytest.raises(ValueError, match="h-prefill.json: not a bench result \\(Exceeds the limit"):
+        load_result(huge)
+    data = json.loads(_prefill_result().model_dump_json(by_alias=True))
+    data["device"]["name"] = 5
+    named = tmp_path / "n-prefill.json"
+    named.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="device.name must be the GPU's name"):
+        load_result(named)
 
 
 def test_result_schema_is_exported_with_its_version_key():

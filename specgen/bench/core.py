@@ -13,12 +13,13 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specgen.bench.baselines import REGISTRY, label
 from specgen.compile.export import atomic_write
@@ -60,48 +61,56 @@ def tbps(nbytes: int, ms: float) -> float:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a number is a JSON number (not "0.09"), and NaN or infinity is refused,
+    # so what the docs pages print is what was measured.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+Time = Annotated[float, Field(gt=0)]  # ms: a kernel takes some time
+Rate = Annotated[float, Field(ge=0)]  # TFLOPS, TB/s, shares
+Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+PositiveCount = Annotated[int, Field(ge=1, le=2**63 - 1)]
 
 
 class Timing(_Model):
     """One kernel on one row. ``ms`` is the headline time per call: the do_bench
     median (prefill, backward) or the CUDA-graph steady state (decode)."""
 
-    ms: Optional[float] = None
+    ms: Optional[Time] = None
     # A CUDA graph of one call, its launch floor included (prefill: the time without
     # the host's launch path, which bounds short eager calls).
-    ms_one_call: Optional[float] = None
-    tflops: Optional[float] = None  # the row's flops / ms
-    tbps: Optional[float] = None  # the row's bytes (this kernel's, see note) / ms
-    pct_of_matmul: Optional[float] = None  # tflops over the run's fp16 matmul rate
-    pct_of_copy: Optional[float] = None  # tbps over the run's copy bandwidth
-    max_abs_diff_vs_specgen: Optional[float] = None  # sanity: same function?
+    ms_one_call: Optional[Time] = None
+    tflops: Optional[Rate] = None  # the row's flops / ms
+    tbps: Optional[Rate] = None  # the row's bytes (this kernel's, see note) / ms
+    pct_of_matmul: Optional[Rate] = None  # tflops over the run's fp16 matmul rate
+    pct_of_copy: Optional[Rate] = None  # tbps over the run's copy bandwidth
+    max_abs_diff_vs_specgen: Optional[Annotated[float, Field(allow_inf_nan=True)]] = None  # sanity: same function?
     note: Optional[str] = None  # e.g. "reads the cache dequantised to bfloat16 (... bytes)"
     error: Optional[str] = None  # why a kernel has no number
     # block_sparse specs: the block map's build (timed apart, not in ms) and the share
     # of all (query tile, key tile) pairs the forward visits.
-    block_map_ms: Optional[float] = None
-    tiles_visited: Optional[float] = None
+    block_map_ms: Optional[Time] = None
+    tiles_visited: Optional[Rate] = None
 
 
 class Row(_Model):
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seq_q: int  # decode: the new tokens per sequence
-    seq_k: int  # decode: the cached length L
+    batch: PositiveCount
+    heads_q: PositiveCount
+    heads_kv: PositiveCount
+    seq_q: Count  # decode: the new tokens per sequence
+    seq_k: Count  # decode: the cached length L
     # None only in decode rows upgraded from schema 2, which did not record them.
-    head_dim: Optional[int] = None
+    head_dim: Optional[Count] = None
     dtype: Optional[str] = None
     causal: Optional[bool] = None
-    flops: Optional[int] = None  # prefill, backward: what the kernel computes
-    bytes: Optional[int] = None  # decode: the K and V bytes the kernel reads
-    splits: Optional[int] = None  # decode: KV splits of the launch
+    flops: Optional[Count] = None  # prefill, backward: what the kernel computes
+    bytes: Optional[Count] = None  # decode: the K and V bytes the kernel reads
+    splits: Optional[Count] = None  # decode: KV splits of the launch
     pdl: Optional[bool] = None  # decode: programmatic dependent launch (None: not recorded)
-    input_copies: Optional[int] = None  # decode: the steady-state graph cycles through these
-    calls_per_graph: Optional[int] = None
+    input_copies: Optional[Count] = None  # decode: the steady-state graph cycles through these
+    calls_per_graph: Optional[Count] = None
     timings: dict[str, Timing]  # "specgen" and each baseline
-    speedup: dict[str, Optional[float]]  # per baseline: its ms / specgen's ms (None: no number)
+    speedup: dict[str, Optional[Rate]]  # per baseline: its ms / specgen's ms (None: no number)
 
 
 class BenchResult(_Model):
@@ -116,9 +125,16 @@ class BenchResult(_Model):
     baselines: list[str]
     # How the inputs were laid out when not a dense [B, H, S, D] batch with Sq = Skv.
     layout: str = "Sq=Skv"
-    matmul_tflops: Optional[float] = None  # prefill, backward: fp16 8192^3 matmul, same run
-    copy_tbps: Optional[float] = None  # decode: 1 GiB copy kernel, (read + write) / time
+    matmul_tflops: Optional[Rate] = None  # prefill, backward: fp16 8192^3 matmul, same run
+    copy_tbps: Optional[Rate] = None  # decode: 1 GiB copy kernel, (read + write) / time
     rows: list[Row]
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: dict) -> dict:
+        if not isinstance(value.get("name"), str) or not value["name"].strip():
+            raise ValueError("device.name must be the GPU's name, a non-empty string")
+        return value
 
 
 def result_schema() -> dict:
@@ -152,8 +168,8 @@ def upgrade(data: dict) -> dict:
     version = data.pop("schema", None)
     if version is None:
         version = data.pop("schema_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise ValueError(f"schema: expected a version up to {SCHEMA_VERSION}, got {version!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
+        raise ValueError(f"schema: expected a version from 1 to {SCHEMA_VERSION}, got {version!r}")
     if version < 3 and data.get("suite") == "decode":
         data["rows"] = [_upgrade_decode_row(r, version) for r in data["rows"]]
     data["schema"] = SCHEMA_VERSION
@@ -168,6 +184,8 @@ def read_result_text(path: Path) -> str:
     """A result file's text: <stem>.json, or <stem>.json.gz (committed results may be
     kept gzipped to keep the checkout small)."""
     path = Path(path)
+    if not stat.S_ISREG(path.stat().st_mode):  # a FIFO or a device may never end
+        raise ResultError(f"{path}: not a regular file, not a bench result")
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rb") as f:  # at most the cap: not a whole gzip bomb
         data = f.read(MAX_RESULT_BYTES + 1)
@@ -230,6 +248,10 @@ def read_result_json(path: Path) -> Any:
         raise ResultError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise ResultError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno})") from None
+    except ResultError:
+        raise
+    except ValueError as exc:  # an integer beyond Python's digit limit
+        raise ResultError(f"{path}: not a bench result ({exc})") from None
     except (RecursionError, MemoryError):
         raise ResultError(f"{path}: nested too deeply or too large to be a bench result") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import sys
 import types
 import typing
@@ -324,9 +325,16 @@ def read_spec_text(path: str | Path, limit: int = MAX_SPEC_BYTES) -> str:
     SpecError naming the file otherwise."""
     path = Path(path)
     try:
-        if path.stat().st_size > limit:
+        info = path.stat()
+        # A FIFO or a device has no size to check and may never end: a regular file only.
+        if not stat.S_ISREG(info.st_mode):
+            raise SpecError(path, [("", "not a regular file")])
+        if info.st_size > limit:
             raise SpecError(path, [("", f"file is larger than {limit} bytes")])
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)  # a file that grew since: still at most limit bytes
+        if len(raw) > limit:
+            raise SpecError(path, [("", f"file is larger than {limit} bytes")])
     except OSError as exc:
         raise SpecError(path, [("", f"cannot read: {exc.strerror}")]) from None
     try:

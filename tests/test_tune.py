@@ -225,3 +225,17 @@ def test_tune_refuses_a_hand_edited_module_before_searching(tmp_path):
     assert result.returncode == 2 and "generated/fmha_gqa_causal.py: edited by hand" in result.stderr, \
         result.stderr
     assert (tmp_path / "specs" / "fmha_gqa_causal.yaml").read_text() == spec
+
+
+def test_a_space_of_configs_the_spec_refuses_is_named_before_a_gpu_is_asked_for(tmp_path):
+    """Each config must be a valid targets entry of the spec (a block-sparse spec
+    launches one CTA per query tile: no persistent grid); a space with none is bad
+    input, named before the GPU check."""
+    text = (ROOT / "specs" / "fmha_document_mask.yaml").read_text()
+    spec = tmp_path / "sparse.yaml"
+    spec.write_text(text + "autotune:\n  sm_90: {tile_m: [64], tile_n: [64], persistent: [true]}\n")
+    result = specgen("tune", spec, "--target", "sm_90", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"{spec}: autotune.sm_90: no config of the space is a valid target "
+                                     "(targets.sm_90.persistent: block_sparse launches one CTA per query "
+                                     "tile; use null or false, got true)")

@@ -220,6 +220,31 @@ def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]
     return new_text
 
 
+def _valid_targets(spec: Spec, path, target: str, configs: list[dict], log) -> list[dict]:
+    """The configs the spec takes as its ``targets.<target>`` (the rules between a
+    target and the spec's features: pack_gqa's rows, block_sparse's launches, ...),
+    checked before a GPU is asked for; UsageError where none is."""
+    from specgen.spec import validate_spec
+
+    data = spec_to_dict(spec)
+    kept, problem = [], None
+    for config in configs:
+        trial = {**data, "targets": {**data["targets"], target: _clean(config)}}
+        try:
+            validate_spec(trial, path)
+        except SpecError as exc:
+            problem = problem or exc.lines()[0].split(": ", 1)[-1]
+            continue
+        kept.append(config)
+    if not kept:
+        raise UsageError(f"{path}: autotune.{target}: no config of the space is a valid target "
+                         f"({problem})")
+    if len(kept) < len(configs):
+        log(f"autotune.{target}: {len(configs) - len(kept)} of {len(configs)} configs skipped, "
+            f"not valid targets of this spec (first: {problem})")
+    return kept
+
+
 # --- GPU side ---------------------------------------------------------------------
 
 
@@ -294,6 +319,7 @@ def run_tune(
     configs = search_space(space, spec.q_subtiles)
     if not configs:
         raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
+    configs = _valid_targets(spec, path, target, configs, log)
     batch, heads, suite_seqs = BATCH, HEADS, SEQS
     seqs = sorted(seqs or suite_seqs)
     heads = suite_heads(heads, spec.gqa_ratio)

@@ -52,6 +52,11 @@ def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
     # an assignment's error names the file and the variant, not --set
     ("spec: specs/fmha_gqa_causal.yaml\nvariants:\n  x: [nokey]\n",
      "v.yaml: variant 'x': expected key.path=value (names joined by dots), got 'nokey'"),
+    # a shared assignment's error is the base's, and a bad spec path names the field
+    ("spec: specs/fmha_gqa_causal.yaml\nbase: [nokey]\nvariants:\n  x: []\n",
+     "v.yaml: base: expected key.path=value (names joined by dots), got 'nokey'"),
+    ("spec: specs/nowhere.yaml\nvariants:\n  x: []\n",
+     "v.yaml: spec: specs/nowhere.yaml: cannot read: No such file or directory"),
     # what would be timed on another call than the first variant's
     ("spec: specs/fmha_decode_gqa8_bf16.yaml\nvariants:\n  x: []\n",
      "variant 'x': bench --variants times dense prefill calls; a decode spec"),

@@ -122,14 +122,19 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         raise UsageError(f"{path}: {where}: {err['msg']}") from None
-    base = spec_to_dict(load_spec(config.spec))
+    try:
+        base = spec_to_dict(load_spec(config.spec))
+    except SpecError as exc:  # named with the file and field that point at it
+        raise UsageError("\n".join(f"{path}: spec: {line}" for line in exc.lines())) from None
+    # The assignments every variant shares, applied once: a bad one is the base's.
+    base = apply_sets(base, config.base, f"{path}: base")
     plans, sources = {}, {}
     for label, assignments in config.variants.items():
         where = f"{path}: variant {label!r}"
         if not re.fullmatch(LABEL, label):
             raise UsageError(f"{where}: a label is 1-64 letters, digits, spaces and _.:+=,()/- "
                              "(it names a table row)")
-        data = apply_sets(base, config.base + assignments, where)
+        data = apply_sets(base, assignments, where)
         try:
             plan = make_plan(validate_spec(data, where))
         except SpecError as exc:

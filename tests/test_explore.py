@@ -87,6 +87,17 @@ def test_bad_variant_files_are_usage_errors(tmp_path, monkeypatch, text, message
     assert message in str(info.value)
 
 
+def test_a_variants_file_with_several_problems_names_each(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "v.yaml"
+    path.write_text("spec: specs/fmha_gqa_causal.yaml\nbogus: 1\nshapes: {batch: 0}\ntiming: x\nvariants: {}\n")
+    with pytest.raises(UsageError) as info:
+        load_variants(path)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4 and all(line.startswith(f"{path}: ") for line in lines), lines
+    assert {line.split(": ")[1] for line in lines} == {"bogus", "shapes.batch", "timing", "variants"}
+
+
 def test_bench_variants_cli_errors():
     both = specgen("bench", "specs/fmha_gqa_causal.yaml", "--variants", "x.yaml", cwd=ROOT)
     assert both.returncode == 2 and "not both" in both.stderr

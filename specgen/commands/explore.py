@@ -118,10 +118,10 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
         config = VariantsFile.model_validate(raw)
     except SpecError as exc:
         raise UsageError("\n".join(exc.lines())) from None
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        raise UsageError(f"{path}: {where}: {err['msg']}") from None
+    except ValidationError as exc:  # one line per problem
+        raise UsageError("\n".join(
+            f"{path}: {'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in exc.errors())) from None
     try:
         base = spec_to_dict(load_spec(config.spec))
     except SpecError as exc:  # named with the file and field that point at it

@@ -67,6 +67,15 @@ def test_build_writes_a_manifest_for_the_module_it_wrote(built):
         assert hit is not None and hit[1] == entry["symbol"]
 
 
+def test_the_module_reads_the_manifest_format_specgen_writes(built):
+    """A generated module cannot import specgen: its loader's format and entry fields
+    are its own copies of specgen.compile.aot's."""
+    from specgen.compile import aot
+
+    module = load(built)
+    assert (module.AOT_FORMAT, module.AOT_ENTRY_KEYS) == (aot.AOT_FORMAT, aot.ENTRY_KEYS)
+
+
 def test_a_rebuild_removes_cubins_it_no_longer_lists(built):
     folder = built.with_name(f"{SPEC}.aot")
     listed = sorted(p.name for p in folder.glob("*.cubin"))

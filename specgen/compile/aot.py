@@ -33,7 +33,8 @@ from specgen.compile.export import (
 )
 
 AOT_FORMAT = 2
-# What the module's loader requires of each manifest entry.
+# What each manifest entry holds; a generated module's loader requires the same
+# (its AOT_ENTRY_KEYS, and AOT_FORMAT beside it: tests/test_aot.py keeps them equal).
 ENTRY_KEYS = ("kernel", "sm", "hints", "signature", "symbol", "cubin")
 
 
@@ -100,9 +101,9 @@ def folder_problem(module_path: Path, source: str, targets, cubins: set | None =
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         sums, entries = manifest["cubins"], manifest["entries"]
-        listed = {(e["sm"], e["cubin"]) for e in entries}
         if not all(all(k in e for k in ENTRY_KEYS) for e in entries):
             raise KeyError("an entry lacks a field")
+        listed = {(e["sm"], e["cubin"]) for e in entries}
     except (OSError, ValueError, KeyError, TypeError):
         return f"{path}: unreadable"
     if manifest.get("format") != AOT_FORMAT or manifest.get("cuda_tile") != package_version("cuda-tile"):

@@ -81,9 +81,9 @@ def load_plans(paths: Iterable[str | Path]) -> list[tuple[Path, Plan]]:
     problems: list[str] = []
     plans: list[tuple[Path, Plan]] = []
     for spec_path in collect_spec_paths(paths):
-        if unnameable_path(str(spec_path)):  # (make_header refuses it too)
-            problems.append(f"{ascii(str(spec_path))}: a spec path with a control character cannot be "
-                            "named in a generated module's header; rename the file")
+        unnameable = unnameable_path(str(spec_path))  # (make_header refuses it too)
+        if unnameable:
+            problems.append(unnameable)
             continue
         try:
             plans.append((spec_path, make_plan(load_spec(spec_path))))

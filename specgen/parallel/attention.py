@@ -79,7 +79,6 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
 _SIGNATURE = (("q/k/v shapes", 12), ("the dtype", 1), ("the spec", 1), ("the mode", 1),
               ("the layout", 1), ("scale", 1), ("whether gradients are needed", 1),
               ("cu_seqlens", 1), ("max_seqlen", 1), ("the device type", 1))
-_DEVICE_TYPES = ("cuda", "cpu")
 _WIDTH = sum(n for _, n in _SIGNATURE)
 
 
@@ -103,10 +102,9 @@ def _signature(q, k, v, *, spec: str, mode: str, layout: str, scale: float, grad
     shapes += [-1] * (12 - len(shapes))  # packed shards are 3-D
     cu = -1 if cu_seqlens is None else _crc(struct.pack(f"<{cu_seqlens.numel()}q",
                                                         *cu_seqlens.tolist()))
-    device = _DEVICE_TYPES.index(q.device.type) if q.device.type in _DEVICE_TYPES else _crc(q.device.type)
     return [*shapes, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, _crc(spec),
             MODES.index(mode), _crc(layout), struct.unpack("<q", struct.pack("<d", scale))[0],
-            int(grads), cu, -1 if max_seqlen is None else max_seqlen, device]
+            int(grads), cu, -1 if max_seqlen is None else max_seqlen, _crc(q.device.type)]
 
 
 def agree(group, problem: str | None, signature: list[int]) -> None:

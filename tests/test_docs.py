@@ -356,6 +356,107 @@ def test_a_broken_results_file_is_one_error_naming_it(tmp_path, name, content, w
         load_result(folder / name)
 
 
+def test_strings_and_names_from_result_files_cannot_break_the_page(tmp_path):
+    """A result's strings are text on the page: a device name with a pipe, a line
+    break or an HTML tag, a baseline's error with backticks, and file names with
+    spaces, brackets or backticks keep the tables, code spans and links whole."""
+    import json
+
+    from specgen.bench.core import read_result_text
+    from specgen.docs import performance_markdown
+
+    source = json.loads(read_result_text(ROOT / "bench" / "results" / "h200" / "fa3" / "fmha_gqa8_bf16-prefill.json.gz"))
+    source["device"]["name"] = "GPU | <b>x</b>\nnext"
+    source["spec"] = "odd`spec"
+    first = source["rows"][0]["timings"]["cudnn"]
+    first.update(ms=None, tflops=None, error="failed: `x | y`\n*z*")
+    source["rows"][0]["speedup"]["cudnn"] = None
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "my run (1)-prefill.json").write_text(json.dumps(source))
+    (folder / "ceiling `a`.json").write_text('{"rows": []}')
+    page = performance_markdown(tmp_path / "results")
+    assert "<b>" not in page and "GPU \\| \\<b\\>x\\</b\\> next" in page
+    assert "#### ``odd`spec``, prefill" in page
+    assert "n/a: failed: \\`x \\| y\\` \\*z\\*" in page
+    assert "[JSON](../results/gpu/my%20run%20%281%29-prefill.json)" in page.replace(f"../{tmp_path.name}/", "../")
+    assert "\n- ``ceiling `a`.json``\n" in page
+    # Every table row has as many cells as its header: no pipe leaked into a cell.
+    header = None
+    for line in page.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = len(re.findall(r"(?<!\\)\|", line))
+        if header is None:
+            header = cells
+        assert cells == header, line
+
+
+def test_a_baseline_name_that_is_not_a_plain_word_is_refused(tmp_path):
+    import json
+
+    from specgen.bench.core import read_result_text
+    from specgen.docs import DocsError, performance_markdown
+
+    source = json.loads(read_result_text(ROOT / "bench" / "results" / "h200" / "fa3" / "fmha_gqa8_bf16-prefill.json.gz"))
+    source["baselines"][0] = "cu|dnn"
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "a-prefill.json").write_text(json.dumps(source))
+    with pytest.raises(DocsError, match=r"baselines: .*letters, digits.*'cu\|dnn'"):
+        performance_markdown(tmp_path / "results")
+
+
+@pytest.mark.parametrize("content,words", [
+    ('{"spec": "x", "rows": [{"seq": 1}]}', "no 'schema' key"),
+    ('{"schema": 3}', "no 'rows' key"),
+    ('{"device": "NVIDIA H200"}', "no 'schema' and no 'rows' key"),
+])
+def test_a_file_named_as_a_bench_result_must_be_one(tmp_path, content, words):
+    """<spec>-<suite>.json without the keys of a bench result is refused, naming the
+    file, rather than listed with the experiments' files."""
+    from specgen.docs import DocsError, performance_markdown
+
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "a-prefill.json").write_text(content)
+    with pytest.raises(DocsError, match=re.escape(words)) as info:
+        performance_markdown(tmp_path / "results")
+    assert str(folder / "a-prefill.json") in str(info.value)
+
+
+@pytest.mark.parametrize("change,words", [
+    (lambda d: d["rows"][0].update(specgen_fwd_ms=float("nan")), "rows.0.specgen_fwd_ms: Input should be a finite number"),
+    (lambda d: d["rows"][0].update(specgen_fwd_ms=0.0), "rows.0.specgen_fwd_ms: Input should be greater than 0"),
+    (lambda d: d["rows"][0].update(seq="32768"), "rows.0.seq: Input should be a valid integer"),
+    (lambda d: d["rows"][0].pop("specgen_fwdbwd_tflops_per_gpu"), "rows.0.specgen_fwdbwd_tflops_per_gpu: Field required"),
+    (lambda d: d["rows"][0].pop("torch_cp_fwd_best"), "torch_cp_fwd_ms is given without torch_cp_fwd_best"),
+    (lambda d: d["rows"][0].update(efficiency_vs_full_fwd=-0.5), "rows.0.efficiency_vs_full_fwd"),
+    (lambda d: d.update(rows=[]), "rows: List should have at least 1 item"),
+    (lambda d: d.update(torch=2.11), "torch: Input should be a valid string"),
+])
+def test_a_broken_context_parallel_result_is_one_error_naming_it(tmp_path, change, words):
+    """The context-parallel table's fields are validated like a bench result's:
+    numbers that are NaN, not numbers, out of range or missing are named with the
+    file, never printed and never a traceback."""
+    import json
+
+    from specgen.bench.core import read_result_text
+    from specgen.docs import DocsError, performance_markdown
+
+    data = json.loads(read_result_text(ROOT / "bench" / "results" / "h200" / "context_parallel.json.gz"))
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    (folder / "context_parallel.json").write_text(json.dumps(data))
+    assert "### Context parallelism" in performance_markdown(tmp_path / "results")
+    change(data)
+    (folder / "context_parallel.json").write_text(json.dumps(data))
+    with pytest.raises(DocsError, match=re.escape(words)) as info:
+        performance_markdown(tmp_path / "results")
+    assert str(folder / "context_parallel.json") in str(info.value)
+
+
 def test_a_bad_spec_in_specs_is_one_error_and_specs_ship_by_name(tmp_path):
     """The docs read specs as `specgen build` does: a spec that does not load is one
     DocsError naming it; a spec ships under its name, whatever its file is called."""

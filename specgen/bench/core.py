@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -128,6 +129,14 @@ class BenchResult(_Model):
     matmul_tflops: Optional[Rate] = None  # prefill, backward: fp16 8192^3 matmul, same run
     copy_tbps: Optional[Rate] = None  # decode: 1 GiB copy kernel, (read + write) / time
     rows: list[Row]
+
+    @field_validator("baselines")
+    @classmethod
+    def _baseline_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ValueError(f"a baseline's name is letters, digits, '_', '.' and '-', got {name!r}")
+        return value
 
     @field_validator("device")
     @classmethod

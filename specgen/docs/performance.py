@@ -6,13 +6,49 @@ from __future__ import annotations
 import json
 import os
 import re
+import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from specgen.spec import Spec
 
 from .base import REGENERATE, DocsError
 from .reference import load_specs
+
+
+
+# --- markdown from result files: their strings are data, not markup --------------
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+
+
+def _text(value) -> str:
+    """A string from a result file as plain text on one line of a paragraph or a
+    table cell: control characters and line breaks become spaces, and the characters
+    that would start markup here (table pipes, code spans, asterisk emphasis, HTML
+    tags, backslash escapes) are escaped with a backslash. Underscores inside words
+    and brackets not followed by a link target stay as they are: markdown reads them
+    as text."""
+    text = _CONTROL.sub(" ", str(value))
+    text = re.sub(r"([\\`*<>|])", r"\\\1", text)
+    return re.sub(r"\](?=[(\[])", r"\\]", text)  # "[x](y)" or "[x][y]" would be a link
+
+
+def _code(value) -> str:
+    """``value`` as a code span on one line: fenced by one backtick more than its
+    longest run of backticks, and padded where it starts or ends with one."""
+    text = _CONTROL.sub(" ", str(value))
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    code = f"{fence}{pad}{text}{pad}{fence}"
+    # In a table cell a pipe ends the cell even inside a code span (GFM): escaped.
+    return code.replace("|", "\\|")
+
+
+def _href(relative: str) -> str:
+    """A relative path as a link target: percent-encoded, so that spaces, brackets
+    and other characters in file names keep the link whole."""
+    return urllib.parse.quote(relative, safe="/")
 
 
 # --- performance: the committed bench results --------------------------------
@@ -69,13 +105,13 @@ DYNAMIC_MARK = "†"
 
 
 def _label(name: str) -> str:
-    return LABELS.get(name, name)
+    return LABELS.get(name) or _text(name)
 
 
 def _shape_value(key: str, value: Any) -> str:
     if key == "causal":
         return "causal" if value else "non-causal"
-    return str(value)
+    return _text(value)
 
 
 def _split_shape(rows: list[dict], keys: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -103,7 +139,7 @@ def _ratio_cell(row: dict, name: str, value: float | None) -> str:
 
 def _cell_error(timing: dict | None) -> str:
     reason = (timing or {}).get("error") or "missing"
-    return "n/a: " + reason.replace("|", "/")
+    return "n/a: " + _text(reason)
 
 
 def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path, str | None]]:
@@ -131,6 +167,11 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path
             raise DocsError(f"{path}: a bench result is a JSON object, got {type(data).__name__}")
         if not (isinstance(data, dict) and ("schema" in data or "schema_version" in data)
                 and "rows" in data):
+            if suite_named.fullmatch(path.name):
+                missing = [k for k in ("schema", "rows") if k not in data
+                           and not (k == "schema" and "schema_version" in data)]
+                raise DocsError(f"{path}: named as a bench result (<spec>-<suite>.json), but it has no "
+                                f"{' and no '.join(repr(k) for k in missing)} key")
             device = data.get("device") if isinstance(data, dict) else None
             other[path] = device if isinstance(device, str) else None
             continue
@@ -155,8 +196,8 @@ def _load_results(results_dir: Path) -> tuple[list[tuple[Path, dict]], dict[Path
 
 def _run_meta(data: dict) -> str:
     dev = data["device"]
-    return (f"{data['created']}; {dev.get('name', '?')}, driver {dev.get('driver', '?')}, "
-            f"torch {dev.get('torch', '?')}, cuda-tile {dev.get('cuda_tile', '?')}")
+    return (f"{_text(data['created'])}; {_text(dev.get('name', '?'))}, driver {_text(dev.get('driver', '?'))}, "
+            f"torch {_text(dev.get('torch', '?'))}, cuda-tile {_text(dev.get('cuda_tile', '?'))}")
 
 
 def _files_line(path: Path, link_base: Path) -> str:
@@ -167,10 +208,10 @@ def _files_line(path: Path, link_base: Path) -> str:
 
     # The bench's own markdown table beside the JSON is not linked: this page holds
     # the same table, and the repository keeps the JSON and the plot only.
-    files = [f"[JSON]({link(path)})"]
+    files = [f"[JSON]({_href(link(path))})"]
     plot = Path(f"{result_stem(path)}.png")
     if plot.is_file():
-        files.append(f"[plot]({link(plot)})")
+        files.append(f"[plot]({_href(link(plot))})")
     return "Files: " + ", ".join(files) + "."
 
 
@@ -184,8 +225,8 @@ def _result(data: dict):
 def _run_heading(data: dict, suite: str, sizes: str) -> list[str]:
     """A run's title and the line under it: kernel, ``sizes`` (the constant shape and
     the run's yardstick) and the run's date and versions."""
-    return [f"#### `{data['spec']}`, {suite}", "",
-            f"Kernel `{data['kernel']}`. {sizes} {_run_meta(data)}.", ""]
+    return [f"#### {_code(data['spec'])}, {suite}", "",
+            f"Kernel {_code(data['kernel'])}. {sizes} {_run_meta(data)}.", ""]
 
 
 def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
@@ -200,14 +241,14 @@ def _flops_run(path: Path, data: dict, link_base: Path) -> list[str]:
     map_head, map_cells = _map_columns(result)
     lines = _run_heading(
         data, data["suite"],
-        f"{_constant_text(rows, constant)}; {data.get('layout', 'Sq=Skv')}. "
+        f"{_constant_text(rows, constant)}; {_text(data.get('layout', 'Sq=Skv'))}. "
         f"Dense fp16 matmul {data['matmul_tflops']:.0f} TFLOPS in the same run.") + [
         "| " + " | ".join(shape_head + [f"{_label(n)} TFLOPS (ms)" for n in ["specgen", *baselines]]
                          + [f"vs {_label(n)}" for n in baselines] + ["specgen % of matmul"] + map_head) + " |",
         "|" + "---:|" * (len(shape_head) + 2 * len(baselines) + 2 + len(map_head)),
     ]
     for i, row in enumerate(rows):
-        cells = [str(row[k]) for k in varying]
+        cells = [_text(row[k]) for k in varying]
         for name in ["specgen", *baselines]:
             t = row["timings"].get(name)
             cells.append(f"{t['tflops']:.0f} ({t['ms']:.3f})" if t and t.get("ms") else _cell_error(t))
@@ -257,7 +298,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     map_head, map_cells = _map_columns(result)
     lines = _run_heading(
         data, "decode",
-        f"{_constant_text(rows, constant, DECODE_LABELS)}; {data.get('layout', '')}. "
+        f"{_constant_text(rows, constant, DECODE_LABELS)}; {_text(data.get('layout', ''))}. "
         f"Copy bandwidth {data['copy_tbps']:.2f} TB/s in the same run.") + [
         "| " + " | ".join(head + [f"{_label(n)} µs (TB/s)" for n in names]
                          + ["specgen % of copy"] + [f"vs {_label(n)}" for n in baselines] + map_head) + " |",
@@ -265,7 +306,7 @@ def _decode_run(path: Path, data: dict, link_base: Path) -> list[str]:
     ]
 
     def shape(row):
-        return [str(row[k]) for k in varying]
+        return [_text(row[k]) for k in varying]
 
     for i, row in enumerate(rows):
         cells = shape(row) + [f"{row.get('splits') or '–'}" + (", PDL" if row.get("pdl") else "")]
@@ -337,7 +378,7 @@ def _flops_summary(runs: list[dict]) -> list[str]:
             t = row["timings"]["specgen"]
             by_seq[row["seq_q"]] = (f"{t['tflops']:.0f}" + _against_fastest(row.get("speedup", {}), row)
                                     if t.get("ms") else "n/a")
-        lines.append(f"| `{data['spec']}` | " + " | ".join(by_seq.get(s, "") for s in seqs) + " |")
+        lines.append(f"| {_code(data['spec'])} | " + " | ".join(by_seq.get(s, "") for s in seqs) + " |")
     return lines + [""]
 
 
@@ -362,7 +403,7 @@ def _decode_summary(runs: list[dict]) -> list[str]:
             cells[(row["batch"], row["seq_k"], row["seq_q"])] = (
                 f"{ms * 1000:.1f}" + _against_fastest(ratios, row) if ms else "n/a")
         heads = sorted({f"{r['heads_q']}/{r['heads_kv']}" for r in data["rows"]})
-        lines.append(f"| `{data['spec']}` | {', '.join(heads)} | "
+        lines.append(f"| {_code(data['spec'])} | {', '.join(heads)} | "
                      + " | ".join(cells.get(s, "") for s in shapes) + " |")
     return lines + [""]
 
@@ -370,18 +411,89 @@ def _decode_summary(runs: list[dict]) -> list[str]:
 SUITE_TITLES = {"prefill": "Prefill", "backward": "Backward", "decode": "Decode"}
 
 
+def _context_parallel_model():
+    """The pydantic model of a context-parallel result file: the fields its table
+    reads, strictly typed (numbers as JSON numbers, no NaN or infinity, times above
+    0), others kept as they are. Built on first use: pydantic is imported lazily."""
+    from typing import Optional
+
+    from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+    from specgen.bench.core import PositiveCount, Rate, Time
+
+    class _Strict(BaseModel):
+        model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    fields = {}
+    for phase in PHASES:
+        fields.update({
+            f"specgen_{phase}_ms": (Time, ...),
+            f"specgen_{phase}_tflops_per_gpu": (Rate, ...),
+            f"torch_cp_{phase}_ms": (Optional[Time], None),
+            f"torch_cp_{phase}_tflops_per_gpu": (Optional[Rate], None),
+            f"torch_cp_{phase}_best": (Optional[str], None),
+            f"speedup_vs_torch_cp_{phase}": (Optional[Rate], None),
+            f"single_full_{phase}_tflops": (Optional[Rate], None),
+            f"efficiency_vs_full_{phase}": (Optional[Rate], None),
+            f"efficiency_vs_shard_{phase}": (Optional[Rate], None),
+            f"comm_hidden_{phase}": (Optional[Rate], None),
+            f"kernels_only_{phase}_ms": (Optional[Time], None),
+        })
+
+    class _Row(_Strict):
+        seq: PositiveCount
+        world: PositiveCount
+        device: Annotated[str, Field(min_length=1)]
+        batch: PositiveCount
+        heads: PositiveCount
+        kv_heads: PositiveCount
+        head_dim: PositiveCount
+
+        @model_validator(mode="after")
+        def _torch_cp_whole(self):
+            for phase in PHASES:
+                if getattr(self, f"torch_cp_{phase}_ms") is not None:
+                    for name in (f"torch_cp_{phase}_tflops_per_gpu", f"torch_cp_{phase}_best"):
+                        if getattr(self, name) is None:
+                            raise ValueError(f"torch_cp_{phase}_ms is given without {name}")
+            return self
+
+    Row = create_model("ContextParallelRow", __base__=_Row, **fields)
+
+    class Result(_Strict):
+        spec: str
+        torch: str
+        rows: Annotated[list[Row], Field(min_length=1)]
+
+    return Result
+
+
+PHASES = ("fwd", "fwdbwd")
+
+
 def _context_parallel_run(path: Path, data_path_base: Path) -> list[str]:
     """A context-parallel run (bench/context_parallel/bench.py): per S and phase,
     TFLOPS per GPU against torch's context parallel, the scaling efficiency and the
-    hidden share of the transfers."""
+    hidden share of the transfers. Validated first (_context_parallel_model): a
+    field the table reads that is missing or not a finite number of its range is
+    named, with the file."""
+    from pydantic import ValidationError
+
     from specgen.bench.core import ResultError, read_result_json
 
     try:
-        return _context_parallel_lines(path, data_path_base, read_result_json(path))
+        data = read_result_json(path)
     except ResultError as exc:
         raise DocsError(str(exc)) from None
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
-        raise DocsError(f"{path}: not a context-parallel result of this form ({exc!r})") from None
+    if not isinstance(data, dict):
+        raise DocsError(f"{path}: a context-parallel result is a JSON object, got {type(data).__name__}")
+    try:
+        result = _context_parallel_model().model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"]) or "(top level)"
+        raise DocsError(f"{path}: not a context-parallel result of this form: {where}: {error['msg']}") from None
+    return _context_parallel_lines(path, data_path_base, result.model_dump())
 
 
 def _context_parallel_lines(path: Path, data_path_base: Path, data: dict) -> list[str]:
@@ -390,9 +502,9 @@ def _context_parallel_lines(path: Path, data_path_base: Path, data: dict) -> lis
     lines = [
         "### Context parallelism",
         "",
-        f"`{data['spec']}` over {first['world']}× {first['device']}: ring attention, zigzag layout, "
+        f"{_code(data['spec'])} over {first['world']}× {_text(first['device'])}: ring attention, zigzag layout, "
         f"B{first['batch']} Hq{first['heads']} Hkv{first['kv_heads']} D{first['head_dim']}, causal; "
-        f"torch {data['torch']}. torch CP is `context_parallel` around SDPA on the same inputs (KV heads "
+        f"torch {_text(data['torch'])}. torch CP is `context_parallel` around SDPA on the same inputs (KV heads "
         "expanded), the fastest of its rotations and backends. Efficiency: TFLOPS per GPU over the same "
         "kernel's TFLOPS on one GPU, on the whole sequence (full) and on one rank's length (shard). "
         "Hidden: the share of the ring's transfer time that does not add to its wall time. "
@@ -421,7 +533,7 @@ def _context_parallel_lines(path: Path, data_path_base: Path, data: dict) -> lis
         for phase, label in (("fwd", "forward"), ("fwdbwd", "fwd+bwd")):
             torch_ms = row.get(f"torch_cp_{phase}_ms")
             torch_cell = (f"{row[f'torch_cp_{phase}_tflops_per_gpu']:.0f} ({torch_ms:.2f}, "
-                          f"{row[f'torch_cp_{phase}_best']})" if torch_ms else "–")
+                          f"{_text(row[f'torch_cp_{phase}_best'])})" if torch_ms else "–")
             lines.append(
                 f"| {row['seq']} | {label} | {row[f'specgen_{phase}_tflops_per_gpu']:.0f} "
                 f"({row[f'specgen_{phase}_ms']:.2f}) | {torch_cell} | "
@@ -429,7 +541,7 @@ def _context_parallel_lines(path: Path, data_path_base: Path, data: dict) -> lis
                 f"{pct(row.get(f'efficiency_vs_full_{phase}'))} | {pct(row.get(f'efficiency_vs_shard_{phase}'))} | "
                 f"{pct(row.get(f'comm_hidden_{phase}'))} | {ring_cost(row, phase)} |")
     rel = Path(os.path.relpath(path, data_path_base)).as_posix()
-    return lines + ["", f"Results: [`{path.name}`]({rel}).", ""]
+    return lines + ["", f"Results: [{_code(path.name)}]({_href(rel)}).", ""]
 
 
 def performance_markdown(results_dir: Path, specs_dir: Path | None = None,
@@ -460,7 +572,7 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None,
         names = sorted({d["device"].get("name", "?") for _, d in runs}) or sorted(named) or [folder.name]
         rel = Path(os.path.relpath(folder, link_base)).as_posix()
         shown = folder.relative_to(results_dir.parent.parent).as_posix()
-        lines += [f"## {', '.join(names)} ([`{shown}/`]({rel}/))", ""]
+        lines += [f"## {', '.join(_text(n) for n in names)} ([{_code(shown + '/')}]({_href(rel)}/))", ""]
         groups = [("", runs)]
         if shipped is not None:
             groups = [("", [(p, d) for p, d in runs if d["spec"] in shipped]),
@@ -492,6 +604,6 @@ def performance_markdown(results_dir: Path, specs_dir: Path | None = None,
                       "Tuning reports (`tune-*`), variant runs (`variants-*`) and other "
                       "measurements, as written, in the folder linked above:", ""]
             for p in extra:
-                lines.append(f"- `{p.name}`")
+                lines.append(f"- {_code(p.name)}")
             lines.append("")
     return "\n".join(lines).rstrip() + "\n"

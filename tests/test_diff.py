@@ -1,6 +1,7 @@
 """`specgen diff`: every section, --set, --templates, --stat, --json and exit codes."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -181,6 +182,18 @@ def test_templates_mode_diffs_working_tree_against_generated(tmp_path):
     changed = specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path)
     assert changed.returncode == 1
     assert "-MAX_GRID_Y = 1\n+MAX_GRID_Y = 65535" in changed.stdout
+    # A header alone out of date (a template edit that renders nothing but changes
+    # the templates' hash): the body is identical, the module still stale.
+    assert specgen("build", "specs", "--no-compile", "--force", cwd=tmp_path).returncode == 0
+    text = module.read_text()
+    old_sha = re.search(r"# template-sha256: ([0-9a-f]{64})", text)[1]
+    module.write_text(text.replace(old_sha, "0" * 64))
+    header = specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path)
+    assert header.returncode == 1 and "+0 -0 lines" in header.stdout
+    assert f"  header template-sha256: {'0' * 64} → {old_sha}" in header.stdout
+    assert specgen("build", "--check", "--no-compile", "specs", cwd=tmp_path).returncode == 1
+    as_json = json.loads(specgen("diff", "--templates", "--json", "specs/fmha_mha_bf16.yaml", cwd=tmp_path).stdout)
+    assert as_json[0]["header"] == [{"field": "template-sha256", "a": "0" * 64, "b": old_sha}]
 
 
 def test_decode_specs_diff_without_tracebacks():

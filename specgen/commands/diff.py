@@ -447,6 +447,8 @@ def format_text(report: dict, stat: bool, colour: bool) -> str:
     lines += ["", f"3. Source: +{src['added']} -{src['removed']} lines in {src['hunks']} hunk(s)"]
     if not stat and src["diff"]:
         lines.append((_colour(src["diff"]) if colour else src["diff"]).rstrip("\n"))
+    for change in report.get("header") or ():
+        lines.append(f"  header {change['field']}: {change['a'] or '(none)'} {ARROW} {change['b'] or '(none)'}")
     return "\n".join(lines) + "\n" + format_tail(report)
 
 
@@ -518,7 +520,26 @@ def build_report(a: Side, b: Side, compiled: bool, results_dir: Path) -> dict:
 
 
 def differs(report: dict) -> bool:
-    return bool(report["spec"] or report["plan"] or report["source"]["diff"])
+    return bool(report["spec"] or report["plan"] or report["source"]["diff"] or report.get("header"))
+
+
+HEADER_FIELDS = ("version", "spec_path", "spec_sha", "template_sha", "content_sha")
+
+
+def header_changes(a: str, b: str) -> list[dict]:
+    """The header fields (specgen's version, the spec's path, the three hashes) that
+    differ between two module texts; a text without a header has none of them. A
+    module whose body is unchanged but whose header is not (a template edit that
+    renders nothing, a new version) is still out of date: `build --check` says so."""
+    match_a, match_b = HEADER_RE.match(a), HEADER_RE.match(b)
+    changes = []
+    for field in HEADER_FIELDS:
+        value_a = match_a[field] if match_a else None
+        value_b = match_b[field] if match_b else None
+        if value_a != value_b:
+            changes.append({"field": field.replace("_sha", "-sha256").replace("_", " "),
+                            "a": value_a, "b": value_b})
+    return changes
 
 
 def _json_default(value):
@@ -586,5 +607,7 @@ def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
                  job.plan, committed)
         b = Side(f"{job.out_path} (re-rendered with the installed templates)", job.plan,
                  job.rendered.text)
-        reports.append(build_report(a, b, compiled=False, results_dir=Path("/nonexistent")))
+        report = build_report(a, b, compiled=False, results_dir=Path("/nonexistent"))
+        report["header"] = header_changes(committed, job.rendered.text)
+        reports.append(report)
     return reports

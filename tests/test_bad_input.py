@@ -452,6 +452,19 @@ def test_schema_file_replaces_a_regular_file(project, capsys):
     assert target.read_text().startswith("{")
 
 
+def test_schema_file_writes_through_a_symbolic_link(project, capsys):
+    """A link given as --file keeps being a link: its target gets the schema, as a
+    plain open() would write it (it used to be replaced by a regular file)."""
+    target = project / "shared" / "schema.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = project / "schema-link.json"
+    link.symlink_to(target)
+    assert _run(capsys, "schema", "--file", link)[0] == 0
+    assert link.is_symlink() and target.read_text().startswith("{")
+    assert sorted(p.name for p in target.parent.iterdir()) == ["schema.json"]  # no temporary left
+
+
 @pytest.mark.parametrize("args", [
     ["specs/fmha_alibi.yaml", "specs/fmha_gqa_causal.yaml"],
     ["specs/fmha_alibi.yaml", "specs/fmha_gqa_causal.yaml", "--json"],

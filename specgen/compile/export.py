@@ -157,7 +157,11 @@ def _umask() -> int:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write through a temporary file in the same folder and os.replace it in."""
+    """Write through a temporary file in the same folder and os.replace it in. A
+    symbolic link is written through, as open() would: its target is replaced and
+    the link kept."""
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

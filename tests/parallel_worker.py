@@ -26,12 +26,14 @@ from specgen.parallel import ContextParallelAttention, ReferenceKernel, gather, 
 from specgen.parallel import layout as layouts  # noqa: E402
 
 
-def main(rank: int, world: int, port: int, backend: str, scenario: str, out_dir: str, options: dict):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def main(rank: int, world: int, store: str, backend: str, scenario: str, out_dir: str, options: dict):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    # A file store of this spawn's own: a TCP port picked free and then bound by the
+    # ranks could be taken meanwhile by another test's ranks (seen as a SIGABRT under
+    # the parallel test runner).
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         result = SCENARIOS[scenario](rank, world, options)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
@@ -392,14 +394,12 @@ SCENARIOS = {"reference": reference_cases, "errors": error_cases, "spec": spec_c
 
 def spawn(world: int, backend: str, scenario: str, out_dir, options: dict | None = None) -> list[dict]:
     """Run ``scenario`` on ``world`` processes; every rank's result, rank order."""
-    import socket
+    import uuid
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(main, args=(world, port, backend, scenario, str(out_dir), options or {}), nprocs=world)
+    store = str(Path(out_dir) / f"rendezvous-{uuid.uuid4().hex}")  # a fresh name; the ranks create it
+    mp.spawn(main, args=(world, store, backend, scenario, str(out_dir), options or {}), nprocs=world)
     results = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     for r, result in enumerate(results):
         if "crash" in result:

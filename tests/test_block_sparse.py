@@ -578,7 +578,7 @@ def _decode_states(module, tensors, seq_lens, heads, q_len, max_len, tile_n):
 SMALL_DECODE_STEPS = {"MAP_STEP_PAIRS": 512, "LIST_CHUNK": 16}
 
 
-def _run_decode_map(module, constants, seq_lens, tensors, map_heads, tiles, q_len, tile_n):
+def _run_decode_map(module, constants, seq_lens, tensors, map_heads, tiles, q_len, tile_n, max_len):
     """(counts, indices) of a decode module's two map kernels run CTA by CTA on the
     CPU, as _block_map launches them."""
     import types
@@ -602,7 +602,7 @@ def _run_decode_map(module, constants, seq_lens, tensors, map_heads, tiles, q_le
     classify = kernel(False)(ct)
     for block in itertools.product(range(padded // chunk), range(batch * map_heads)):
         ct.block = (*block, 0)
-        classify(state, seq_lens, *[tensors[n] for n in module.SPEC["tensors"]], q_len, tile_n)
+        classify(state, seq_lens, *[tensors[n] for n in module.SPEC["tensors"]], q_len, max_len, tile_n)
     assert (state >= 0).all(), "a state left unwritten"
     ct = _Tiles((batch * map_heads, 1, 1))
     listing = kernel(True)(ct)
@@ -622,13 +622,14 @@ def test_decode_map_kernel_lists_exactly_the_visible_tiles_on_the_cpu(name):
         module = _decode_map_module(name, gqa, max_q_len, tile_n)
         heads, max_len = 2 * gqa, 3000
         for q_len, constants in itertools.product(sorted({1, max_q_len}), (None, SMALL_DECODE_STEPS)):
-            # (3100: a length past the cache, which the map must not list past its end)
+            # (3100: a length past the cache, which the kernels read as the cache's 3000)
             seq_lens = np.array([q_len, 129, 1000, 2999, 3000, 3100][:5 if q_len > 1 else 6], dtype=np.int32)
             seq_lens = np.maximum(seq_lens, q_len)
             tensors = _hook_tensors(module.SPEC, len(seq_lens), heads, max_len, rng)
-            want = _decode_states(module, tensors, seq_lens.tolist(), heads, q_len, max_len, tile_n)
+            want = _decode_states(module, tensors, np.minimum(seq_lens, max_len).tolist(), heads, q_len, max_len,
+                                  tile_n)
             counts, indices = _run_decode_map(module, constants, seq_lens, tensors, want.shape[1], want.shape[3],
-                                              q_len, tile_n)
+                                              q_len, tile_n, max_len)
             got = _map_states(counts, indices, want.shape[3])
             assert (got == want).all(), (name, gqa, max_q_len, tile_n, q_len, constants)
 

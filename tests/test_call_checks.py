@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specgen.check import emulate
-from specgen.check.cases import random_decode, random_packed, random_qkv
+from specgen.check.cases import decode_reference, random_decode, random_packed, random_qkv
 
 from .helpers import ROOT
 
@@ -91,7 +91,56 @@ def test_prefill_out_must_not_repeat_elements(refused):
     mod = _module("fmha_mha_bf16")
     q, k, v = random_qkv(mod.SPEC, 2, 2, 64, 64, generator=_gen(), device="cpu")
     out = torch.empty(1, *q.shape[1:], dtype=q.dtype).expand(q.shape)
-    refused(lambda: mod.attention(q, k, v, out=out), "out must not repeat elements (a stride of 0)")
+    refused(lambda: mod.attention(q, k, v, out=out), "out must not repeat elements")
+    # Strides that make two indices meet without a zero: head 0's rows are head 1's.
+    folded = torch.empty(96 * 64 * 2, dtype=q.dtype).as_strided(q.shape, (96 * 64, 32 * 64, 64, 1))
+    refused(lambda: mod.attention(q, k, v, out=folded), "out must not repeat elements")
+    # Nor in place of a q whose strides fold the same way.
+    refused(lambda: mod.attention(folded, k, v, out=folded), "out must not repeat elements")
+
+
+def _sharing(shape, dtype, count, other_dtype, at_end=False):
+    """An out buffer of ``shape`` and a ``count``-element tensor in the same bytes."""
+    size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.zeros(size, dtype=torch.uint8)
+    width = count * torch.empty(0, dtype=other_dtype).element_size()
+    return raw.view(dtype).view(shape), (raw[-width:] if at_end else raw[:width]).view(other_dtype)
+
+
+def test_prefill_out_must_not_overlap_the_other_tensors_the_kernel_reads(refused, launches):
+    """Hook tensors, sinks, cu_seqlens and a block map are read while out is
+    written: an out sharing their memory gave outputs off by up to 4.4 (and, over
+    cu_seqlens, a slice at a garbage offset)."""
+    mod = _module("fmha_document_mask")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 128, 128, generator=_gen(), device="cpu")
+    out, doc = _sharing(q.shape, q.dtype, 128, torch.int32, at_end=True)
+    doc = doc.view(1, 128)
+    refused(lambda: mod.attention(q, k, v, doc=doc, out=out), "out must not overlap doc")
+    launches(lambda: mod.attention(q, k, v, doc=doc.clone(), out=out))
+    mod = _module("fmha_gptoss_sinks")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 40, 40, generator=_gen(), device="cpu")
+    out, sinks = _sharing(q.shape, q.dtype, q.shape[1], torch.float32)
+    refused(lambda: mod.attention(q, k, v, sinks=sinks, out=out), "out must not overlap sinks")
+    mod = _module("fmha_varlen_llama")
+    packed = random_packed(mod.SPEC, [(40, 60), (40, 60)], 2, generator=_gen(), device="cpu")
+    q, k, v, cu_q, cu_k = packed.q, packed.k, packed.v, packed.cu_seqlens_q, packed.cu_seqlens_k
+    out, shared_cu = _sharing(q.shape, q.dtype, 3, torch.int32)
+    shared_cu.copy_(cu_q)
+    refused(lambda: mod.attention(q, k, v, cu_seqlens_q=shared_cu, cu_seqlens_k=cu_k, max_seqlen_q=40,
+                                  max_seqlen_k=60, out=out), "out must not overlap cu_seqlens_q")
+
+
+def test_decode_out_must_not_overlap_the_lengths_or_the_page_table(refused):
+    mod = _module("fmha_decode_paged_mtp")
+    batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens, table = batch.args()[:5]
+    out, lens = _sharing(q.shape, q.dtype, 2, torch.int32)
+    lens.copy_(seq_lens)
+    refused(lambda: mod.attention(q, k_cache, v_cache, lens, table, out=out), "out must not overlap seq_lens")
+    out, pages = _sharing(q.shape, q.dtype, table.numel(), torch.int32, at_end=True)
+    pages = pages.view(table.shape)
+    pages.copy_(table)
+    refused(lambda: mod.attention(q, k_cache, v_cache, seq_lens, pages, out=out), "out must not overlap page_table")
 
 
 def test_decode_out_checks(refused, launches):
@@ -404,6 +453,58 @@ def test_decode_refuses_a_batch_beyond_the_grid_y_limit(name, refused):
             "batch * KV heads must be at most 65535 (the grid's y limit), got 70000 * 1")
     if mod.SPEC.get("mask_mod"):
         refused(lambda: mod.make_block_map(big_lens, q.shape[2], k_cache.shape[1]), "at most 65535")
+
+
+def test_block_map_and_launch_plan_devices_and_sizes_are_value_errors(refused):
+    """A device that is not one, or sizes past the kernels' int32 positions, are
+    ValueErrors before any memory is asked for (they were RuntimeError, TypeError,
+    AttributeError or an allocation of 2**40 rows)."""
+    docs = _module("fmha_document_mask")
+    doc = torch.zeros(2, 56, dtype=torch.int32)
+    for device in ("bogus", [0], True):
+        refused(lambda: docs.make_block_map(2, 4, 40, 56, doc=doc, device=device), "device must be a CUDA device")
+    chunked = _module("fmha_chunked_local")
+    refused(lambda: chunked.make_block_map(2**40, 4, 16, 16), "batch * map heads must be at most")
+    refused(lambda: chunked.make_block_map(1, 4, 16, 2**62), "seq_k must be at most 2**30")
+    refused(lambda: chunked.make_block_map(1, 4, 2**30 + 1, 16), "seq_q must be at most 2**30")
+    decode = _module("fmha_decode_chunked_local")
+    lens = torch.tensor([5, 6], dtype=torch.int32)
+    refused(lambda: decode.make_block_map(lens, 8, 2**40), "max_len must be at most 2**30")
+    plain = _module("fmha_decode_gqa8_bf16")
+    refused(lambda: plain.launch_plan(2, 1, 100, "bogus"), "device must be a CUDA device")
+    refused(lambda: plain.launch_plan(2, 1, 100, 1.5), "device must be a CUDA device")
+
+
+def test_decode_lengths_beyond_the_cache_read_as_its_capacity():
+    """A seq_len past the cache's capacity is taken as the capacity (clamped in the
+    kernels, no host sync): it used to read past the cache (NaN rows at capacity + 1,
+    a loop of 2**31 keys for 2**31 - 1)."""
+    for name in ("fmha_decode_gqa8_bf16", "fmha_decode_chunked_local", "fmha_decode_paged_mtp"):
+        mod = _module(name)
+        size = mod.SPEC["paged"]["page_size"] if mod.SPEC.get("paged") else 40
+        batch = random_decode(mod.SPEC, [17, 2 * size], 1, 1, generator=_gen(), device="cpu")
+        extra = {}
+        if mod.SPEC.get("tensors"):
+            from specgen.check.cases import hook_tensors
+
+            extra = hook_tensors(mod.SPEC, dict(batch=2, heads=8, kv_heads=1, seq_q=1, seq_k=2 * size), _gen(1), "cpu")
+        ref = decode_reference(mod.SPEC, batch, extra)
+        args = list(batch.args())
+        for length in (2 * size + 1, 2**31 - 1):
+            args[3] = batch.seq_lens.clone()
+            args[3][1] = length
+            with emulate.emulating():
+                out = mod.attention(*args, **extra)
+            assert (out.double() - ref).abs().max().item() < 2e-2, (name, length)
+
+
+def test_dropout_p_that_rounds_to_dropping_everything_is_refused(refused, launches):
+    """The kernels drop in steps of 2**-16: a p at or above 1 - 2**-17 would drop
+    every weight (and scale the none kept by 1 / 0). The largest p below it runs."""
+    mod = _module("fmha_vit_dropout")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
+    refused(lambda: mod.attention(q, k, v, dropout_p=1 - 1e-7, seed=1), "dropout_p must be below 1 - 2**-17")
+    launches(lambda: mod.attention(q, k, v, dropout_p=1 - 2**-16, seed=1))
 
 
 def test_decode_launch_plan_takes_ints(refused):

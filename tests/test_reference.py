@@ -162,9 +162,11 @@ def test_dropout_keys_share_a_hash_in_pairs_eight_apart():
     from specgen.check.reference import dropout_keep, dropout_threshold
 
     assert dropout_threshold(0.15) == round(0.15 * 65536) and dropout_threshold(0.0) == 0
-    # p just under 1 rounds to the whole range: every key dropped, none kept by a wrap.
-    assert dropout_threshold(1 - 1e-7) == 2**16
-    assert not dropout_keep(1, 1, 8, 64, q_offset=0, seed=3, dropout_p=1 - 1e-7).any()
+    # p just under 1 would round to the whole range (every key dropped, and a keep
+    # rate of 0 to scale by): refused, as the launchers refuse it.
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout_threshold(1 - 1e-7)
+    assert dropout_threshold(1 - 2**-16) == 2**16 - 1
     keep = dropout_keep(2, 3, 5, 70, q_offset=9, seed=11, dropout_p=0.3)
     threshold = dropout_threshold(0.3)
     for b, h, i, j in [(0, 0, 0, 0), (0, 0, 0, 8), (1, 2, 4, 7), (1, 2, 4, 15), (0, 1, 3, 16),
@@ -178,6 +180,30 @@ def test_dropout_keys_share_a_hash_in_pairs_eight_apart():
     assert abs((low * high).mean().item() - 0.25) < 0.01
     # Neighbouring keys (other hashes) are not correlated either.
     assert abs((keep[..., :-1] * keep[..., 1:]).mean().item() - 0.25) < 0.01
+
+
+@pytest.mark.parametrize("p", [0.3, 0.9999])
+def test_dropout_scales_kept_weights_by_the_exact_keep_rate(p):
+    """The kernels keep a weight where 16 hash bits clear round(p * 2**16), so the
+    keep rate is 1 - threshold / 2**16, not 1 - p; the kept weights are scaled by its
+    inverse, so a weight's expectation is unchanged (at p = 0.9999, 1 / (1 - p) was
+    7% off: the rate is 7 / 65536, not 6.55 / 65536)."""
+    from specgen.check.reference import dropout_threshold
+
+    threshold = dropout_threshold(p)
+    # One key per (head, query): its weight is 1, kept or dropped by its own hash.
+    q = torch.zeros(1, 16, 64, 8, dtype=torch.float64)
+    k = torch.zeros(1, 16, 1, 8, dtype=torch.float64)
+    v = torch.ones(1, 16, 1, 8, dtype=torch.float64)
+    kept = torch.cat([attention_reference(q, k, v, causal=False, dropout_p=p, seed=seed)[..., 0].flatten()
+                      for seed in range(64)])
+    values = kept[kept != 0]
+    assert values.numel() > 0
+    assert torch.all(values == 2**16 / (2**16 - threshold))
+    # And the kept share is that rate (within sampling noise).
+    rate = (2**16 - threshold) / 2**16
+    share = values.numel() / kept.numel()
+    assert abs(share - rate) < 4 * math.sqrt(rate * (1 - rate) / kept.numel()) + 1e-9
 
 
 def test_p_dtype_model_rounds_only_the_weights_of_the_pv_product():

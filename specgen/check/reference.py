@@ -64,8 +64,12 @@ def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
 
 def dropout_threshold(dropout_p: float) -> int:
     """The kernels' keep threshold, of 2**16: a key is kept where its 16 bits of the
-    hash are >= it."""
-    return min(round(dropout_p * 2**16), 2**16)
+    hash are >= it. ValueError for a dropout_p that rounds to the whole range (at or
+    above 1 - 2**-17), which the launchers refuse too: nothing would be kept."""
+    threshold = round(dropout_p * 2**16)
+    if not 0 <= threshold < 2**16:
+        raise ValueError(f"dropout_p must be in [0, 1 - 2**-17), got {dropout_p!r}")
+    return threshold
 
 
 def dropout_keep(batch: int, heads: int, seq_q: int, seq_k: int, *, q_offset: int, seed: int,
@@ -118,8 +122,8 @@ def attention_reference(
     normaliser. ``score_mod`` / ``mask_mod`` are checked hook expressions
     (specgen.spec.hooks) over score, b, h, q_idx, kv_idx and ``tensors``; the score_mod
     sees the scaled, soft-capped score. ``dropout_p`` zeroes the weights the
-    kernels' hash drops for ``seed`` (dropout_keep) and scales the rest by
-    1 / (1 - dropout_p); the LSE is the softmax's before dropout. ``p_dtype`` rounds
+    kernels' hash drops for ``seed`` (dropout_keep) and scales the rest by the
+    inverse of the kernels' keep rate, 2**16 / (2**16 - dropout_threshold); the LSE is the softmax's before dropout. ``p_dtype`` rounds
     the weights exp(score - row max) to that type before the product with v (the
     normaliser stays unrounded), as float8 kernels round P for the P @ V MMA: a
     model of the error that rounding alone causes, not the exact result. A row
@@ -180,7 +184,8 @@ def attention_reference(
     if dropout_p:
         keep = dropout_keep(*weights.shape, q_offset=q_offset, seed=seed, dropout_p=dropout_p,
                             device=q.device)
-        weights = weights * keep / (1.0 - dropout_p)
+        # The kernels scale kept weights by the inverse of their exact keep rate.
+        weights = weights * keep * (2**16 / (2**16 - dropout_threshold(dropout_p)))
     out = torch.matmul(weights, v64) / torch.where(norm == 0, torch.ones_like(norm), norm)
     if not return_lse:
         return out

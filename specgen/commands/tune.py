@@ -381,7 +381,7 @@ def run_tune(
             from specgen.check.reference import dropout_threshold
 
             p = extra["dropout_p"]
-            values.update(dropout_threshold=dropout_threshold(p), dropout_scale=1.0 / (1.0 - p),
+            values.update(dropout_threshold=dropout_threshold(p), dropout_scale=2**16 / (2**16 - dropout_threshold(p)),
                           seed=extra["seed"])
         if plan.block_sparse:
             block_map = map_for(q, k, config, extra, q_offset)

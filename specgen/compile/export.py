@@ -269,10 +269,11 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
         plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
                             for tile in split_tiles if tile > 1],
     }
-    if plan.block_sparse:  # the map's kernels: states, seq_lens, hooks, q_len; the lists
+    if plan.block_sparse:  # the map's kernels: states, seq_lens, hooks, q_len, max_len; the lists
         state = array(ct.int32, 4, 4, True)
         builds[plan.map_kernel_name] = [KernelSignature(
-            [state, array(ct.int32, 1)] + hooks + [ScalarConstraint(ct.int32), config.tile_n], convention)]
+            [state, array(ct.int32, 1)] + hooks + [ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), config.tile_n],
+            convention)]
         builds[plan.map_list_kernel_name] = [KernelSignature(tables + [state], convention)]
     return builds
 
@@ -333,7 +334,7 @@ def backward_signatures(plan: Plan) -> dict:
         rows = _array_constraint(ct.float32, 3, 4, False)  # Lse, Delta [B, H, S]
         cu = []
         scalars = [ScalarConstraint(ct.float32), ScalarConstraint(ct.int32)]  # qk_scale, q_offset
-    # dropout: seed, keep threshold, 1 / (1 - dropout_p)
+    # dropout: seed, keep threshold, the inverse of the keep rate
     if plan.dropout:
         scalars += [ScalarConstraint(ct.int32), ScalarConstraint(ct.int32), ScalarConstraint(ct.float32)]
     convention = CallingConvention.cutile_python_v1()

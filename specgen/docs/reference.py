@@ -99,7 +99,8 @@ DESCRIPTIONS: dict[str, str] = {
     "position, key pair) clear `round(p · 2¹⁶)`; one hash serves keys k and k + 8 of each "
     "aligned 16. A seed reproduces its mask exactly "
     "(`specgen.check.reference.dropout_keep` regenerates it); kept weights are scaled by "
-    "1 / (1 − p). The LSE is the one before dropout.",
+    "the inverse of the keep rate, 2¹⁶ / (2¹⁶ − round(p · 2¹⁶)), so the output stays unbiased; "
+    "p must be below 1 − 2⁻¹⁷. The LSE is the one before dropout.",
     "varlen": "A packed batch without padding (FlashAttention's varlen): q `[total_q, Hq, "
     "D]`, k/v `[total_k, Hkv, D]` and `attention(..., cu_seqlens_q=, cu_seqlens_k=, "
     "max_seqlen_q=None, max_seqlen_k=None)`. Each sequence's queries are its last "

@@ -67,7 +67,7 @@ def prefill_params(plan) -> tuple[Param, ...]:
         params += [
             Param("dropout_threshold", "scalar", "dropout_threshold", "int32", annotation="int",
                   role="dropout_threshold"),
-            Param("dropout_scale", "scalar", "1.0 / (1.0 - dropout_p)", "float32", annotation="float",
+            Param("dropout_scale", "scalar", "65536.0 / (65536 - dropout_threshold)", "float32", annotation="float",
                   role="dropout_scale"),
             Param("seed", "scalar", "seed", "int32", annotation="int", role="seed"),
         ]

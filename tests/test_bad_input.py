@@ -2,6 +2,7 @@
 value and what is allowed, exit 2 and nothing written; never a traceback."""
 
 import ast
+import re
 
 import pytest
 
@@ -335,6 +336,56 @@ def test_kernel_names_cover_every_kernel_of_the_templates():
     for where, (text, spec) in texts.items():
         missing = unknown_kernel_names(text, spec.tensors)
         assert not missing, f"{where}: add {sorted(missing)} to KERNEL_NAMES"
+
+
+def _kernel_locals(text: str) -> set:
+    """The names the kernels of module source ``text`` assign."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef) and any("ernel" in ast.unparse(d) for d in node.decorator_list):
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def test_kernel_local_names_cover_every_local_a_tensor_could_spell():
+    """A hook tensor's operands are the kernels' locals <tensor>_<n>: every other
+    local of that form (and every span_ local) must be one KERNEL_LOCAL_NAMES or
+    KERNEL_LOCAL_PREFIXES refuses as a tensor name, over the shipped modules and the
+    training specs."""
+    from specgen.emit.render import render_raw
+    from specgen.plan.make import make_plan
+    from specgen.spec.fields import KERNEL_LOCAL_NAMES, KERNEL_LOCAL_PREFIXES
+
+    texts = {p.name: (p.read_text(), load_spec(ROOT / "specs" / f"{p.stem}.yaml"))
+             for p in (ROOT / "generated").glob("*.py") if (ROOT / "specs" / f"{p.stem}.yaml").is_file()}
+    for path in sorted((ROOT / "bench" / "train").glob("*.yaml")):
+        spec = load_spec(path)
+        texts[path.name] = (render_raw(make_plan(spec)), spec)
+    seen = set()
+    for where, (text, spec) in texts.items():
+        for name in _kernel_locals(text):
+            family = re.fullmatch(r"([a-z][a-z0-9_]*)_\d+", name)
+            if name.startswith(KERNEL_LOCAL_PREFIXES):
+                seen.add(next(p for p in KERNEL_LOCAL_PREFIXES if name.startswith(p)))
+            elif family and family[1] not in (spec.tensors or {}):
+                assert family[1] in KERNEL_LOCAL_NAMES, f"{where}: the local {name}: add {family[1]!r} to KERNEL_LOCAL_NAMES"
+                seen.add(family[1])
+    assert seen == set(KERNEL_LOCAL_NAMES) | set(KERNEL_LOCAL_PREFIXES)  # none listed in vain
+
+
+@pytest.mark.parametrize("tensor", ["dmod", "dsum", "span_doc"])
+def test_tensor_names_that_are_kernel_locals_are_refused(tmp_path, tensor):
+    """dmod compiled to wrong gradients (the derivative overwrote the gathered
+    slope); dsum and span_<tensor> failed to compile."""
+    text = (f"name: w\ndtype: float16\nhead_dim: 128\ncausal: true\nbackward: true\n"
+            f"tensors:\n  {tensor}: {{dtype: float32, shape: [heads], learnable: true}}\n"
+            f"score_mod: score - {tensor}[h] * (q_idx - kv_idx)\n")
+    path = tmp_path / "w.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=f"tensor name '{tensor}' would clash with the kernels' own locals"):
+        load_spec(path)
 
 
 # --- the command line ------------------------------------------------------------------

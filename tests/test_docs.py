@@ -5,6 +5,7 @@ project's history stays in the experiment log."""
 import difflib
 import gzip
 import re
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -51,6 +52,28 @@ def test_write_docs_check_reports_drift_and_writes_nothing(tmp_path):
     assert not (tmp_path / "docs").exists()
     assert sorted(write_docs(tmp_path, check=False)) == sorted(generated_docs(ROOT))
     assert write_docs(tmp_path, check=True) == []
+
+
+def test_write_docs_takes_pages_that_are_not_utf8_as_stale_and_writes_nothing_it_cannot(tmp_path):
+    """A page on disk that is not UTF-8 is out of date (it was a traceback); a page
+    path that is a folder is one error, and no other page is written (one used to be
+    written before the error)."""
+    from specgen.docs import DocsError
+
+    for rel in ("specs", "bench/results"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).mkdir()
+    pages = sorted(generated_docs(tmp_path))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / pages[0]).write_bytes(b"\xff\xfe not text")
+    assert pages[0] in write_docs(tmp_path, check=True)
+    assert sorted(write_docs(tmp_path, check=False)) == pages
+    for rel in pages:
+        (tmp_path / rel).unlink()
+    (tmp_path / pages[-1]).mkdir()
+    with pytest.raises(DocsError, match="exists and is not a regular file"):
+        write_docs(tmp_path, check=False)
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == [Path(pages[-1]).name]
 
 
 def test_every_model_field_has_a_description():
@@ -320,6 +343,12 @@ def _broken(data: dict, change: str) -> dict:
         data["bogus"] = 1
     elif change == "schema a bool":
         data["schema"] = True
+    elif change == "matmul rate null":
+        data["matmul_tflops"] = None
+    elif change == "row without causal":
+        del data["rows"][0]["causal"]
+    elif change == "tflops null":
+        data["rows"][0]["timings"]["specgen"]["tflops"] = None
     return data
 
 
@@ -332,7 +361,11 @@ def _broken(data: dict, change: str) -> dict:
     ("a-prefill.json", b"[1, 2]", "a bench result is a JSON object"),
 ] + [("a-prefill.json", change, "not a bench result of this schema") for change in (
     "no specgen timing", "rows a string", "device a string", "ms a string", "unknown key",
-    "schema a bool")])
+    "schema a bool")] + [
+    ("a-prefill.json", "matmul rate null", "matmul_tflops: a prefill result needs the run's matmul rate"),
+    ("a-prefill.json", "row without causal", "rows.0.causal: a prefill row needs it"),
+    ("a-prefill.json", "tflops null", "rows.0.timings.specgen: ms and tflops come together"),
+])
 def test_a_broken_results_file_is_one_error_naming_it(tmp_path, name, content, words):
     """Truncated, undecodable or wrong-schema results are refused with the file named
     (exit 2 from the CLI), never a traceback; `specgen diff` reads them the same way."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specgen.bench.baselines import REGISTRY, label
 from specgen.compile.export import atomic_write
@@ -138,6 +138,24 @@ class BenchResult(_Model):
                 raise ValueError(f"a baseline's name is letters, digits, '_', '.' and '-', got {name!r}")
         return value
 
+    @model_validator(mode="after")
+    def _suite_fields(self):
+        # What each suite's tables print: None where a number is printed would be a
+        # traceback on the docs page, not a row.
+        if self.suite in ("prefill", "backward"):
+            if self.matmul_tflops is None:
+                raise ValueError(f"matmul_tflops: a {self.suite} result needs the run's matmul rate")
+            for i, row in enumerate(self.rows):
+                for field in ("flops", "head_dim", "dtype", "causal"):
+                    if getattr(row, field) is None:
+                        raise ValueError(f"rows.{i}.{field}: a {self.suite} row needs it")
+                for name, timing in row.timings.items():
+                    if (timing.ms is None) != (timing.tflops is None):
+                        raise ValueError(f"rows.{i}.timings.{name}: ms and tflops come together")
+        elif self.suite == "decode" and self.copy_tbps is None:
+            raise ValueError("copy_tbps: a decode result needs the run's copy bandwidth")
+        return self
+
     @field_validator("device")
     @classmethod
     def _device_name(cls, value: dict) -> dict:
@@ -236,8 +254,12 @@ def checked_result(path: Path, data: Any) -> BenchResult:
         result = BenchResult.model_validate(upgrade(data))
     except ValidationError as exc:
         error = exc.errors()[0]
-        where = ".".join(str(p) for p in error["loc"]) or "(top level)"
-        raise ResultError(f"{path}: not a bench result of this schema: {where}: {error['msg']}") from None
+        message = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            message = ".".join(str(p) for p in error["loc"]) + ": " + message
+        elif error["type"] != "value_error":  # a whole-result check names its own field
+            message = "(top level): " + message
+        raise ResultError(f"{path}: not a bench result of this schema: {message}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ResultError(f"{path}: not a bench result of this schema: {exc}") from None
     for i, row in enumerate(result.rows):

@@ -122,7 +122,9 @@ def apply_sets(data: dict, assignments: list[str], where: str = "--set", once: b
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise UsageError(f"{where} {key}: {part} is not a mapping")
+                kind = "a list" if isinstance(child, list) else f"the value {child!r}"
+                raise UsageError(f"{where}: {key}: {part} is {kind}, not a mapping; a dotted key "
+                                 "goes through mappings only (set the whole value instead)")
             node = child
         node[parts[-1]] = value
     return data

@@ -115,13 +115,17 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
         # The spec files' reader and loader: size cap, UTF-8, duplicate keys and YAML
         # 1.1 scalars refused alike.
         raw = parse_spec_text(read_spec_text(path), path)
+        if isinstance(raw, dict) and "name" in raw and "variants" not in raw:
+            raise UsageError(f"{path}: a spec file, not a variants file (one holds spec: <a spec's path> "
+                             "and variants: {label: [key.path=value, ...]}); see docs/tuning.md")
         config = VariantsFile.model_validate(raw)
     except SpecError as exc:
         raise UsageError("\n".join(exc.lines())) from None
-    except ValidationError as exc:  # one line per problem
-        raise UsageError("\n".join(
-            f"{path}: {'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
-            for err in exc.errors())) from None
+    except ValidationError as exc:  # one line per problem, worded as a spec's are
+        from specgen.spec.load import problem_lines
+
+        raise UsageError("\n".join(f"{path}: {field or '(top level)'}: {message}"
+                                   for field, message in problem_lines(exc, VariantsFile))) from None
     try:
         base = spec_to_dict(load_spec(config.spec))
     except SpecError as exc:  # named with the file and field that point at it

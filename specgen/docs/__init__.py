@@ -46,9 +46,24 @@ def write_docs(root: Path, check: bool = False) -> list[str]:
 
     # Every page is made before any is written: a bad spec or result leaves all as they were.
     pages = generated_docs(root)
-    changed = [rel for rel, text in pages.items()
-               if not ((root / rel).is_file() and (root / rel).read_text(encoding="utf-8") == text)]
+    changed = []
+    for rel, text in pages.items():
+        path = root / rel
+        if path.exists() and not path.is_file():
+            raise DocsError(f"{path}: exists and is not a regular file; the page cannot be written there")
+        try:  # compared as bytes: a page that is not UTF-8 is simply out of date
+            same = path.is_file() and path.read_bytes() == text.encode()
+        except OSError as exc:
+            raise DocsError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        if not same:
+            changed.append(rel)
     if not check:
+        # Each target's folder is checked before the first page is written, so that
+        # one that cannot be written leaves the others as they were too.
+        for rel in changed:
+            folder = (root / rel).parent
+            if folder.exists() and not folder.is_dir():
+                raise DocsError(f"{folder}: not a folder; {rel} cannot be written")
         for rel in changed:
             atomic_write(root / rel, pages[rel].encode())
     return changed

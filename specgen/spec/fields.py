@@ -258,6 +258,15 @@ KERNEL_NAMES = frozenset({
 })
 
 
+# The kernels name a hook tensor's gathered operands <tensor>_<n>; their own locals
+# of that form are the score_mod derivatives (dmod_<n>), a learnable tensor's
+# gradient sums (dsum_<n>) and the block map's span bounds (span_<operand>). A
+# tensor named so would give two locals one name (tests/test_bad_input.py checks
+# these against the kernels of generated/).
+KERNEL_LOCAL_NAMES = frozenset({"dmod", "dsum"})
+KERNEL_LOCAL_PREFIXES = ("span_",)
+
+
 def kernel_param(name: str) -> str:
     """A hook tensor's kernel parameter: doc_ids -> DocIds."""
     return name.title().replace("_", "")

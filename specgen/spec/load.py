@@ -184,11 +184,12 @@ def _is_model(annotation: Any) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
-def _type_at(loc: tuple) -> Any:
+def _type_at(loc: tuple, root: type[BaseModel] = Spec) -> Any:
     """The annotation of the value at ``loc`` in a spec, walking into models' fields,
     the values of maps (``targets.<target>``) and the items of lists (``by_seq_k[0]``);
-    None where ``loc`` leaves the model."""
-    annotation: Any = Spec
+    None where ``loc`` leaves the model. ``root``: the model at the top (the spec).
+    """
+    annotation: Any = root
     for item in loc:
         annotation = _unwrap(annotation)
         origin = typing.get_origin(annotation)
@@ -203,21 +204,21 @@ def _type_at(loc: tuple) -> Any:
     return annotation
 
 
-def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+def _model_at(loc: tuple, root: type[BaseModel] = Spec) -> Optional[type[BaseModel]]:
     """The model class whose fields live at ``loc`` (for 'allowed keys' messages)."""
-    annotation = _unwrap(_type_at(loc))
+    annotation = _unwrap(_type_at(loc, root))
     return annotation if _is_model(annotation) else None
 
 
-def _field_at(loc: tuple):
+def _field_at(loc: tuple, root: type[BaseModel] = Spec):
     """The pydantic FieldInfo of the field at ``loc``, or None (a list item, a map value)."""
-    owner = _model_at(loc[:-1]) if loc else None
+    owner = _model_at(loc[:-1], root) if loc else None
     return owner.model_fields.get(loc[-1]) if owner and isinstance(loc[-1], str) else None
 
 
-def _bounds_message(loc: tuple, error: dict) -> str:
+def _bounds_message(loc: tuple, error: dict, root: type[BaseModel] = Spec) -> str:
     """'must be an integer in [1, 128]' for a value out of a field's bounds."""
-    field = _field_at(loc)
+    field = _field_at(loc, root)
     found = {}
     for meta in getattr(field, "metadata", []):
         for name in ("ge", "gt", "le", "lt"):
@@ -235,22 +236,22 @@ def _bounds_message(loc: tuple, error: dict) -> str:
     return "must be " + " and ".join(f"{words[k]} {v}" for k, v in found.items())
 
 
-def _problems(error: dict) -> list[tuple[str, str]]:
+def _problems(error: dict, root: type[BaseModel] = Spec) -> list[tuple[str, str]]:
     """One pydantic error as (field path, message) lines: a cross-field check may
-    report several."""
+    report several. ``root``: the model validated (the spec, or another file's)."""
     cause = error.get("ctx", {}).get("error") if error["type"] == "value_error" else None
     if isinstance(cause, Problems):
         prefix = _field_path(tuple(error["loc"]))
         return [(f"{prefix}.{path}" if prefix else path, message) for path, message in cause.items]
-    return [_problem(error)]
+    return [_problem(error, root)]
 
 
-def _problem(error: dict) -> tuple[str, str]:
+def _problem(error: dict, root: type[BaseModel] = Spec) -> tuple[str, str]:
     loc = tuple(error["loc"])
     kind = error["type"]
     value = error.get("input")
     if kind == "extra_forbidden":
-        model = _model_at(loc[:-1])
+        model = _model_at(loc[:-1], root)
         allowed = ", ".join(model.model_fields) if model else "none"
         return _field_path(loc), f"unknown key; allowed keys: {allowed}"
     if kind == "missing":
@@ -271,7 +272,7 @@ def _problem(error: dict) -> tuple[str, str]:
     elif kind in ("float_type", "float_parsing", "finite_number"):
         message = "must be a finite number"
     elif kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
-        message = _bounds_message(loc, error)
+        message = _bounds_message(loc, error, root)
     elif kind == "too_short":
         least = error.get("ctx", {}).get("min_length", 1)
         message = "must not be empty" if least == 1 else f"must have at least {least} entries"
@@ -288,6 +289,12 @@ def _problem(error: dict) -> tuple[str, str]:
     if not isinstance(value, dict) and ", got " not in message:
         message += f", got {_show(value)}"
     return _field_path(loc), message
+
+
+def problem_lines(exc: ValidationError, root: type[BaseModel]) -> list[tuple[str, str]]:
+    """Every error of validating ``root`` as (field path, message), in the words a
+    spec's errors use ("unknown key; allowed keys: ...", "must be ..., got ...")."""
+    return [line for error in exc.errors() for line in _problems(error, root)]
 
 
 def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:

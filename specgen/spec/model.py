@@ -21,6 +21,8 @@ from specgen.spec.fields import (
     MAX_TILE,
     KERNEL_NAMES,
     KNOWN_TARGETS,
+    KERNEL_LOCAL_NAMES,
+    KERNEL_LOCAL_PREFIXES,
     RESERVED_NAMES,
     TENSOR_NAME_RE,
     AutotuneSpace,
@@ -400,6 +402,12 @@ class Spec(_Strict):
                     f"tensor name {name!r} must be a lowercase identifier (a-z, 0-9, _; at most "
                     "31 characters) that is not a keyword nor one of the launcher's names "
                     "(q, k, v, out, scale, seed, seq_lens, b, h, q_idx, kv_idx, ...)"
+                )
+        for name in value:
+            if name in KERNEL_LOCAL_NAMES or name.startswith(KERNEL_LOCAL_PREFIXES):
+                raise ValueError(
+                    f"tensor name {name!r} would clash with the kernels' own locals (dmod_N, dsum_N, "
+                    "span_*); rename the tensor"
                 )
         taken = {}
         for name, tensor in value.items():

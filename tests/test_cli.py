@@ -102,7 +102,8 @@ def test_duplicate_names_are_bad_input(project):
     [
         (["build", "nowhere.yaml"], "nowhere.yaml: no such spec file or directory"),
         (["build", "specs", "--targets", "hopper"], "--targets: 'hopper' must be a GPU target tileiras compiles for"),
-        (["build", "specs", "--jobs", "0"], "--jobs: must be at least 1"),
+        (["build", "specs", "--jobs", "0"], "--jobs: expected a worker count in [1, 64], got 0"),
+        (["build", "specs", "--jobs", "100000"], "--jobs: expected a worker count in [1, 64], got 100000"),
         (["build", "specs", "--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["explode"], "invalid choice: 'explode'"),
     ],

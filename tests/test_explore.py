@@ -78,6 +78,8 @@ def test_a_variant_changes_only_what_it_sets(tmp_path, monkeypatch):
     ("spec: specs/fmha_gqa_causal.yaml\ntiming: foo\nvariants: {a: []}\n",
      "timing: must be one of 'eager' or 'graph', got \"foo\""),
     ("spec: specs/fmha_gqa_causal.yaml\nvariants: {}\n", "variants: must not be empty"),
+    ("spec: specs/fmha_gqa_causal.yaml\nshapes: {seqs: [2048, 8192, 2048]}\nvariants: {a: []}\n",
+     "shapes.seqs: lists 2048 twice; give each length once"),
     ("name: x\nhead_dim: 64\n", "a spec file, not a variants file"),
     ("spec: specs/fmha_gqa_causal.yaml\nvariants: {a: [targets.sm_90.by_seq_k.0.tile_m=64]}\n",
      "variant 'a': targets.sm_90.by_seq_k.0.tile_m: by_seq_k is a list, not a mapping"),

@@ -78,6 +78,13 @@ INJECTIONS = [
     ("slope[h, b]", "slope has 1 dimension, indexed with 2"),
     ("slope[score]", "indices must be integers"),
     ("1e999", "only finite number constants are allowed"),
+    # numbers the kernels' float32 would make 0 or inf (the fp64 reference would not)
+    ("score * 1e39", "constant 1e+39 is outside float32's normal range"),
+    ("score / 1e-320", "constant 1e-320 is outside float32's normal range"),
+    ("score + sqrt(-1)", "sqrt(-1) is not a finite float32 number"),
+    ("score + log(0)", "log(0) is not a finite float32 number"),
+    ("score + exp(100)", "exp(100) is not a finite float32 number"),
+    ("score - log(-2.5)", "log(-2.5) is not a finite float32 number"),
     ("2 ** 40", "'**' is not allowed"),
     ("2147483648", "does not fit in int32"),
     ("q_idx > kv_idx", "must be a number (the new score), got a condition"),

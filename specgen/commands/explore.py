@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Annotated, Callable, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from specgen.bench.baselines import REGISTRY
 from specgen.bench.baselines import label as baseline_label
@@ -48,6 +48,14 @@ class Shapes(BaseModel):
     heads: int = Field(32, ge=1, le=1024)
     seqs: list[Annotated[int, Field(ge=1, le=MAX_SEQ)]] = Field(
         default_factory=lambda: [2048, 8192], min_length=1)
+
+    @field_validator("seqs")
+    @classmethod
+    def _seqs_once(cls, value: list[int]) -> list[int]:
+        repeated = sorted({s for s in value if value.count(s) > 1})
+        if repeated:
+            raise ValueError(f"lists {', '.join(map(str, repeated))} twice; give each length once")
+        return value
 
 
 # What a variant may not change: the call every variant is timed with (and checked

@@ -341,8 +341,8 @@ def run_build(
 ) -> int:
     """The build command; returns its exit code (0 ok, 1 failure, 2 bad input)."""
     target_list = parse_targets(targets)
-    if workers is not None and workers < 1:
-        raise UsageError(f"--jobs: must be at least 1, got {workers}")
+    if workers is not None and not 1 <= workers <= 64:  # as `specgen test` takes it
+        raise UsageError(f"--jobs: expected a worker count in [1, 64], got {workers}")
     jobs = load_jobs(paths, out_dir)
     failed = False
     if check:

@@ -207,6 +207,21 @@ class Hook:
     gathers: tuple[Gather, ...]
 
 
+# float32's smallest normal number and its largest: the kernels compute in float32.
+_FLOAT32_NORMAL = (1.1754943508222875e-38, 3.4028234663852886e38)
+
+
+def _constant_value(node: ast.AST):
+    """The number a literal (with any signs before it) stands for, or None."""
+    sign = 1
+    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        sign = -sign if isinstance(node.op, ast.USub) else sign
+        node = node.operand
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return sign * node.value
+    return None
+
+
 def _is_zero(node: ast.AST) -> bool:
     """Whether a divisor is zero whatever the indices: a literal zero (0, 0.0, -0), or
     arithmetic that cancels (``q_idx - q_idx``, ``2 * h - h - h``, ``0 * kv_idx``)."""
@@ -291,6 +306,9 @@ class _Compiler:
         if isinstance(value, float):
             if value != value or value in (float("inf"), float("-inf")):
                 self.fail("only finite number constants are allowed")
+            if value != 0 and not _FLOAT32_NORMAL[0] <= abs(value) <= _FLOAT32_NORMAL[1]:
+                self.fail(f"constant {value!r} is outside float32's normal range (the kernels compute "
+                          "in float32: it would be 0 or inf there)")
             return repr(value), "float"
         self.fail(f"constant {value!r} is not allowed (numbers and True/False only)")
 
@@ -412,6 +430,14 @@ class _Compiler:
         args = [self.compile(a) for a in node.args]
         for (text, kind), arg in zip(args, node.args):
             self._number(arg, text, kind, f"{name}()")
+        constant = _constant_value(node.args[0]) if count == 1 else None
+        if constant is not None:  # a function of a constant must be a float32 number too
+            try:
+                value = getattr(math, name)(constant) if name != "abs" else abs(constant)
+            except (ValueError, OverflowError):
+                value = math.nan
+            if not (value == 0 or _FLOAT32_NORMAL[0] <= abs(value) <= _FLOAT32_NORMAL[1]):
+                self.fail(f"{ast.unparse(node)} is not a finite float32 number")
         kinds = {k for _, k in args}
         texts = [t for t, _ in args]
         if result == "float":

@@ -203,9 +203,15 @@ def error_cases(rank, world, options):
     # non-causal spec both named so): the ranks compare the whole spec, not its name.
     unlike = ReferenceKernel(causal=first, dtype=torch.float64, head_dim=8, group_size=2)
     seen["spec_differs"] = _expect_error(lambda: ContextParallelAttention(unlike, mode="ring")(*parts))
-    # One rank's shards on another kind of device (a transfer between them cannot run).
+    # One rank's shards on the meta device (no data: nothing a transfer could carry).
     elsewhere = [t.to("meta") if not first else t for t in parts]
     seen["device_differs"] = _expect_error(lambda: attn(*elsewhere))
+    seen["meta_everywhere"] = _expect_error(lambda: attn(*[t.to("meta") for t in parts]))
+    # What a rank's own checks would have raised as another error (a TypeError, a
+    # read of a meta tensor) is its problem too, named on every rank.
+    seen["seq_len_type"] = _expect_error(lambda: attn(*parts, seq_len="8" if first else None))
+    seen["positional"] = _expect_error(lambda: attn(*parts, *((0.5,) if first else ())))
+    seen["cu_meta"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu.to("meta") if first else cu))
     # Arguments of the other kind of spec, on one rank only.
     seen["dense_max_seqlen"] = _expect_error(lambda: attn(*parts, max_seqlen=3 if first else None))
     seen["packed_seq_len"] = _expect_error(lambda: packed_attn(pq, pk, pv, cu_seqlens=cu,

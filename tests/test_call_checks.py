@@ -507,6 +507,32 @@ def test_dropout_p_that_rounds_to_dropping_everything_is_refused(refused, launch
     launches(lambda: mod.attention(q, k, v, dropout_p=1 - 2**-16, seed=1))
 
 
+def test_the_backward_op_checks_q_k_v_scale_and_positions(refused, launches):
+    """The registered backward op (torch.ops.specgen.<spec>_backward runs _op_grads)
+    is reached without _forward's checks: k, v, scale and q_offset that do not fit q
+    used to launch (a head_dim-64 k, three KV heads, a batch of two, q_offset 2**40,
+    a NaN scale), or raise ZeroDivisionError (scale 0)."""
+    mod = _module("fmha_train_gqa_causal")
+    q, k, v = random_qkv(mod.SPEC, 1, 2, 40, 40, generator=_gen(), device="cpu")
+    out = torch.zeros_like(q)
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
+    dout = torch.ones_like(out)
+    scale = 1 / 128**0.5
+
+    def grads(q=q, k=k, v=v, scale=scale, q_offset=0):
+        return lambda: mod._op_grads(q, k, v, out, lse, dout, scale, q_offset)
+
+    refused(grads(k=k[..., :64]), "k must have head_dim 128")
+    refused(grads(k=k.float()), "k must be a 4-D torch.bfloat16 tensor")
+    refused(grads(k=torch.cat([k, k[:, :1]], 1), v=torch.cat([v, v[:, :1]], 1)), "with q heads == 4 * k/v heads")
+    refused(grads(v=v[:, :, :30]), "q, k and v must be [batch, heads, seq, head_dim] of one batch")
+    refused(grads(k=torch.cat([k, k]), v=torch.cat([v, v])), "of one batch")
+    refused(grads(q_offset=2**40), "q_offset must be in [-2**30, 2**30 - seq_q]")
+    for bad in (float("nan"), 0.0):
+        refused(grads(scale=bad), "scale must be a positive finite float")
+    launches(grads())
+
+
 def test_decode_launch_plan_takes_ints(refused):
     mod = _module("fmha_decode_paged_mtp")
     cpu = torch.device("cpu")

@@ -220,7 +220,14 @@ def test_bad_input_raises_on_every_rank(tmp_path):
             assert words in seen[key], (rank, key, seen[key])
         assert f"rank {rank}: cu_seqlens must start at 0, got 4" in seen["cu_start"], seen
         assert "every rank must agree on the spec: rank 1 differs from rank 0" in seen["spec_differs"], seen
-        assert "every rank must agree on the device type: rank 1 differs from rank 0" in seen["device_differs"]
+        assert ("rank 1: q is a meta tensor" in seen["device_differs"]) if rank == 1 else \
+            ("rank 1's inputs are invalid" in seen["device_differs"]), seen
+        assert f"rank {rank}: q is a meta tensor" in seen["meta_everywhere"], seen
+        for key, words in (("seq_len_type", "seq_len must be an int or None, got '8'"),
+                           ("positional", "takes q, k and v as its only positional arguments, got 1 more"),
+                           ("cu_meta", "cu_seqlens is a meta tensor")):
+            assert (words in seen[key]) if rank == 0 else ("rank 0's inputs are invalid" in seen[key]), \
+                (rank, key, seen[key])
         assert ("max_seqlen is for varlen specs" in seen["dense_max_seqlen"]) if rank == 0 else \
             ("rank 0's inputs are invalid" in seen["dense_max_seqlen"]), seen
         assert ("seq_len is for [B, H, S, D] shards" in seen["packed_seq_len"]) if rank == 0 else \

@@ -120,6 +120,27 @@ def test_a_spec_of_another_dtype_or_head_dim_is_refused_on_padded_batches_too(fi
     assert function.stats == {"kernel": 0, "fallback": 0}
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"position_bias": torch.zeros(1, 4, 8, 8)}, "the layer passes position_bias"),
+    ({"head_mask": torch.ones(4)}, "the layer passes a head_mask"),
+    ({"sliding_window": 4}, "the layer has sliding_window 4 and the spec has no window; give the spec "
+                            "window: {left: 3, right: 0}"),
+])
+def test_layer_arguments_the_kernel_would_drop_are_refused(kwargs, message):
+    """A T5-style position_bias, a head_mask or a sliding window that the spec lacks
+    used to be dropped on the kernel's path (3.6 off sdpa for a position_bias)."""
+    module = stand_in()
+    function = tf_integration.make_attention_function(module)
+    layer = types.SimpleNamespace(is_causal=True)
+    q = torch.zeros(1, 4, 8, 32)
+    kv = torch.zeros(1, 2, 8, 32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        function(layer, q, kv, kv, None, **kwargs)
+    assert module.calls == []
+    function(layer, q, kv, kv, None, position_bias=None, sliding_window=None)  # None is no argument
+    assert len(module.calls) == 1
+
+
 def test_output_attentions_is_refused():
     module = stand_in()
     tf_integration.register(module, name="specgen-cpu-weights")

@@ -21,7 +21,8 @@ What the layer asks for is checked against the spec before any launch, with a
 ValueError that names both sides: causal or not, the GQA ratio, a sliding window
 (window.left == sliding_window - 1), a soft-cap, sinks (``s_aux``), dropout, and
 gradients (only a ``backward: true`` spec is differentiable), the dtype and head
-dims, and ``output_attentions`` (the kernel forms no weights to return). These
+dims, ``output_attentions`` (the kernel forms no weights to return), and a
+``position_bias`` or ``head_mask`` (the kernel takes neither). These
 checks run on the fallback's calls too. The device is checked by the generated
 ``attention`` itself.
 """
@@ -159,7 +160,20 @@ def make_attention_function(module: ModuleType) -> Callable:
                 f"specgen {name}: the layer has {query.shape[1]} query heads and "
                 f"{key.shape[1]} KV heads; the spec has gqa_ratio {ratio}"
             )
+        if kwargs.get("position_bias") is not None:
+            raise ValueError(
+                f"specgen {name}: the layer passes position_bias (an additive score bias, as "
+                "T5's relative positions), which the kernel does not take; write the bias as "
+                "the spec's score_mod, or use attn_implementation='sdpa' for this model"
+            )
+        if kwargs.get("head_mask") is not None:
+            raise ValueError(f"specgen {name}: the layer passes a head_mask, which the kernel does not take")
         sliding = kwargs.get("sliding_window")
+        if window is None and sliding is not None:
+            raise ValueError(
+                f"specgen {name}: the layer has sliding_window {sliding} and the spec has no "
+                f"window; give the spec window: {{left: {sliding - 1 if isinstance(sliding, int) else 'N - 1'}, right: 0}}"
+            )
         if window is not None and (sliding is None or window.get("left") != sliding - 1
                                    or window.get("right") not in (None, 0)):
             raise ValueError(

@@ -55,6 +55,8 @@ def _local_problem(kernel, q, k, v, varlen: bool) -> str | None:
             return f"{name} must have head_dim {width}, got {t.shape[-1]}"
         if t.device != q.device:
             return f"q, k and v must be on one device, got {name} on {t.device}"
+        if t.device.type == "meta":
+            return f"{name} is a meta tensor: it holds no data to attend over or to send"
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             return f"{name} must be contiguous in head_dim (stride 1), got strides {t.stride()}"
     seq = 0 if varlen else 2
@@ -194,7 +196,7 @@ class ContextParallelAttention:
         self.rank = dist.get_rank(self.group) if self.group is not None else 0
         self.ring = rings.Ring(self.group) if mode == "ring" else None
 
-    def __call__(self, q, k, v, *, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None,
+    def __call__(self, q, k, v, *extra, scale=None, seq_len=None, cu_seqlens=None, max_seqlen=None,
                  **unknown):
         """This rank's output shard ([B, Hq, L, Dv], or [T, Hq, Dv] packed), in q's
         dtype; differentiable in q, k and v when the spec has a backward.
@@ -214,27 +216,34 @@ class ContextParallelAttention:
         """
         kernel = self.kernel
         # Every problem, an argument's type included, is found before the ranks compare
-        # notes: a rank that raised alone would leave the others waiting.
-        problem = None
-        if unknown:
-            problem = f"unexpected keyword argument(s): {', '.join(sorted(unknown))}"
-        if problem is None and scale is not None:
-            problem = _scale_problem(scale)
-        if problem is None:
-            problem = _local_problem(kernel, q, k, v, kernel.varlen)
-        if problem is None:
-            problem = self._shape_problem(q, k, seq_len, cu_seqlens, max_seqlen)
-        if problem is None:
-            problem = self._grid_problem(q, k, cu_seqlens)
-        grads = problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        if grads and not kernel.has_backward:
-            problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
-        if problem is None:
-            scale = kernel.default_scale() if scale is None else float(scale)
-        signature = [] if problem else _signature(
-            q, k, v, spec=kernel.identity, mode=self.mode, layout=self.layout, scale=scale, grads=grads,
-            cu_seqlens=cu_seqlens if kernel.varlen else None,
-            max_seqlen=max_seqlen if kernel.varlen else None)
+        # notes: a rank that raised alone would leave the others waiting. So anything
+        # the checks themselves raise on this rank is its problem too.
+        problem, grads, signature = None, False, []
+        try:
+            if extra:
+                problem = (f"takes q, k and v as its only positional arguments, got {len(extra)} more "
+                           "(scale, seq_len, cu_seqlens and max_seqlen are keywords)")
+            elif unknown:
+                problem = f"unexpected keyword argument(s): {', '.join(sorted(unknown))}"
+            if problem is None and scale is not None:
+                problem = _scale_problem(scale)
+            if problem is None:
+                problem = _local_problem(kernel, q, k, v, kernel.varlen)
+            if problem is None:
+                problem = self._shape_problem(q, k, seq_len, cu_seqlens, max_seqlen)
+            if problem is None:
+                problem = self._grid_problem(q, k, cu_seqlens)
+            grads = problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            if grads and not kernel.has_backward:
+                problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
+            if problem is None:
+                scale = kernel.default_scale() if scale is None else float(scale)
+                signature = _signature(
+                    q, k, v, spec=kernel.identity, mode=self.mode, layout=self.layout, scale=scale,
+                    grads=grads, cu_seqlens=cu_seqlens if kernel.varlen else None,
+                    max_seqlen=max_seqlen if kernel.varlen else None)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
+            problem = f"the inputs could not be checked ({type(exc).__name__}: {exc})"
         agree(self.group, problem, signature)
         if self.mode == "ulysses":
             return self._ulysses(q, k, v, scale, cu_seqlens, max_seqlen)
@@ -274,6 +283,8 @@ class ContextParallelAttention:
                     or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2):
                 return ("cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative "
                         "lengths, 0 first (at least 2 entries)")
+            if cu_seqlens.device.type == "meta":
+                return "cu_seqlens is a meta tensor: it holds no lengths to read"
             values = cu_seqlens.tolist()
             if values[0] != 0:
                 return f"cu_seqlens must start at 0, got {values[0]}"
@@ -296,6 +307,8 @@ class ContextParallelAttention:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
         if max_seqlen is not None:
             return f"max_seqlen is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
+        if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)):
+            return f"seq_len must be an int or None, got {seq_len!r}"
         if seq_len is not None and seq_len != q.shape[2] * world:
             return (f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
                     f"got {q.shape[2]}")

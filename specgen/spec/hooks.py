@@ -211,17 +211,6 @@ class Hook:
 _FLOAT32_NORMAL = (1.1754943508222875e-38, 3.4028234663852886e38)
 
 
-def _constant_value(node: ast.AST):
-    """The number a literal (with any signs before it) stands for, or None."""
-    sign = 1
-    while isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        sign = -sign if isinstance(node.op, ast.USub) else sign
-        node = node.operand
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return sign * node.value
-    return None
-
-
 def _is_zero(node: ast.AST) -> bool:
     """Whether a divisor is zero whatever the indices: a literal zero (0, 0.0, -0), or
     arithmetic that cancels (``q_idx - q_idx``, ``2 * h - h - h``, ``0 * kv_idx``)."""
@@ -430,7 +419,7 @@ class _Compiler:
         args = [self.compile(a) for a in node.args]
         for (text, kind), arg in zip(args, node.args):
             self._number(arg, text, kind, f"{name}()")
-        constant = _constant_value(node.args[0]) if count == 1 else None
+        constant = _number_const(node.args[0]) if count == 1 else None
         if constant is not None:  # a function of a constant must be a float32 number too
             try:
                 value = getattr(math, name)(constant) if name != "abs" else abs(constant)

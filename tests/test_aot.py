@@ -110,8 +110,20 @@ def _first_entry(module):
     return entry, demangle_kernel_name(entry["signature"])[1]
 
 
+def _results(module_path):
+    """The compile results a build of module_path's source for sm_90 makes (cached)."""
+    from specgen.compile.export import compile_target
+    from specgen.plan.make import make_plan
+    from specgen.spec import load_spec
+
+    plan = make_plan(load_spec(ROOT / "specs" / f"{SPEC}.yaml"))
+    return [compile_target(plan, module_path.read_text(), module_path.name, "sm_90")]
+
+
 @pytest.mark.parametrize("damage", ["cubin gone", "cubin changed", "manifest garbage", "manifest cut",
-                                    "entry without a field"])
+                                    "entry without a field", "signature garbage", "signature a number",
+                                    "cubin a number", "cubin a list", "cubins null", "cubins a list",
+                                    "cubin outside the folder"])
 def test_a_damaged_folder_falls_back_to_the_jit(built, tmp_path, damage):
     """A folder that a crash, a disk or a hand left damaged is ignored (the call
     compiles), never a failed call or a wrong cubin; build --check names it."""
@@ -134,15 +146,126 @@ def test_a_damaged_folder_falls_back_to_the_jit(built, tmp_path, damage):
         manifest.write_text(manifest.read_text()[:200])
     else:
         data = json.loads(manifest.read_text())
-        del data["entries"][0]["symbol"]
+        first = data["entries"][0]
+        if damage == "entry without a field":
+            del first["symbol"]
+        elif damage.startswith("signature"):
+            first["signature"] = 5 if damage.endswith("number") else "garbage"
+        elif damage == "cubin a number":
+            first["cubin"] = 5
+        elif damage == "cubin a list":
+            first["cubin"] = [1]
+        elif damage.startswith("cubins"):
+            data["cubins"] = None if damage.endswith("null") else list(data["cubins"])
+        else:  # a file outside, with its own sum: never read
+            outside = tmp_path / "elsewhere.cubin"
+            shutil.copy(folder / first["cubin"], outside)
+            data["cubins"]["../elsewhere.cubin"] = data["cubins"][first["cubin"]]
+            first["cubin"] = "../elsewhere.cubin"
         manifest.write_text(json.dumps(data))
     store = module._AotStore()
     assert store.lookup(entry["kernel"], "sm_90", entry["hints"], sig) is None
     assert "specgen build" in store.reason
     from specgen.compile.aot import folder_problem
 
-    assert folder_problem(copy, copy.read_text(), ["sm_90"]) is not None
-    assert folder_problem(built, built.read_text(), ["sm_90"]) is None
+    assert folder_problem(copy, copy.read_text(), _results(built)) is not None
+    assert folder_problem(built, built.read_text(), _results(built)) is None
+
+
+@pytest.mark.parametrize("change", ["symbol", "hints", "extra key", "extra cubin", "cubin a link",
+                                    "folder a link"])
+def test_build_check_names_any_difference_from_what_the_build_writes(built, tmp_path, change):
+    """A manifest whose own sums still agree, but that the build would write
+    otherwise, or a folder holding other files or links, is drift."""
+    from specgen.compile.aot import folder_problem
+
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    folder = tmp_path / f"{SPEC}.aot"
+    shutil.copytree(built.with_name(f"{SPEC}.aot"), folder)
+    manifest = folder / "manifest.json"
+    data = json.loads(manifest.read_text())
+    name = data["entries"][0]["cubin"]
+    if change == "symbol":
+        data["entries"][0]["symbol"] = "bogus_symbol"
+    elif change == "hints":
+        data["entries"][0]["hints"]["occupancy"] = 7
+    elif change == "extra key":
+        data["extra"] = 1
+    elif change == "extra cubin":
+        shutil.copy(folder / name, folder / "sm_100-deadbeef.cubin")
+    elif change == "cubin a link":
+        shutil.move(folder / name, tmp_path / "moved.cubin")
+        (folder / name).symlink_to(tmp_path / "moved.cubin")
+    else:
+        shutil.move(folder, tmp_path / "real.aot")
+        folder.symlink_to(tmp_path / "real.aot")
+    if change in ("symbol", "hints", "extra key"):
+        manifest.write_text(json.dumps(data, indent=1) + "\n")
+    assert folder_problem(copy, copy.read_text(), _results(built)) is not None
+
+
+def test_a_build_replaces_links_in_the_folder_and_refuses_a_linked_folder(built, tmp_path):
+    """A build wrote through a cubin or manifest that was a symbolic link (a file
+    elsewhere overwritten), and deleted other files through a linked folder."""
+    from specgen.compile.aot import folder_problem, write_aot_folder
+
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    folder = tmp_path / f"{SPEC}.aot"
+    folder.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    results = _results(built)
+    name = results[0].paths[0].name
+    (folder / name).symlink_to(victim)
+    (folder / "manifest.json").symlink_to(victim)
+    write_aot_folder(copy, copy.read_text(), results)
+    assert victim.read_text() == "keep me"
+    assert not (folder / name).is_symlink() and folder_problem(copy, copy.read_text(), results) is None
+    shutil.rmtree(folder)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "other.cubin").write_text("another module's")
+    folder.symlink_to(shared)
+    with pytest.raises(OSError, match="a symbolic link; the AOT folder is specgen's to write"):
+        write_aot_folder(copy, copy.read_text(), results)
+    assert (shared / "other.cubin").is_file()
+
+
+def test_the_cubin_cache_serves_only_whole_entries(tmp_path, monkeypatch):
+    """A cached cubin cut short, replaced, or with a record that does not read is
+    compiled again, not served (and its damage is not copied into .aot folders)."""
+    from specgen.compile.export import aot_entries_path, cached_entries
+
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(b"\x7fELF" + bytes(100))
+    record = {"sha256": hashlib.sha256(cubin.read_bytes()).hexdigest(),
+              "entries": [{"kernel": "k", "sm": "sm_90", "hints": {}, "signature": "s", "symbol": "k"}]}
+    aot_entries_path(cubin).write_text(json.dumps(record))
+    assert cached_entries(cubin) == record["entries"]
+    cubin.write_bytes(b"\x7fELF")  # cut short
+    assert cached_entries(cubin) is None
+    cubin.write_bytes(b"\x7fELF" + bytes(100))
+    for bad in ("not json{", "[]", json.dumps({**record, "entries": [{"kernel": "x"}]})):
+        aot_entries_path(cubin).write_text(bad)
+        assert cached_entries(cubin) is None
+
+
+def test_the_cache_key_names_cuda_tiles_debug_switches(monkeypatch):
+    """A debug build (-O0) of cuda.tile made cubins under the release key, which a
+    later build served as release cubins."""
+    from cuda.tile import _debug
+
+    from specgen.compile.export import cache_key
+    from specgen.plan.make import make_plan
+    from specgen.spec import load_spec
+
+    plan = make_plan(load_spec(ROOT / "specs" / f"{SPEC}.yaml"))
+    source = (ROOT / "generated" / f"{SPEC}.py").read_text()
+    release = cache_key(plan, source, "sm_90")
+    monkeypatch.setattr(_debug, "EXPERIMENTAL_CUDA_TILE_DEBUG_BUILD", True)
+    assert cache_key(plan, source, "sm_90") != release
 
 
 def test_a_build_without_changes_leaves_the_folder_untouched(built):

@@ -26,9 +26,9 @@ from filelock import FileLock
 
 from specgen.compile.export import (
     CompileResult,
-    aot_entries_path,
     atomic_write,
     cache_dir,
+    cached_entries,
     package_version,
 )
 
@@ -42,31 +42,53 @@ def aot_dir(module_path: Path) -> Path:
     return module_path.with_name(module_path.stem + ".aot")
 
 
+def _expected(source: str, results: list[CompileResult]) -> tuple[bytes, dict[str, bytes]]:
+    """What a build leaves in the AOT folder: (the manifest's bytes, {cubin name: bytes})."""
+    entries, sums, cubins = [], {}, {}
+    for result in sorted(results, key=lambda r: r.target):
+        for cubin in result.paths:
+            name = cubin.name
+            cubins[name] = data = cubin.read_bytes()
+            sums[name] = hashlib.sha256(data).hexdigest()
+            for entry in cached_entries(cubin) or ():
+                entries.append({**entry, "cubin": name})
+    return (json.dumps(_manifest(source, sums, entries), indent=1) + "\n").encode(), cubins
+
+
+def _own_folder(folder: Path) -> None:
+    """OSError unless ``folder`` is a folder of its own or absent: a file there, or a
+    symbolic link (through which a build would write, and remove, files elsewhere)."""
+    if folder.is_symlink():
+        raise OSError(f"{folder}: a symbolic link; the AOT folder is specgen's to write, remove the link")
+    if folder.exists() and not folder.is_dir():
+        raise OSError(f"{folder}: not a folder; the module's AOT folder goes there, remove the file")
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """``path`` holding ``data``: a symbolic link there is replaced, never written through."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_file() and path.read_bytes() == data:
+        return
+    atomic_write(path, data)
+
+
 def write_aot_folder(module_path: Path, source: str, results: list[CompileResult]) -> Path:
     """Copy the cubins of ``results`` beside ``module_path`` and write their manifest;
     cubins of an earlier build that this one does not list are removed."""
     folder = aot_dir(module_path)
+    _own_folder(folder)
     folder.mkdir(parents=True, exist_ok=True)
     # One writer at a time: two builds of other targets would otherwise remove each
     # other's cubins and leave a manifest naming files that are gone.
     with FileLock(str(_lock_path(folder))):
-        entries, sums = [], {}
-        for result in sorted(results, key=lambda r: r.target):
-            for cubin in result.paths:
-                name = cubin.name
-                data = cubin.read_bytes()
-                sums[name] = hashlib.sha256(data).hexdigest()
-                if not (folder / name).is_file() or (folder / name).read_bytes() != data:
-                    atomic_write(folder / name, data)
-                for entry in json.loads(aot_entries_path(cubin).read_text(encoding="utf-8")):
-                    entries.append({**entry, "cubin": name})
-        text = (json.dumps(_manifest(source, sums, entries), indent=1) + "\n").encode()
-        manifest = folder / "manifest.json"
-        if not manifest.is_file() or manifest.read_bytes() != text:
-            atomic_write(manifest, text)
+        text, cubins = _expected(source, results)
+        for name, data in cubins.items():
+            _replace(folder / name, data)
+        _replace(folder / "manifest.json", text)
         # Cubins of an earlier build (never another writer's temporary ".name.xxx" file).
         for stale in folder.glob("*.cubin"):
-            if stale.name not in sums:
+            if stale.name not in cubins:
                 stale.unlink(missing_ok=True)
     return folder
 
@@ -89,36 +111,50 @@ def _lock_path(folder: Path) -> Path:
     return locks / f"aot-{key}.lock"
 
 
-def folder_problem(module_path: Path, source: str, targets, cubins: set | None = None) -> str | None:
+def folder_problem(module_path: Path, source: str, results: list[CompileResult]) -> str | None:
     """What makes the AOT folder of ``module_path`` (whose source is ``source``) not
-    what a build for ``targets`` leaves, or None: missing, unreadable, for another
-    module source or cuda-tile, a target without entries, a cubin gone or changed,
-    or (given the names a build would list, ``cubins``) other cubins listed."""
+    what a build of ``results`` leaves, or None: missing, not a folder of its own,
+    unreadable, for another module source or cuda-tile, a target without entries, a
+    cubin gone, changed or a link, other cubins listed or lying there, or any other
+    difference from the manifest the build writes."""
     folder = aot_dir(module_path)
+    try:
+        _own_folder(folder)
+    except OSError as exc:
+        return str(exc)
     path = folder / "manifest.json"
-    if not path.is_file():
+    if not path.is_file() or path.is_symlink():
         return f"{folder}: missing (no manifest.json)"
+    expected, cubins = _expected(source, results)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         sums, entries = manifest["cubins"], manifest["entries"]
-        if not all(all(k in e for k in ENTRY_KEYS) for e in entries):
+        if not isinstance(sums, dict) or not all(
+                isinstance(e, dict) and all(k in e for k in ENTRY_KEYS) and isinstance(e["sm"], str)
+                and isinstance(e["cubin"], str) for e in entries):
             raise KeyError("an entry lacks a field")
         listed = {(e["sm"], e["cubin"]) for e in entries}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"{path}: unreadable"
     if manifest.get("format") != AOT_FORMAT or manifest.get("cuda_tile") != package_version("cuda-tile"):
         return f"{path}: built by another specgen or cuda-tile"
     if manifest.get("source_sha256") != hashlib.sha256(source.encode()).hexdigest():
         return f"{path}: built from another version of the module"
-    missing = sorted(set(targets) - {sm for sm, _ in listed})
+    missing = sorted({r.target for r in results} - {sm for sm, _ in listed})
     if missing:
         return f"{path}: no cubins for {', '.join(missing)}"
-    if cubins is not None and set(sums) != set(cubins):
+    if set(sums) != set(cubins) or {cubin for _, cubin in listed} != set(cubins):
         return f"{path}: lists other cubins than this build makes (from another build's targets or compiler)"
-    for name in sorted({cubin for _, cubin in listed}):
+    for name, data in sorted(cubins.items()):
         cubin = folder / name
-        if not cubin.is_file():
-            return f"{cubin}: listed in the manifest but missing"
-        if hashlib.sha256(cubin.read_bytes()).hexdigest() != sums.get(name):
-            return f"{cubin}: its bytes do not match the manifest"
+        if cubin.is_symlink() or not cubin.is_file():
+            return f"{cubin}: listed in the manifest but missing (or a link)"
+        if cubin.read_bytes() != data:
+            return f"{cubin}: its bytes are not the ones this build makes"
+    if path.read_bytes() != expected:
+        return f"{path}: not the manifest this build writes (an entry, a hint or a field differs)"
+    others = sorted(p.name for p in folder.iterdir()
+                    if p.name != "manifest.json" and p.name not in cubins and not p.name.startswith("."))
+    if others:
+        return f"{folder}: holds files this build does not write ({', '.join(others)})"
     return None

@@ -74,7 +74,7 @@ def toolchain_versions() -> dict:
 # file, and cuobjdump, so `specgen diff`, read only the first).
 # 3: each cubin has a <cubin>.json beside it naming its signatures, symbols and
 # compiler options, from which `specgen build` writes the module's AOT manifest.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = None,
@@ -101,8 +101,20 @@ def cache_key(plan: Plan, source: str, target: str, config: ConfigPlan | None = 
         # copy of the same version elsewhere gives other bytes, so it gets its own
         # cache entries (the module's own file is named without its folder).
         "cuda_tile_dir": _cuda_tile_dir(),
+        # cuda.tile's switches that change the code it emits (a debug build is -O0).
+        "cuda_tile_switches": _cuda_tile_switches(),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _cuda_tile_switches() -> dict:
+    """cuda.tile's debug and testing switches, as it reads them from the environment
+    at import: each changes the cubins it makes."""
+    from cuda.tile import _debug
+
+    return {name: bool(getattr(_debug, name, False)) for name in (
+        "EXPERIMENTAL_CUDA_TILE_DEBUG_BUILD", "CUDA_TILE_TESTING_DISABLE_DIV",
+        "CUDA_TILE_TESTING_DISABLE_TOKEN_ORDER")}
 
 
 def _cuda_tile_dir() -> str:
@@ -445,7 +457,7 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
             path.parent.mkdir(parents=True, exist_ok=True)
             # The lock makes concurrent builds of the same kernel compile it once.
             with FileLock(str(path) + ".lock"):
-                if not (path.is_file() and path.stat().st_size > 0 and aot_entries_path(path).is_file()):
+                if cached_entries(path) is None:  # missing, or not whole: compiled again
                     all_cached = False
                     if module is None:
                         module = load_module_from_source(plan.module_name, source, origin)
@@ -453,9 +465,11 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
                     if name == plan.kernel_name and config.extra_hints:
                         kernel = kernel.replace_hints(**config.extra_hints)
                     sigs = sigs or signatures(plan, target, config)
-                    atomic_write(path, _export(plan, kernel, target, config, sigs))
+                    data = _export(plan, kernel, target, config, sigs)
                     entries = aot_entries(module, kernel, name, target, sigs)
-                    atomic_write(aot_entries_path(path), json.dumps(entries, indent=1).encode())
+                    atomic_write(path, data)
+                    record = {"sha256": hashlib.sha256(data).hexdigest(), "entries": entries}
+                    atomic_write(aot_entries_path(path), json.dumps(record, indent=1).encode())
             paths.append(path)
             size += path.stat().st_size
     return CompileResult(
@@ -466,6 +480,28 @@ def compile_target(plan: Plan, source: str, origin: str, target: str) -> Compile
 
 def aot_entries_path(cubin: Path) -> Path:
     return cubin.with_name(cubin.name + ".json")
+
+
+def cached_entries(cubin: Path) -> list[dict] | None:
+    """The AOT entries of a cached cubin, or None where the cache does not hold it
+    whole: no cubin or record, a record that does not read, entries without their
+    fields, or cubin bytes that are not the ones the record's sha256 names (a
+    truncated or replaced file)."""
+    try:
+        record = json.loads(aot_entries_path(cubin).read_text(encoding="utf-8"))
+        entries = record["entries"]
+        if (not isinstance(entries, list) or not entries
+                or not all(isinstance(e, dict) and all(k in e for k in ENTRY_FIELDS) for e in entries)):
+            return None
+        if hashlib.sha256(cubin.read_bytes()).hexdigest() != record["sha256"]:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return entries
+
+
+# The fields aot_entries gives each entry (the manifest adds "cubin").
+ENTRY_FIELDS = ("kernel", "sm", "hints", "signature", "symbol")
 
 
 def aot_entries(module, kernel, name: str, target: str, sigs) -> list[dict]:

@@ -317,8 +317,7 @@ def compile_jobs(
         if write_aot:
             write_aot_folder(job.out_path, job.rendered.text, mine)
         else:  # --check: the folder as this build would leave it, or what differs
-            problem = folder_problem(job.out_path, job.rendered.text, [r.target for r in mine],
-                                     {p.name for r in mine for p in r.paths})
+            problem = folder_problem(job.out_path, job.rendered.text, mine)
             if problem:
                 failures.append(problem)
     return results, failures

@@ -419,3 +419,23 @@ def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, 
     # Every process reported each (spec, target), compiled or (another wrote it) cached.
     for _, stderr in results:
         assert stderr.count(" sm_90 ") == 2, stderr
+
+
+def test_a_build_names_an_aot_path_or_cache_it_cannot_write_before_writing_anything(tmp_path, monkeypatch):
+    """A file (or link) where a module's .aot folder goes, or a cache folder that is
+    a file, used to be found after the module was written and compiled."""
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    (gen / "fmha_mha_bf16.aot").write_text("not a folder")
+    result = specgen("build", ROOT / "specs" / "fmha_mha_bf16.yaml", "--gen", gen, "--targets", "sm_90",
+                     cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.strip().endswith(
+        "fmha_mha_bf16.aot: a file; the module's AOT folder is written there, remove it"), result.stderr
+    assert sorted(p.name for p in gen.iterdir()) == ["fmha_mha_bf16.aot"]
+    blocker = tmp_path / "cache-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(blocker / "sub"))
+    result = specgen("build", ROOT / "specs" / "fmha_mha_bf16.yaml", "--gen", tmp_path / "gen2",
+                     "--targets", "sm_90", cwd=tmp_path)
+    assert result.returncode == 2 and "cache-file: not a folder; the cubin cache" in result.stderr, result.stderr
+    assert not (tmp_path / "gen2").exists()

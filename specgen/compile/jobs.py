@@ -323,6 +323,28 @@ def compile_jobs(
     return results, failures
 
 
+def _blocked_outputs(jobs) -> list[str]:
+    """What a compiling build could not write, one line each: a module's AOT folder
+    path held by a file or a symbolic link, or a cache folder that is not a folder."""
+    from specgen.compile.aot import aot_dir
+    from specgen.compile.export import cache_dir
+
+    lines = []
+    cache = cache_dir()
+    for parent in (cache, *cache.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                lines.append(f"{parent}: not a folder; the cubin cache ({cache}, set by SPECGEN_CACHE_DIR, "
+                             "XDG_CACHE_HOME or HOME) must be one")
+            break
+    for job in jobs:
+        folder = aot_dir(job.out_path)
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            kind = "a symbolic link" if folder.is_symlink() else "a file"
+            lines.append(f"{folder}: {kind}; the module's AOT folder is written there, remove it")
+    return lines
+
+
 def default_workers() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
@@ -357,6 +379,10 @@ def run_build(
         foreign = [] if force else foreign_modules(jobs)
         if foreign:  # nothing is written: the build is refused as bad input
             raise InvalidSpecs("\n".join(foreign))
+        if not no_compile:
+            blocked = _blocked_outputs(jobs)
+            if blocked:  # found before any module is written, not after its compile
+                raise UsageError("\n".join(blocked))
         refused = write_jobs(jobs, out_dir, force, log)
         for line in refused:
             err(line)

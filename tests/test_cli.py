@@ -439,3 +439,71 @@ def test_a_build_names_an_aot_path_or_cache_it_cannot_write_before_writing_anyth
                      "--targets", "sm_90", cwd=tmp_path)
     assert result.returncode == 2 and "cache-file: not a folder; the cubin cache" in result.stderr, result.stderr
     assert not (tmp_path / "gen2").exists()
+
+
+_SLOW_POOL = '''
+import sys, time
+sys.path.insert(0, {root!r})
+from types import SimpleNamespace
+import specgen.compile.jobs as jobs
+
+
+def slow(plan, source, origin, target):
+    time.sleep(3)
+    raise SystemExit("a compile that is not interrupted")
+
+
+jobs.compile_target = slow  # what the workers run, forked with this module
+jobs._origin = lambda plan: "m.py"
+job = SimpleNamespace(plan=SimpleNamespace(module_name="m"), rendered=SimpleNamespace(text=""))
+try:
+    jobs.compile_jobs([job], ["sm_90", "sm_100"], 2, print, write_aot=False)
+except KeyboardInterrupt:
+    sys.exit(130)
+'''
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the compile workers")
+def test_sigterm_ends_a_parallel_build_with_its_workers(tmp_path):
+    """SIGTERM to a build with compile workers ends it as Ctrl-C does (the running
+    compiles finish, exit 130); it used to kill the build alone and leave its
+    workers running, orphaned (and holding its output pipe open)."""
+    import signal
+    import time
+
+    script = tmp_path / "pool.py"
+    script.write_text(_SLOW_POOL.format(root=str(ROOT)))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while len(_children(process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = _children(process.pid)
+        assert len(workers) >= 2, "the pool did not start"
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)  # orphaned workers held the pipe open: a timeout
+        assert process.returncode == 130
+        time.sleep(0.5)
+        alive = [w for w in workers if os.path.exists(f"/proc/{w}")
+                 and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert alive == []
+    finally:
+        for pid in [process.pid, *_children(process.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -268,7 +271,7 @@ def compile_jobs(
                     yield job, target, exc
             return
         pool_size = min(workers, len(tasks))
-        with ProcessPoolExecutor(max_workers=pool_size) as pool:
+        with _terminate_as_interrupt(), ProcessPoolExecutor(max_workers=pool_size) as pool:
             futures = {
                 pool.submit(
                     compile_target, job.plan, job.rendered.text, _origin(job.plan), target
@@ -321,6 +324,26 @@ def compile_jobs(
             if problem:
                 failures.append(problem)
     return results, failures
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM handled as Ctrl-C while a pool of compile workers runs: the pool is
+    then shut down as for SIGINT (the running compiles end, the workers exit, the
+    build exits 130). Left to its default, SIGTERM killed the build alone and its
+    workers ran on, orphaned. Outside the main thread signals cannot be set: as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _blocked_outputs(jobs) -> list[str]:

@@ -228,7 +228,7 @@ def test_a_build_replaces_links_in_the_folder_and_refuses_a_linked_folder(built,
     shared.mkdir()
     (shared / "other.cubin").write_text("another module's")
     folder.symlink_to(shared)
-    with pytest.raises(OSError, match="a symbolic link; the AOT folder is specgen's to write"):
+    with pytest.raises(OSError, match="a symbolic link; the module's AOT folder is written there, remove it"):
         write_aot_folder(copy, copy.read_text(), results)
     assert (shared / "other.cubin").is_file()
 

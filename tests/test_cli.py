@@ -463,17 +463,17 @@ except KeyboardInterrupt:
 '''
 
 
+def _stat(pid) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); [] once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and _stat(e)[1:2] == [str(pid)]]
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for the compile workers")
@@ -498,8 +498,7 @@ def test_sigterm_ends_a_parallel_build_with_its_workers(tmp_path):
         process.communicate(timeout=30)  # orphaned workers held the pipe open: a timeout
         assert process.returncode == 130
         time.sleep(0.5)
-        alive = [w for w in workers if os.path.exists(f"/proc/{w}")
-                 and open(f"/proc/{w}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        alive = [w for w in workers if _stat(w)[:1] not in ([], ["Z"])]
         assert alive == []
     finally:
         for pid in [process.pid, *_children(process.pid)]:

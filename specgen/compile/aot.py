@@ -25,6 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from specgen.compile.export import (
+    ENTRY_FIELDS,
     CompileResult,
     atomic_write,
     cache_dir,
@@ -35,7 +36,7 @@ from specgen.compile.export import (
 AOT_FORMAT = 2
 # What each manifest entry holds; a generated module's loader requires the same
 # (its AOT_ENTRY_KEYS, and AOT_FORMAT beside it: tests/test_aot.py keeps them equal).
-ENTRY_KEYS = ("kernel", "sm", "hints", "signature", "symbol", "cubin")
+ENTRY_KEYS = (*ENTRY_FIELDS, "cubin")
 
 
 def aot_dir(module_path: Path) -> Path:
@@ -55,13 +56,14 @@ def _expected(source: str, results: list[CompileResult]) -> tuple[bytes, dict[st
     return (json.dumps(_manifest(source, sums, entries), indent=1) + "\n").encode(), cubins
 
 
-def _own_folder(folder: Path) -> None:
-    """OSError unless ``folder`` is a folder of its own or absent: a file there, or a
-    symbolic link (through which a build would write, and remove, files elsewhere)."""
-    if folder.is_symlink():
-        raise OSError(f"{folder}: a symbolic link; the AOT folder is specgen's to write, remove the link")
-    if folder.exists() and not folder.is_dir():
-        raise OSError(f"{folder}: not a folder; the module's AOT folder goes there, remove the file")
+def blocked_folder(folder: Path) -> str | None:
+    """What keeps ``folder`` from being an AOT folder of its own, or None (a folder,
+    or nothing yet): a file there, or a symbolic link (through which a build would
+    write, and remove, files elsewhere)."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        kind = "a symbolic link" if folder.is_symlink() else "a file"
+        return f"{folder}: {kind}; the module's AOT folder is written there, remove it"
+    return None
 
 
 def _replace(path: Path, data: bytes) -> None:
@@ -77,7 +79,9 @@ def write_aot_folder(module_path: Path, source: str, results: list[CompileResult
     """Copy the cubins of ``results`` beside ``module_path`` and write their manifest;
     cubins of an earlier build that this one does not list are removed."""
     folder = aot_dir(module_path)
-    _own_folder(folder)
+    blocked = blocked_folder(folder)
+    if blocked:
+        raise OSError(blocked)
     folder.mkdir(parents=True, exist_ok=True)
     # One writer at a time: two builds of other targets would otherwise remove each
     # other's cubins and leave a manifest naming files that are gone.
@@ -118,10 +122,9 @@ def folder_problem(module_path: Path, source: str, results: list[CompileResult])
     cubin gone, changed or a link, other cubins listed or lying there, or any other
     difference from the manifest the build writes."""
     folder = aot_dir(module_path)
-    try:
-        _own_folder(folder)
-    except OSError as exc:
-        return str(exc)
+    blocked = blocked_folder(folder)
+    if blocked:
+        return blocked
     path = folder / "manifest.json"
     if not path.is_file() or path.is_symlink():
         return f"{folder}: missing (no manifest.json)"

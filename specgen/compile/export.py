@@ -482,6 +482,10 @@ def aot_entries_path(cubin: Path) -> Path:
     return cubin.with_name(cubin.name + ".json")
 
 
+# The fields aot_entries gives each entry (the manifest adds "cubin").
+ENTRY_FIELDS = ("kernel", "sm", "hints", "signature", "symbol")
+
+
 def cached_entries(cubin: Path) -> list[dict] | None:
     """The AOT entries of a cached cubin, or None where the cache does not hold it
     whole: no cubin or record, a record that does not read, entries without their
@@ -499,9 +503,6 @@ def cached_entries(cubin: Path) -> list[dict] | None:
         return None
     return entries
 
-
-# The fields aot_entries gives each entry (the manifest adds "cubin").
-ENTRY_FIELDS = ("kernel", "sm", "hints", "signature", "symbol")
 
 
 def aot_entries(module, kernel, name: str, target: str, sigs) -> list[dict]:

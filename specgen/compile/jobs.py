@@ -349,7 +349,7 @@ def _terminate_as_interrupt():
 def _blocked_outputs(jobs) -> list[str]:
     """What a compiling build could not write, one line each: a module's AOT folder
     path held by a file or a symbolic link, or a cache folder that is not a folder."""
-    from specgen.compile.aot import aot_dir
+    from specgen.compile.aot import aot_dir, blocked_folder
     from specgen.compile.export import cache_dir
 
     lines = []
@@ -360,12 +360,7 @@ def _blocked_outputs(jobs) -> list[str]:
                 lines.append(f"{parent}: not a folder; the cubin cache ({cache}, set by SPECGEN_CACHE_DIR, "
                              "XDG_CACHE_HOME or HOME) must be one")
             break
-    for job in jobs:
-        folder = aot_dir(job.out_path)
-        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-            kind = "a symbolic link" if folder.is_symlink() else "a file"
-            lines.append(f"{folder}: {kind}; the module's AOT folder is written there, remove it")
-    return lines
+    return lines + [line for line in (blocked_folder(aot_dir(job.out_path)) for job in jobs) if line]
 
 
 def default_workers() -> int:

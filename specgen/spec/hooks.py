@@ -211,6 +211,12 @@ class Hook:
 _FLOAT32_NORMAL = (1.1754943508222875e-38, 3.4028234663852886e38)
 
 
+def _float32_number(value: float) -> bool:
+    """Whether float32 holds ``value`` as itself: 0 or a normal number (not inf,
+    NaN, or a magnitude that rounds to 0 or inf there)."""
+    return value == 0 or _FLOAT32_NORMAL[0] <= abs(value) <= _FLOAT32_NORMAL[1]
+
+
 def _is_zero(node: ast.AST) -> bool:
     """Whether a divisor is zero whatever the indices: a literal zero (0, 0.0, -0), or
     arithmetic that cancels (``q_idx - q_idx``, ``2 * h - h - h``, ``0 * kv_idx``)."""
@@ -295,7 +301,7 @@ class _Compiler:
         if isinstance(value, float):
             if value != value or value in (float("inf"), float("-inf")):
                 self.fail("only finite number constants are allowed")
-            if value != 0 and not _FLOAT32_NORMAL[0] <= abs(value) <= _FLOAT32_NORMAL[1]:
+            if not _float32_number(value):
                 self.fail(f"constant {value!r} is outside float32's normal range (the kernels compute "
                           "in float32: it would be 0 or inf there)")
             return repr(value), "float"
@@ -425,7 +431,7 @@ class _Compiler:
                 value = getattr(math, name)(constant) if name != "abs" else abs(constant)
             except (ValueError, OverflowError):
                 value = math.nan
-            if not (value == 0 or _FLOAT32_NORMAL[0] <= abs(value) <= _FLOAT32_NORMAL[1]):
+            if not _float32_number(value):
                 self.fail(f"{ast.unparse(node)} is not a finite float32 number")
         kinds = {k for _, k in args}
         texts = [t for t, _ in args]

@@ -421,6 +421,8 @@ def project(tmp_path, monkeypatch):
     (tmp_path / "loop").mkdir()
     (tmp_path / "loop" / "a.yaml").symlink_to("b.yaml")
     (tmp_path / "loop" / "b.yaml").symlink_to("a.yaml")
+    (tmp_path / "dangling").mkdir()
+    (tmp_path / "dangling" / "a.yaml").symlink_to("gone.yaml")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -478,6 +480,7 @@ SPEC = "specs/fmha_gqa_causal.yaml"
      "specgen diff: --results: broken/gpu/fmha_prefix_lm-prefill.json: not valid JSON"),
     # build: a symlink loop among the specs
     (["build", "loop", "--no-compile"], "loop/a.yaml: a symlink loop"),
+    (["build", "dangling", "--no-compile"], "dangling/a.yaml: a symbolic link to gone.yaml, which does not exist"),
     # argparse's own errors: one line
     (["build"], "specgen build: error: the following arguments are required: PATH"),
     (["build", SPEC, "--bogus"], "specgen build: error: unrecognized arguments: --bogus"),
@@ -563,3 +566,17 @@ def test_a_tensor_named_cuda_renders_and_imports_in_the_emulator(tmp_path):
     path.write_text(source)
     module = load_module(path, source=source)
     assert "cuda" in module.attention.__code__.co_varnames
+
+
+def test_hidden_files_of_a_spec_folder_are_not_specs(project, capsys):
+    """An editor's lock link (.#x.yaml, pointing nowhere) and backup (.~x.yaml, a copy
+    with the same name:) beside the specs: a build of the folder reads neither."""
+    folder = project / "mine"
+    folder.mkdir()
+    text = (project / SPEC).read_text()
+    (folder / "fmha_gqa_causal.yaml").write_text(text)
+    (folder / ".#fmha_gqa_causal.yaml").symlink_to("user@host.1234")
+    (folder / ".~fmha_gqa_causal.yaml").write_text(text)
+    code, out, err = _run(capsys, "build", folder, "--no-compile", "--gen", project / "gen")
+    assert code == 0, err
+    assert sorted(p.name for p in (project / "gen").glob("*.py")) == ["__init__.py", "fmha_gqa_causal.py"]

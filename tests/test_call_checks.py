@@ -78,13 +78,84 @@ def test_prefill_out_must_not_overlap_k_or_v(name, refused, launches):
     if q.shape == k.shape:
         refused(lambda: mod.attention(q, k, v, out=k), "out must not overlap k")
         refused(lambda: mod.attention(q, k, v, out=v), "out must not overlap v")
-    # A view of a buffer that also holds v (an interleaved fused layout).
-    fused = torch.zeros(1, q.shape[1], 64, 2 * q.shape[3], dtype=q.dtype)
-    v_in = fused[..., q.shape[3]:][:, : v.shape[1]]
-    refused(lambda: mod.attention(q, k, v_in, out=fused[..., : q.shape[3]]), "out must not overlap v")
+    # Views of one buffer that also holds v (an interleaved fused layout): an out
+    # that shares elements with v is refused, one interleaved beside it is not.
+    d = q.shape[3]
+    fused = torch.zeros(1, q.shape[1], 64, 2 * d, dtype=q.dtype)
+    v_in = fused[..., d:][:, : v.shape[1]]
+    refused(lambda: mod.attention(q, k, v_in, out=fused[..., d // 2: d // 2 + d]), "out must not overlap v")
+    launches(lambda: mod.attention(q, k, v_in, out=fused[..., :d]))
     # In place of q, and a separate buffer, are accepted.
     launches(lambda: mod.attention(q, k, v, out=q))
     launches(lambda: mod.attention(q, k, v, out=torch.empty_like(q)))
+
+
+def test_out_may_be_q_of_a_fused_qkv_buffer():
+    """q, k and v as views of one [B, S, 3, H, D] buffer: their elements interleave
+    but never meet, so out=q is in place, as for a q of its own (it used to be
+    refused as overlapping k). The emulated kernels give the same output as on copies."""
+    mod = _module("fmha_mha_bf16")
+    heads, seq, dim = 2, 48, mod.SPEC["head_dim"]
+    qkv = torch.randn(1, seq, 3, heads, dim, generator=_gen(3)).to(torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    with emulate.emulating():
+        expected = mod.attention(q.clone(), k.clone(), v.clone())
+        got = mod.attention(q, k, v, out=q)
+    assert got.data_ptr() == qkv.data_ptr()
+    assert torch.equal(got, expected)
+    assert torch.equal(qkv[:, :, 0].transpose(1, 2), expected)
+
+
+def test_out_sharing_memory_with_k_through_another_storage_is_refused(refused, launches):
+    """Two storages over the same memory (NumPy here; DLPack or CUDA array interface
+    views on a GPU): the check compares addresses, not storages."""
+    mod = _module("fmha_mha_bf16")
+    q, k, v = random_qkv(mod.SPEC, 1, 2, 64, 64, generator=_gen(), device="cpu")
+    n = k.numel()
+    buf = np.zeros(2 * n + 16, np.int16)
+    k_alias = torch.from_numpy(buf).view(torch.bfloat16)[:n].view(k.shape)
+    k_alias.copy_(k)
+    out = torch.from_numpy(buf[8:]).view(torch.bfloat16)[:n].view(q.shape)
+    assert out.untyped_storage().data_ptr() != k_alias.untyped_storage().data_ptr()
+    refused(lambda: mod.attention(q, k_alias, v, out=out), "out must not overlap k")
+    apart = torch.from_numpy(np.zeros(n, np.int16)).view(torch.bfloat16).view(q.shape)
+    launches(lambda: mod.attention(q, k_alias, v, out=apart))
+
+
+def _byte_sets(t):
+    """Every byte address of t's elements, by brute force."""
+    size, base = t.element_size(), t.data_ptr()
+    index = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        index = index.unsqueeze(-1) + torch.arange(n) * s
+    starts = base + index.flatten() * size
+    return {int(a) + b for a in starts for b in range(size)}
+
+
+def test_the_overlap_test_agrees_with_brute_force_on_strided_views():
+    """_shares_bytes against the byte sets themselves, on random views (strides of
+    any order, stride 0, other element sizes) of one buffer."""
+    shares = _module("fmha_mha_bf16")._shares_bytes
+    gen = _gen(11)
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    dtypes = (torch.uint8, torch.int16, torch.bfloat16, torch.int32, torch.float32)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        views = []
+        for _ in range(2):
+            dtype = dtypes[int(torch.randint(len(dtypes), (), generator=gen))]
+            size = torch.empty(0, dtype=dtype).element_size()
+            dims = int(torch.randint(1, 4, (), generator=gen))
+            shape = [int(x) for x in torch.randint(1, 5, (dims,), generator=gen)]
+            stride = [int(x) for x in torch.randint(0, 24, (dims,), generator=gen)]
+            offset = int(torch.randint(0, 256, (), generator=gen))
+            views.append(buf[offset - offset % size:].view(dtype).as_strided(shape, stride))
+        a, b = views
+        expected = bool(_byte_sets(a) & _byte_sets(b))
+        assert shares(a, b) == expected, (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype,
+                                          a.data_ptr() - b.data_ptr())
+        seen[expected] += 1
+    assert min(seen.values()) > 50, seen
 
 
 def test_prefill_out_must_not_repeat_elements(refused):
@@ -335,6 +406,10 @@ def test_a_block_map_follows_the_tensors_it_was_built_from(name, refused, launch
             "doc was written after block_map was built")
     fresh = _built_map(mod, batch, q.shape[1], seq, seq, doc=doc)
     launches(lambda: mod.attention(q, k, v, doc=doc, block_map=fresh))
+    # A q_offset of the wrong type is named as such, not as a map built for another.
+    for bad in (1.5, True):
+        refused(lambda: mod.attention(q, k, v, doc=doc, block_map=fresh, q_offset=bad),
+                f"q_offset must be an int, got {bad}")
 
 
 def test_a_decode_block_map_is_refused_once_seq_lens_advance(refused, launches):

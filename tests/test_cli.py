@@ -196,6 +196,22 @@ def test_check_reports_a_module_whose_spec_is_gone(project):
     assert "generated/fmha_alibi.py: its spec specs/fmha_alibi.yaml is gone" in check.stderr
 
 
+def test_check_reports_a_module_left_behind_by_a_renamed_spec(project):
+    """A spec whose name: changed makes a new module; the old one, still naming the
+    spec in its header, is drift (it used to pass the check)."""
+    _keep(project, ("fmha_mha_bf16", "fmha_alibi"))
+    specgen("build", "specs", "--no-compile", cwd=project)
+    spec = project / "specs" / "fmha_alibi.yaml"
+    spec.write_text(spec.read_text().replace("name: fmha_alibi", "name: fmha_alibi_renamed", 1))
+    assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1
+    assert check.stderr.splitlines()[0] == ("generated/fmha_alibi.py: its spec specs/fmha_alibi.yaml now makes "
+                                            "generated/fmha_alibi_renamed.py (delete the module)"), check.stderr
+    (project / "generated" / "fmha_alibi.py").unlink()
+    assert specgen("build", "specs", "--check", "--no-compile", cwd=project).returncode == 0
+
+
 def test_a_spec_file_name_with_a_line_break_is_refused(project):
     _keep(project, ("fmha_mha_bf16",))
     spec = project / "specs" / "fmha_mha_bf16.yaml"

@@ -352,8 +352,20 @@ def _broken(data: dict, change: str) -> dict:
     return data
 
 
+def _damaged_gzip() -> bytes:
+    """A gzip file whose header is whole and whose compressed data is not (zlib's
+    error, not gzip's)."""
+    import gzip
+
+    data = bytearray(gzip.compress(b'{"schema": 3, "rows": []}' * 200, mtime=0))
+    for i in range(20, 60):
+        data[i] ^= 0x5A
+    return bytes(data)
+
+
 @pytest.mark.parametrize("name,content,words", [
     ("a-prefill.json", b'{"schema": 3, "rows": [', "not valid JSON (line 1, column 24)"),
+    ("a-prefill.json.gz", _damaged_gzip(), "cannot read"),
     ("a-prefill.json", b"", "not valid JSON"),
     ("a-prefill.json", b"\xff\xfe{}", "not UTF-8 text"),
     ("a-prefill.json.gz", b"\x1f\x8b\x08\x00\x00", "cannot read"),
@@ -511,3 +523,28 @@ def test_a_bad_spec_in_specs_is_one_error_and_specs_ship_by_name(tmp_path):
     (specs / "bad.yaml").write_text("name: x\nbogus: 1\n")
     with pytest.raises(DocsError, match="bogus: unknown key"):
         performance_markdown(tmp_path / "bench" / "results", specs)
+
+
+def test_specgen_docs_names_each_bad_spec_on_its_own_line_and_refuses_shared_names(tmp_path):
+    """Two problems are two lines (they were joined with "; "); two specs of one name
+    are refused as `specgen build` refuses them (the reference listed both)."""
+    import shutil
+
+    from .test_cli import specgen
+
+    for part in ("specs", "docs", "bench"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    (tmp_path / "specs" / "bad.yaml").write_text("name: 1\nhead_dim: 3\n")
+    before = (tmp_path / "docs" / "spec-reference.md").read_bytes()
+    result = specgen("docs", "--root", tmp_path, cwd=tmp_path)
+    lines = result.stderr.splitlines()
+    assert result.returncode == 2 and len(lines) == 2, result.stderr
+    assert lines[0].startswith(f"specgen docs: {tmp_path / 'specs' / 'bad.yaml'}: name: must be a string")
+    assert lines[1].startswith(f"specgen docs: {tmp_path / 'specs' / 'bad.yaml'}: head_dim:")
+    (tmp_path / "specs" / "bad.yaml").unlink()
+    shutil.copy(tmp_path / "specs" / "fmha_alibi.yaml", tmp_path / "specs" / "zz_copy.yaml")
+    result = specgen("docs", "--root", tmp_path, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"specgen docs: {tmp_path / 'specs' / 'zz_copy.yaml'}: name: 'fmha_alibi' is also the name in "
+        f"{tmp_path / 'specs' / 'fmha_alibi.yaml'}; each spec needs its own name"], result.stderr
+    assert (tmp_path / "docs" / "spec-reference.md").read_bytes() == before

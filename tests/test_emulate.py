@@ -222,6 +222,27 @@ def test_specgen_test_emulate_runs_without_a_gpu(tmp_path):
     assert "3/3 fuzz cases (3 drawn) passed" in fuzz.stdout
 
 
+def test_specgen_test_names_a_hand_edited_module_before_writing_any(tmp_path):
+    """A hand-edited module among stale ones is exit 2 with nothing written (the
+    other modules used to be written first)."""
+    from .test_cli import specgen
+
+    specs, gen = tmp_path / "specs", tmp_path / "gen"
+    specs.mkdir()
+    for name in ("fmha_alibi", "fmha_mha_bf16"):
+        (specs / f"{name}.yaml").write_text((ROOT / "specs" / f"{name}.yaml").read_text())
+    built = specgen("build", specs, "--no-compile", "--gen", gen, cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    edited = gen / "fmha_mha_bf16.py"
+    edited.write_text(edited.read_text() + "# edit\n")
+    (gen / "fmha_alibi.py").unlink()
+    result = specgen("test", specs, "--emulate", "--gen", gen, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"{edited}: edited by hand, not overwritten (specgen build --force replaces it)"]
+    assert not (gen / "fmha_alibi.py").exists()
+
+
 QK_AHEAD_SPECS = ["fmha_gqa8_bf16", "fmha_mistral_window", "fmha_fp8_llama", "fmha_varlen_llama",
                   "fmha_gemma_softcap", "fmha_train_gqa_causal", "fmha_mha_bf16"]
 

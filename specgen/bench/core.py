@@ -16,6 +16,7 @@ import json
 import re
 import stat
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional, Sequence
@@ -273,7 +274,7 @@ def read_result_json(path: Path) -> Any:
     """The JSON of a results file, or ResultError naming the file and what is wrong."""
     try:
         return json.loads(read_result_text(path))
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:  # zlib: compressed data damaged
         raise ResultError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     except UnicodeDecodeError:
         raise ResultError(f"{path}: not UTF-8 text") from None

@@ -13,9 +13,28 @@ from specgen import __version__
 from specgen.errors import SpecgenError, UsageError
 
 
+class _StoreOnce(argparse._StoreAction):
+    """An option's value, given once: a second value (``--gen a --out b``, two names
+    of one option) would silently replace the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault("_given_options", {})
+        if self.dest in given:
+            first, value = given[self.dest]
+            parser.error(f"{option_string} {values}: {first} {value} was given already; give the option once")
+        given[self.dest] = (option_string, values)
+        setattr(namespace, self.dest, values)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors in one line (``specgen build: error: ...``), exit 2,
-    as every other bad input; ``--help`` still shows the usage."""
+    as every other bad input; ``--help`` still shows the usage. An option that takes
+    a value takes it once."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
 
     def parse_known_args(self, args=None, namespace=None):
         self._given = list(sys.argv[1:] if args is None else args)
@@ -391,7 +410,7 @@ def _run(args) -> int:
         try:
             changed = write_docs(Path(args.root), check=args.check)
         except DocsError as exc:
-            raise UsageError(f"specgen docs: {exc}") from None
+            raise UsageError("\n".join(f"specgen docs: {line}" for line in str(exc).splitlines())) from None
         for name in changed:
             print(f"{name}: {'out of date; run `specgen docs`' if args.check else 'written'}")
         if not changed:

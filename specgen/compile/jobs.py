@@ -42,9 +42,11 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
             raise UsageError(f"{str(raw)!r}: expected a spec file or a folder of specs")
         path = Path(raw)
         if path.is_dir():
-            # Files only: a folder named x.yaml is not a spec (nor is a broken link).
+            # Files only: a folder named x.yaml is not a spec. A link is followed (a
+            # broken one is named below); hidden files are an editor's (a lock link
+            # .#x.yaml, a backup .~x.yaml), not specs.
             found += sorted(p for p in path.iterdir() if p.suffix in SPEC_SUFFIXES
-                            and (p.is_file() or p.is_symlink()))
+                            and not p.name.startswith(".") and (p.is_file() or p.is_symlink()))
         elif path.is_file():
             found.append(path)
         elif path.exists():
@@ -60,6 +62,8 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
         except RuntimeError:  # Python 3.11-3.12 report a symlink loop so
             raise UsageError(f"{p}: a symlink loop") from None
         except OSError as exc:
+            if p.is_symlink() and not p.exists():
+                raise UsageError(f"{p}: a symbolic link to {os.readlink(p)}, which does not exist") from None
             raise UsageError(f"{p}: {exc.strerror or exc}") from None
     unique = list(dict.fromkeys(resolved))
     return [Path(os.path.relpath(p)) if _is_under_cwd(p) else p for p in unique]
@@ -175,14 +179,21 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
             problems.append(f"{job.out_path}: edited by hand (its content no longer matches its header's hash)")
         else:
             problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates")
-    # Modules whose spec is gone (deleted or renamed): left behind, they still import.
+    # Modules whose spec is gone (deleted or renamed), or now makes a module of
+    # another name: left behind, they still import.
     built = {job.out_path.resolve() for job in jobs}
+    makes = {job.rendered.spec_path: job.out_path for job in jobs}
     project = out_dir.resolve().parent
     for path in sorted(out_dir.glob("*.py")) if out_dir.is_dir() else ():
         if path.name == "__init__.py" or path.resolve() in built or not path.is_file():
             continue
         match = HEADER_RE.match(module_text(path))
-        if match and not (project / match["spec_path"]).exists():
+        if not match:
+            continue
+        if match["spec_path"] in makes:
+            problems.append(f"{path}: its spec {match['spec_path']} now makes {makes[match['spec_path']]} "
+                            "(delete the module)")
+        elif not (project / match["spec_path"]).exists():
             problems.append(f"{path}: its spec {match['spec_path']} is gone (delete the module, "
                             "or restore the spec)")
     return problems

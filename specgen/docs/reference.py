@@ -596,12 +596,20 @@ def load_specs(specs_dir: Path) -> list[tuple[Path, Spec]]:
     from specgen.errors import SpecError
     from specgen.spec import load_spec
 
-    specs = []
-    for path in sorted(p for p in specs_dir.iterdir() if p.suffix in SPEC_SUFFIXES and p.is_file()):
+    specs, problems = [], []
+    for path in sorted(p for p in specs_dir.iterdir()
+                       if p.suffix in SPEC_SUFFIXES and not p.name.startswith(".") and p.is_file()):
         try:
             specs.append((path, load_spec(path)))
         except SpecError as exc:
-            raise DocsError("; ".join(exc.lines())) from None
+            problems += exc.lines()
+    seen: dict[str, Path] = {}
+    for path, spec in specs:
+        other = seen.setdefault(spec.name, path)
+        if other != path:
+            problems.append(f"{path}: name: {spec.name!r} is also the name in {other}; each spec needs its own name")
+    if problems:  # one line each
+        raise DocsError("\n".join(problems))
     return specs
 
 

@@ -182,17 +182,27 @@ def test_calls_without_query_rows_run_on_the_gpu(name):
     assert decode.attention(**args).shape == (0, 1, 16, 128)
 
 
-def test_decode_calls_on_two_streams_keep_their_own_workspaces():
-    """Decode calls of one shape on two streams, queued back to back so that they
-    run at once: each has its own split workspace (one shared by both let one call's
-    partial results into the other's output)."""
+def test_decode_calls_on_two_streams_keep_their_own_workspaces(monkeypatch):
+    """Decode calls of one shape on two streams, queued back to back: each stream's
+    split kernel writes its own partial results (one workspace shared by every
+    stream let calls that run at once mix theirs), and both outputs are right."""
     from specgen.check.cases import decode_reference, random_decode
 
     mod = generated_module(DECODE)
     streams = [torch.cuda.Stream() for _ in range(2)]
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    batches = [random_decode(mod.SPEC, [4096, 8192, 3000, 8192], 2, 1, generator=gen) for _ in streams]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    batches = [random_decode(mod.SPEC, [4096, 8192, 3000, 8192], 2, 1, gen) for _ in streams]
     refs = [decode_reference(mod.SPEC, b, {}) for b in batches]
+    partials = {}  # stream handle: the split kernel's float32 partial outputs (5-D)
+    launch = mod.ct.launch
+
+    def recording(stream, grid, kernel, args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() == 5 and a.dtype == torch.float32:
+                partials.setdefault(stream, set()).add(a.data_ptr())
+        return launch(stream, grid, kernel, args, **kwargs)
+
+    monkeypatch.setattr(mod.ct, "launch", recording)
     torch.cuda.synchronize()
     for _ in range(3):
         outs = []
@@ -202,3 +212,21 @@ def test_decode_calls_on_two_streams_keep_their_own_workspaces():
         torch.cuda.synchronize()
         for out, ref in zip(outs, refs):
             assert (out.double() - ref).abs().max().item() < 2e-2
+    assert len(partials) == 2 and all(len(p) == 1 for p in partials.values()), partials
+    first, second = partials.values()
+    assert first != second  # a workspace of each stream's own
+
+
+def test_out_may_be_q_of_a_fused_qkv_buffer_on_the_gpu():
+    """q, k, v as interleaved views of one [B, S, 3, H, D] buffer, written in place
+    of q: the same output as on separate copies, and k, v untouched."""
+    mod = generated_module("fmha_mha_bf16")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    qkv = torch.randn(2, 300, 3, 4, mod.SPEC["head_dim"], device="cuda", generator=gen).to(torch.bfloat16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    expected = mod.attention(q.clone(), k.clone(), v.clone())
+    kv = qkv[:, :, 1:].clone()
+    out = mod.attention(q, k, v, out=q)
+    torch.cuda.synchronize()
+    assert out.data_ptr() == qkv.data_ptr()
+    assert torch.equal(qkv[:, :, 0].transpose(1, 2), expected) and torch.equal(qkv[:, :, 1:], kv)

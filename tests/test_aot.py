@@ -233,6 +233,36 @@ def test_a_build_replaces_links_in_the_folder_and_refuses_a_linked_folder(built,
     assert (shared / "other.cubin").is_file()
 
 
+def test_writers_of_one_folder_wait_for_each_other_whatever_their_caches(built, tmp_path, monkeypatch):
+    """The writer's lock is the folder's own: a build with another cubin cache
+    waits for the one writing (a lock file in each cache let two builds of other
+    targets remove each other's cubins)."""
+    import fcntl
+    import os
+    import threading
+
+    from specgen.compile.aot import folder_problem, write_aot_folder
+
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    folder = tmp_path / f"{SPEC}.aot"
+    folder.mkdir()
+    results = _results(built)
+    monkeypatch.setenv("SPECGEN_CACHE_DIR", str(tmp_path / "another-cache"))
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a writer with its own cache holds it
+    writer = threading.Thread(target=write_aot_folder, args=(copy, copy.read_text(), results))
+    try:
+        writer.start()
+        writer.join(0.5)
+        assert writer.is_alive() and not (folder / "manifest.json").exists()
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+    writer.join(30)
+    assert not writer.is_alive() and folder_problem(copy, copy.read_text(), results) is None
+
+
 def test_the_cubin_cache_serves_only_whole_entries(tmp_path, monkeypatch):
     """A cached cubin cut short, replaced, or with a record that does not read is
     compiled again, not served (and its damage is not copied into .aot folders)."""

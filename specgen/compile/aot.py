@@ -18,8 +18,11 @@ damaged or unreadable folder is ignored (the JIT compiles instead), never wrong.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from filelock import FileLock
@@ -85,7 +88,7 @@ def write_aot_folder(module_path: Path, source: str, results: list[CompileResult
     folder.mkdir(parents=True, exist_ok=True)
     # One writer at a time: two builds of other targets would otherwise remove each
     # other's cubins and leave a manifest naming files that are gone.
-    with FileLock(str(_lock_path(folder))):
+    with _writer_lock(folder):
         text, cubins = _expected(source, results)
         for name, data in cubins.items():
             _replace(folder / name, data)
@@ -105,6 +108,28 @@ def _manifest(source: str, sums: dict, entries: list) -> dict:
         "cubins": sums,
         "entries": entries,
     }
+
+
+@contextlib.contextmanager
+def _writer_lock(folder: Path):
+    """``folder`` for one writer at a time, whatever cache each build uses: an
+    exclusive flock on the folder itself (no file added to it). Where the file
+    system refuses a directory's flock (NFS), a lock file in the cache instead,
+    which orders the builds that share that cache."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            with FileLock(str(_lock_path(folder))):
+                yield
+            return
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _lock_path(folder: Path) -> Path:

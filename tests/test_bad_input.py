@@ -580,3 +580,19 @@ def test_hidden_files_of_a_spec_folder_are_not_specs(project, capsys):
     code, out, err = _run(capsys, "build", folder, "--no-compile", "--gen", project / "gen")
     assert code == 0, err
     assert sorted(p.name for p in (project / "gen").glob("*.py")) == ["__init__.py", "fmha_gqa_causal.py"]
+
+
+def test_timing_commands_name_a_missing_triton(monkeypatch):
+    """bench, tune and bench --variants time with triton's do_bench: where triton
+    does not import (a CPU build of torch on a GPU machine), one line says so."""
+    import sys
+
+    from specgen.check.gpu import require_do_bench
+    from specgen.errors import UsageError
+
+    monkeypatch.setitem(sys.modules, "triton.testing", None)
+    with pytest.raises(UsageError) as info:
+        require_do_bench("tune")
+    assert str(info.value).startswith("specgen tune: times kernels with triton.testing.do_bench, and triton "
+                                      "does not import")
+    assert "install a CUDA build of torch" in str(info.value) and "\n" not in str(info.value)

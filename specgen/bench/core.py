@@ -686,7 +686,7 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     timed in a pass after every specgen kernel of the run, on the same seeded
     inputs, against specgen's outputs kept on the host; the results are then
     written again with their rows filled in."""
-    from specgen.check.gpu import import_module_file, require_cuda
+    from specgen.check.gpu import import_module_file, require_cuda, require_do_bench
     from specgen.compile.jobs import load_jobs, load_plans, write_jobs
 
     plans = load_plans(paths)
@@ -703,8 +703,8 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
             suite.shapes(plan, shapes)
     torch = require_cuda("bench")  # before rendering: without a GPU, say so at once
     require_unpatched_launch()
+    do_bench = require_do_bench("bench")
     jobs = load_jobs(paths, gen, plans)
-    from triton.testing import do_bench
 
     device = describe_device(log)
     ctx = Context(torch, do_bench, log, suite.yardstick(torch, do_bench, log))

@@ -27,6 +27,19 @@ def require_cuda(command: str):
     return torch
 
 
+def require_do_bench(command: str):
+    """triton's do_bench, which the timing commands use; exit 2 where triton is
+    missing (CUDA builds of torch bring it, CPU builds do not)."""
+    try:
+        from triton.testing import do_bench
+    except ImportError as exc:
+        raise UsageError(
+            f"specgen {command}: times kernels with triton.testing.do_bench, and triton does not "
+            f"import ({exc}); install a CUDA build of torch, which brings it, or pip install triton"
+        ) from None
+    return do_bench
+
+
 def fresh_jobs(paths: list[str], out_dir: Path, log) -> list[Job]:
     """Build stale modules (render only; the JIT compiles at first launch)."""
     jobs = load_jobs(paths, out_dir)

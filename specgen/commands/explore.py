@@ -228,7 +228,7 @@ def run_variants(
     from specgen.bench.core import graph_time_ms, median_ms, tflops, write_report
     from specgen.bench.flops import attention_flops
     from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
-    from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda
+    from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda, require_do_bench
 
     late = [n for n in baselines if REGISTRY[n].late]
     if late:
@@ -236,7 +236,7 @@ def run_variants(
                          "(importing it changes cuda.tile.launch); use specgen bench")
     config, plans, sources = load_variants(path)  # every variant valid before the GPU
     torch = require_cuda("bench --variants")
-    from triton.testing import do_bench
+    do_bench = require_do_bench("bench --variants")
 
     def measure(fn) -> float:
         if config.timing == "graph":

@@ -298,7 +298,7 @@ def run_tune(
         smoke_case,
     )
     from specgen.compile.export import atomic_write, load_module_from_source
-    from specgen.check.gpu import device_info, device_slug, require_cuda
+    from specgen.check.gpu import device_info, device_slug, require_cuda, require_do_bench
     from specgen.plan.make import default_v_transposed, make_plan
     from specgen.emit.render import render
 
@@ -333,7 +333,7 @@ def run_tune(
     torch = require_cuda("tune")
     import cuda.tile as ct
     from cuda.tile.tune import exhaustive_search
-    from triton.testing import do_bench
+    do_bench = require_do_bench("tune")
 
     device = device_info()
     if device["sm"] != target:

@@ -300,8 +300,9 @@ The same model ships as a JSON Schema, [`specs/schema.json`](../specs/schema.jso
 completion, for example with `# yaml-language-server: $schema=schema.json` at the top
 of a spec. The schema knows the keys, types, choices, bounds, head-dim and tile sizes
 and the name's form; the rules between fields, the target names and the hooks are
-checked by `specgen build` (`--no-compile --check` is quick), so a spec the editor
-accepts may still be refused there, with one line naming the field.
+checked by `specgen build` (`specgen build SPEC --no-compile` renders without
+compiling; exit 2 lists every problem), so a spec the editor accepts may still be
+refused there, with one line naming the field.
 
 The *family* column says which kernel family takes a field; setting a field of the
 other family (to anything but its default) is an error.

@@ -243,6 +243,26 @@ def test_specgen_test_names_a_hand_edited_module_before_writing_any(tmp_path):
     assert not (gen / "fmha_alibi.py").exists()
 
 
+@pytest.mark.parametrize("label,window,causal,backward", [
+    ("right", {"right": 2**29}, False, False),
+    ("left", {"left": 2**29}, False, True),
+    ("both", {"left": 2**29, "right": 2**29}, False, True),
+    ("causal_left", {"left": 2**29}, True, False),
+])
+def test_the_widest_windows_keep_int32_positions_at_the_extreme_offsets(label, window, causal, backward):
+    """Windows up to 2**29 at query positions near -2**30 and 2**30: the kernels add
+    a window to an int32 position and a tile, which must not wrap (a window of
+    2**31 - 1 wrapped, and rows that see every key stored zeros)."""
+    data = {"name": f"wide_{label}", "dtype": "bfloat16", "head_dim": 32, "causal": causal,
+            "window": window, "backward": backward}
+    module = _emulated(data, f"wide_{label}")
+    offsets = (-2**30, -2**29 - 2, -3, 2**29 - 20, 2**30 - 24)
+    for q_offset in offsets:
+        case = Case(1, 1, 24, 40, q_offset)
+        row = _run(module, case)
+        assert row["ok"], f"{label} q_offset {q_offset}: {case_verdict(row)}"
+
+
 QK_AHEAD_SPECS = ["fmha_gqa8_bf16", "fmha_mistral_window", "fmha_fp8_llama", "fmha_varlen_llama",
                   "fmha_gemma_softcap", "fmha_train_gqa_causal", "fmha_mha_bf16"]
 

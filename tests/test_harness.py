@@ -93,10 +93,12 @@ def test_fuzz_cases_are_valid_replayable_and_varied():
                 assert all(1 <= q and 1 <= k for q, k in c.lengths)
             else:
                 assert c.batch * c.kv_heads * spec["gqa_ratio"] * c.seq_q * c.seq_k <= FUZZ_MAX_SCORES
-                assert c.q_offset >= 0 and c.layout in ("contiguous", "transposed", "sliced")
+                assert -c.seq_q <= c.q_offset <= c.seq_k + 64 and c.layout in ("contiguous", "transposed", "sliced")
         if not spec.get("family") == "decode" and not spec.get("varlen"):
             assert {c.layout for c in cases} == {"contiguous", "transposed", "sliced"}
             assert any(c.seq_q != c.seq_k for c in cases) and any(c.seq_q == 1 for c in cases)
+            # queries before the first key (bottom-right with more queries than keys)
+            assert any(c.q_offset < 0 for c in cases) and any(c.q_offset > c.seq_k for c in cases)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -277,7 +277,9 @@ NEW_FIELDS_BAD = [
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "v_transposed": "yes"}}},
      "specs/bad.yaml: targets.sm_90.v_transposed: must be true or false, got \"yes\""),
     ({"window": {}}, "specs/bad.yaml: window: set left or right (or both); without either, drop window"),
-    ({"window": {"left": -1}}, "specs/bad.yaml: window.left: must be an integer in [0, 2147483647], got -1"),
+    ({"window": {"left": -1}}, "specs/bad.yaml: window.left: must be an integer in [0, 536870912], got -1"),
+    ({"window": {"right": 2**31 - 1}}, "specs/bad.yaml: window.right: must be at most 2**29 (536870912); for a "
+     "window without this bound use null, got 2147483647"),
     ({"window": {"left": 10, "size": 3}}, "specs/bad.yaml: window.size: unknown key; allowed keys: left, right"),
     ({"causal": True, "window": {"left": 10, "right": 4}},
      "specs/bad.yaml: window.right: 4 needs causal: false (a causal kernel never sees keys after the "

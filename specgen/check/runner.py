@@ -366,8 +366,9 @@ def fuzz_case(spec: dict, case_seed: str, scale: int = 1) -> Case:
         seq_k = seq_q if rng.random() < 0.4 else _log_uniform(rng, 1, max(16, 4096 // scale))
         if batch * kv_heads * ratio * seq_q * seq_k <= FUZZ_MAX_SCORES // scale:
             break
-    # Bottom-right (chunked prefill), top-left, or anywhere up to past the keys.
-    q_offset = rng.choice([max(seq_k - seq_q, 0), 0, rng.randint(0, seq_k + 64)])
+    # Bottom-right (chunked prefill; negative where the queries outnumber the keys),
+    # top-left, or anywhere from before the first key to past the keys.
+    q_offset = rng.choice([seq_k - seq_q, 0, rng.randint(-seq_q, seq_k + 64)])
     layout = rng.choice(["contiguous", "contiguous", "transposed", "sliced"])
     return Case(batch, kv_heads, seq_q, seq_k, q_offset, layout)
 

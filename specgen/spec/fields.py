@@ -206,15 +206,25 @@ class Loads(_Strict):
 class Window(_Strict):
     """A sliding window around each query's absolute position p = q_offset + i."""
 
+    # The kernels add a window to an int32 position (|p| < 2**30) and a tile: a
+    # window up to 2**29 keeps that sum inside int32; a wider one is null.
     left: Optional[int] = Field(
-        None, ge=0, le=2**31 - 1,
-        description="Keys j >= p - left are visible; null: unbounded to the left.",
+        None, ge=0, le=2**29,
+        description="Keys j >= p - left are visible; null: unbounded to the left. "
+        "At most 2**29 (536870912); a wider window is null.",
     )
     right: Optional[int] = Field(
-        None, ge=0, le=2**31 - 1,
+        None, ge=0, le=2**29,
         description="Keys j <= p + right are visible; null: unbounded to the right. "
-        "A causal kernel takes null or 0.",
+        "A causal kernel takes null or 0. At most 2**29 (536870912); a wider window is null.",
     )
+
+    @field_validator("left", "right", mode="before")
+    @classmethod
+    def _int32_room(cls, value):
+        if type(value) is int and value > 2**29:
+            raise ValueError("must be at most 2**29 (536870912); for a window without this bound use null")
+        return value
 
     @model_validator(mode="after")
     def _bounded(self):

@@ -179,8 +179,13 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
             problems.append(f"{job.out_path}: edited by hand (its content no longer matches its header's hash)")
         else:
             problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates")
-    # Modules whose spec is gone (deleted or renamed), or now makes a module of
-    # another name: left behind, they still import.
+    return problems + leftover_modules(jobs, out_dir)
+
+
+def leftover_modules(jobs: list[Job], out_dir: Path) -> list[str]:
+    """Modules in ``out_dir`` whose spec is gone (deleted or renamed), or now makes a
+    module of another name: left behind, they still import. One line each."""
+    problems = []
     built = {job.out_path.resolve() for job in jobs}
     makes = {job.rendered.spec_path: job.out_path for job in jobs}
     project = out_dir.resolve().parent
@@ -416,6 +421,8 @@ def run_build(
         for line in refused:
             err(line)
         failed = bool(refused)
+        for line in leftover_modules(jobs, out_dir):  # a build deletes nothing: said, not failed
+            err(f"note: {line}")
     if not no_compile:
         # --check compiles too (a template change can break a compile) but writes nothing.
         _, failures = compile_jobs(jobs, target_list, workers or default_workers(), log,

@@ -965,6 +965,25 @@ def test_hook_derivatives_train_against_fp64_autograd(score_mod):
     assert row["ok"] and row["grad_ok"], case_verdict(row)
 
 
+@pytest.mark.parametrize("label,hooks", [
+    # The reference differentiated the branch not taken too: 0 times sqrt's
+    # derivative at a negative score is NaN, a false failure of a right kernel.
+    ("sqrt_branch", {"score_mod": "where(score > 0, sqrt(score), 0.0)"}),
+    ("sqrt_ifexp", {"score_mod": "sqrt(score) if score > 0 else score"}),
+    # Integer arithmetic past int32 wraps in the kernels; the reference computed it
+    # in int64 (relative error 0.49 and 0.83).
+    ("wrapping_score", {"score_mod": "score + ((q_idx * 1103515245 + kv_idx * 12345) % 13) * 0.1"}),
+    ("wrapping_mask", {"mask_mod": "(q_idx * 1103515245 + kv_idx) % 3 != 0"}),
+])
+def test_the_reference_follows_the_kernels_branches_and_int32_arithmetic(label, hooks):
+    data = {"name": f"hook_ref_{label}", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,
+            "backward": True, "targets": {"default": {"tile_m": 16, "tile_n": 16}}, **hooks}
+    module = _emulated(data, f"hook_ref_{label}")
+    for case in (Case(1, 1, 40, 50, 10), Case(1, 1, 30, 20, -13)):
+        row = _run(module, case)
+        assert row["ok"] and row["grad_ok"], f"{label} {case}: {case_verdict(row)}"
+
+
 _FA_RULE = runner._fa_rule  # before any test patches it
 
 

@@ -149,12 +149,15 @@ def attention_reference(
         from specgen.spec.hooks import evaluate
 
         batch, heads, seq_q, seq_k = scores.shape
+        # int32 positions: a hook's integer arithmetic wraps at 32 bits, as in the
+        # kernels (and FlexAttention's index tensors).
+        i32 = torch.int32
         env = {
             "score": scores,
-            "b": (torch.arange(batch, device=q.device) + batch_offset).view(-1, 1, 1, 1),
-            "h": torch.arange(heads, device=q.device).view(1, -1, 1, 1),
-            "q_idx": (torch.arange(seq_q, device=q.device) + q_offset).view(1, 1, -1, 1),
-            "kv_idx": torch.arange(seq_k, device=q.device).view(1, 1, 1, -1),
+            "b": (torch.arange(batch, device=q.device, dtype=i32) + batch_offset).view(-1, 1, 1, 1),
+            "h": torch.arange(heads, device=q.device, dtype=i32).view(1, -1, 1, 1),
+            "q_idx": (torch.arange(seq_q, device=q.device, dtype=i32) + q_offset).view(1, 1, -1, 1),
+            "kv_idx": torch.arange(seq_k, device=q.device, dtype=i32).view(1, 1, 1, -1),
         }
         if score_mod:
             scores = torch.broadcast_to(evaluate(score_mod, env, tensors or {}), scores.shape)

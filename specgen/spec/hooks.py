@@ -508,15 +508,34 @@ def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = No
 # --- evaluation with torch (reference and FlexAttention) -----------------------
 
 
-def torch_fn(text: str):
+def torch_fn(text: str, branch_gradients: bool = False):
     """A checked hook as a Python function ``f(env, tensors)`` of torch ops.
 
     The tree is turned into nested closures once, here; calling the result runs
     only torch operations, so torch.compile (FlexAttention) traces it into its
     fused kernel. ``env`` holds score, b, h, q_idx, kv_idx as (broadcastable)
     tensors, ``tensors`` the extra tensors. An index outside a tensor reads 0,
-    as in the kernel."""
+    as in the kernel.
+
+    ``branch_gradients``: each branch of a conditional sees the score with its
+    gradient only where the condition takes that branch. Autograd otherwise sends
+    a zero gradient through the branch not taken, and 0 times that branch's
+    derivative is NaN where it is not finite (the sqrt of a negative score in
+    where(score > 0, sqrt(score), 0)); the kernels differentiate the branch taken
+    only. For the fp64 reference."""
     import torch
+
+    def branches(test, body, orelse):
+        def pick(env, t):
+            c = test(env, t)
+            score = env.get("score")
+            if not (branch_gradients and torch.is_tensor(c) and torch.is_tensor(score) and score.requires_grad):
+                return _where3(c, body(env, t), orelse(env, t))
+            kept = score.detach()
+            taken = body({**env, "score": torch.where(c, score, kept)}, t)
+            other = orelse({**env, "score": torch.where(c, kept, score)}, t)
+            return _where3(c, taken, other)
+        return pick
 
     def float_of(x):
         # Integers (positions, ids) become float32, exact below 2**24.
@@ -581,13 +600,12 @@ def torch_fn(text: str):
                 return out
             return chain
         if isinstance(node, ast.IfExp):
-            test, body, orelse = build(node.test), build(node.body), build(node.orelse)
-            return lambda env, t: _where3(test(env, t), body(env, t), orelse(env, t))
+            return branches(build(node.test), build(node.body), build(node.orelse))
         if isinstance(node, ast.Call):
             name = node.func.id
             args = [build(a) for a in node.args]
             if name == "where":
-                return lambda env, t: _where3(*(a(env, t) for a in args))
+                return branches(*args)
             fn = getattr(torch, FUNCTIONS[name][2])
             cast = FUNCTIONS[name][3] == "float"
 
@@ -634,8 +652,9 @@ def _where3(c, a, b):
 
 
 def evaluate(text: str, env: dict, tensors: dict):
-    """Evaluate a checked hook once with torch ops (see torch_fn)."""
-    return torch_fn(text)(env, tensors)
+    """Evaluate a checked hook once with torch ops (see torch_fn), each branch of a
+    conditional differentiated where it is taken (the reference's gradients)."""
+    return torch_fn(text, branch_gradients=True)(env, tensors)
 
 
 # --- block maps: a cheap test that a mask_mod can hold anywhere in a tile -------

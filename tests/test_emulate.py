@@ -974,6 +974,8 @@ def test_hook_derivatives_train_against_fp64_autograd(score_mod):
     # in int64 (relative error 0.49 and 0.83).
     ("wrapping_score", {"score_mod": "score + ((q_idx * 1103515245 + kv_idx * 12345) % 13) * 0.1"}),
     ("wrapping_mask", {"mask_mod": "(q_idx * 1103515245 + kv_idx) % 3 != 0"}),
+    # scores that ignore q . k, written as the refusal of one without score says
+    ("fixed_pattern", {"score_mod": "score * 0.0 + q_idx * 0.01"}),
 ])
 def test_the_reference_follows_the_kernels_branches_and_int32_arithmetic(label, hooks):
     data = {"name": f"hook_ref_{label}", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,

@@ -88,6 +88,12 @@ INJECTIONS = [
     ("2 ** 40", "'**' is not allowed"),
     ("2147483648", "does not fit in int32"),
     ("q_idx > kv_idx", "must be a number (the new score), got a condition"),
+    # one number per row, per key or per head, not a tile of scores (the forward
+    # failed to compile: an MMA of [TILE_M, 1] and [TILE_N, D])
+    ("q_idx * 0.01", "must read score, or vary with both q_idx and kv_idx (write score * 0.0 + ..."),
+    ("slope[h]", "must read score, or vary with both q_idx and kv_idx"),
+    ("where(kv_idx > 3, 0.0, -1.0)", "must read score, or vary with both q_idx and kv_idx"),
+    ("3.0", "must read score, or vary with both q_idx and kv_idx"),
     ("score " * 200, "longer than 500 characters"),
 ]
 

@@ -499,6 +499,13 @@ def compile_hook(text: str, which: str, tensors: dict, counter: dict | None = No
                         "with & | ~ and/or/not)")
     if which == "score_mod" and kind == "bool":
         raise ExprError("must be a number (the new score), got a condition")
+    reads_score = any(isinstance(n, ast.Name) and n.id == "score" for n in ast.walk(tree))
+    if which == "score_mod" and check_size and not reads_score and not {"q_idx", "kv_idx"} <= compiler.uses:
+        # A written score_mod's value would be one number per query row, per key or
+        # per head: not the tile of scores the kernels go on with. (A derivative
+        # specgen derived, check_size False, multiplies a tile and may be a number.)
+        raise ExprError("must read score, or vary with both q_idx and kv_idx (write score * 0.0 + ... "
+                        "for scores that ignore q . k)")
     if kind == "int":
         kernel = f"ct.astype({kernel}, ct.float32)"
     return Hook(ast.unparse(tree.body), kernel, kind, frozenset(compiler.uses),

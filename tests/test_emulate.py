@@ -986,6 +986,29 @@ def test_the_reference_follows_the_kernels_branches_and_int32_arithmetic(label, 
         assert row["ok"] and row["grad_ok"], f"{label} {case}: {case_verdict(row)}"
 
 
+_TABLE = {"dtype": "float32", "shape": ["heads", 4], "learnable": True}
+_IDS = {"dtype": "int32", "shape": ["batch", "seq_k"]}
+
+
+@pytest.mark.parametrize("label,extra", [
+    # A learnable table indexed through an id tensor: its gradient was planned for
+    # the ids (the first gather of the subscript), and the call refused the table.
+    ("nested_learnable", {"score_mod": "score + tab[h, ids[b, kv_idx] % 4]",
+                          "tensors": {"tab": _TABLE, "ids": _IDS}}),
+    # A block map's pretest of a mask_mod whose index reads the same tensor: the
+    # map kernel read a local it never made (NameError).
+    ("nested_mask_map", {"mask_mod": "ids[b, ids[b, q_idx] % 40] <= kv_idx + 3",
+                         "tensors": {"ids": _IDS}, "block_sparse": True}),
+])
+def test_subscripts_inside_subscripts_train_against_fp64(label, extra):
+    data = {"name": f"nested_{label}", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,
+            "backward": True, "targets": {"default": {"tile_m": 16, "tile_n": 16}}, **extra}
+    module = _emulated(data, f"nested_{label}")
+    for case in (Case(1, 1, 40, 50, 10), Case(2, 1, 30, 20, -13)):
+        row = _run(module, case)
+        assert row["ok"] and row["grad_ok"], f"{label} {case}: {case_verdict(row)}"
+
+
 _FA_RULE = runner._fa_rule  # before any test patches it
 
 

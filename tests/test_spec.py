@@ -123,6 +123,10 @@ BAD = [
       "mask_mod": "w[h] > 0.5"},
      "specs/bad.yaml: tensors.w.learnable: true needs the tensor in score_mod (a mask_mod gives it no "
      "gradient)"),
+    ({"backward": True, "tensors": {"w": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+      "score_mod": "where(w[h] > 0.5, score, 2.0 * score)"},
+     "specs/bad.yaml: tensors.w.learnable: true needs score_mod's value to vary with w (it is read only "
+     "where the value does not depend on it, such as a condition: its gradient is 0); drop learnable"),
     ({"backward": True, "deterministic": True,
       "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
       "score_mod": "score - slope[h] * (q_idx - kv_idx)"},

@@ -7,6 +7,7 @@ structure of the kernel changes (causal masking, split loops, block remap, K^T).
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, replace
 
@@ -994,9 +995,14 @@ def _backward_hooks(spec: Spec) -> dict:
         return {}
     tensors = {n: (t.dtype, len(t.shape)) for n, t in spec.tensors.items()}
     counter: dict = {}
+    forward = {}
     for which in ("score_mod", "mask_mod"):  # the forward hooks' numbering, then on
         if getattr(spec, which):
-            compile_hook(getattr(spec, which), which, tensors, counter)
+            forward[which] = compile_hook(getattr(spec, which), which, tensors, counter)
+    # The forward score_mod's subscripts by their text: a learnable tensor's gradient
+    # goes to the indices the forward read it at, whose own subscripts (an id tensor
+    # inside the index) are the forward's locals in the backward kernels too.
+    by_source = {ast.unparse(ast.parse(g.source, mode="eval").body): g for g in forward["score_mod"].gathers}
     text = score_derivative(spec.score_mod)
     score_mod_grad = (None if text == "1.0" else
                       compile_hook(text, "score_mod", tensors, counter, check_size=False))
@@ -1004,7 +1010,7 @@ def _backward_hooks(spec: Spec) -> dict:
     grads = []
     for number, (source, text) in enumerate(tensor_derivatives(spec.score_mod, learnable)):
         subscript = compile_hook(source, "score_mod", tensors, {}, check_size=False)
-        gather = subscript.gathers[0]
+        gather = by_source[ast.unparse(ast.parse(source, mode="eval").body)]
         grads.append(TensorGrad(
             tensor=gather.tensor, param="D" + tensor_param(gather.tensor), local=f"dsum_{number}",
             indices=gather.indices, where=gather.where, uses_rows="q_idx" in subscript.uses,

@@ -21,8 +21,10 @@ index falls outside the tensor reads 0.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import math
 import operator
+import re
 from dataclasses import dataclass
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
@@ -702,12 +704,23 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
         expr, kind = compiler.compile(node)
         if kind == "bool" or {"q_idx", "kv_idx"} <= compiler.uses:
             return None
+        # Inner subscripts come first: a gather the mask_mod already made is read from
+        # its local, in the expression and in the indices of the gathers that follow.
+        renamed: dict[str, str] = {}
+
+        def renaming(text):
+            for old, new in renamed.items():
+                text = re.sub(rf"\b{re.escape(old)}\b", new, text)
+            return text
+
         for g in compiler.gathers:
-            local = own.get((g.tensor, g.indices))
+            indices = tuple(renaming(i) for i in g.indices)
+            local = own.get((g.tensor, indices))
             if local is None:
-                extra.append(g)
+                extra.append(dataclasses.replace(g, indices=indices))
             else:
-                expr = expr.replace(g.local, local)
+                renamed[g.local] = local
+        expr = renaming(expr)
         if not compiler.uses & {"q_idx", "kv_idx"}:
             return expr, expr  # the same for the whole tile
         if per_tile and per_tile[0] in compiler.uses:

@@ -678,9 +678,14 @@ class Spec(_Strict):
                 from specgen.spec.hooks import ExprError
 
                 try:
-                    tensor_derivatives(self.score_mod, [name])
+                    derivatives = tensor_derivatives(self.score_mod, [name])
                 except ExprError as exc:
                     problems.append((where, f"true needs a score_mod with a derivative in {name}: {exc}"))
+                else:
+                    if not derivatives:  # read only in conditions or integer indices
+                        problems.append((where, f"true needs score_mod's value to vary with {name} (it "
+                                                "is read only where the value does not depend on it, such as "
+                                                "a condition: its gradient is 0); drop learnable"))
         if self.deterministic and not self.backward and self.family == "prefill":
             problems.append(("deterministic", "true needs backward: true"))
         return problems

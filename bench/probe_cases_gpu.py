@@ -40,6 +40,11 @@ SPECS = {
     "nested_mask_map": ({**SMALL, "mask_mod": "ids[b, ids[b, q_idx] % 40] <= kv_idx + 3",
                          "tensors": {"ids": IDS}, "block_sparse": True}, HOOK_CASES),
 }
+SPECS["decode_window_mtp"] = (
+    {"family": "decode", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 4, "max_q_len": 4,
+     "window": {"left": 100}, "sinks": True, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
+    (Case(7, 1, 4, 0, decode_lens=(167, 231, 165, 166, 168, 104, 40)),
+     Case(3, 2, 3, 0, decode_lens=(4196, 1166, 297)), Case(2, 1, 1, 0, decode_lens=(167, 5000))))
 EXTREMES = tuple(Case(1, 2, 24, 40, off) for off in (-2**30, -2**29 - 2, -3, 2**29 - 20, 2**30 - 24))
 for label, window, causal in (("right", {"right": 2**29}, False), ("both", {"left": 2**29, "right": 2**29}, False),
                               ("causal_left", {"left": 2**29}, True)):

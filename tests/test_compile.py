@@ -282,6 +282,18 @@ def test_decode_kernels_compile_the_pdl_value_the_launcher_picks(pdl, target, ex
     assert [s.parameters[-1].value for s in combine_sigs] == [expected] * len(tiles)
 
 
+def test_a_decode_spec_of_one_split_compiles_without_a_combine():
+    """splits: 1 never launches the combine kernel: the build compiled it with the
+    split kernel's signatures instead, and failed (SPLIT_TILE not a constant)."""
+    data = yaml.safe_load(open("specs/fmha_decode_paged_mtp.yaml").read())
+    plan = make_plan(validate_spec({**data, "name": "one_split", "splits": 1}))
+    sigs = decode_signatures(plan, plan.target("sm_90").configs[-1], "sm_90")
+    assert list(sigs) == [plan.kernel_name] and [s.parameters[-2].value for s in sigs[plan.kernel_name]] == [True]
+    source = render(plan, "specs/one_split.yaml").text
+    result = compile_target(plan, source, "generated/one_split.py", "sm_90")
+    assert len(result.paths) == len(target_configs(plan, "sm_90"))
+
+
 @pytest.mark.parametrize("pdl", ["auto", True, False])
 def test_decode_build_compiles_the_pdl_value_the_generated_launcher_picks(pdl):
     """The policy lives twice, in the build (pdl_value) and in the module (use_pdl):

@@ -1009,6 +1009,30 @@ def test_subscripts_inside_subscripts_train_against_fp64(label, extra):
         assert row["ok"] and row["grad_ok"], f"{label} {case}: {case_verdict(row)}"
 
 
+def test_decode_windows_of_several_new_tokens_mask_every_tile_before_the_last_tokens_window():
+    """Token t's window starts t keys after token 0's: with the first window start
+    q_len - 2 keys or fewer before a tile's end, the next tile held keys before the
+    later tokens' windows and ran unmasked (errors 0.016 and 0.062 on tokens 2 and 3
+    at L 167; every decode spec with a window and max_q_len >= 3)."""
+    import math
+
+    from specgen.check.cases import decode_reference, random_decode
+
+    data = {"name": "decode_window_mtp", "family": "decode", "dtype": "bfloat16", "head_dim": 128,
+            "gqa_ratio": 4, "max_q_len": 4, "window": {"left": 100}, "sinks": True,
+            "targets": {"default": {"tile_m": 16, "tile_n": 64}}}
+    module = _emulated(data, "decode_window_mtp")
+    # (L - q_len - left) % 64 == 63 for 167 and 231; a sequence of every other phase too.
+    lens = [167, 231, 165, 166, 168, 104, 40]
+    batch = random_decode(module.SPEC, lens, 1, 4, generator=torch.Generator().manual_seed(1), device="cpu")
+    sinks = torch.full((4,), -math.inf)
+    with emulate.emulating():
+        out = module.attention(*batch.args(), sinks=sinks)
+    ref = decode_reference(module.SPEC, batch, {"sinks": sinks})
+    errors = (out.double() - ref).abs().amax(dim=(2, 3))  # [B, q_len]
+    assert errors.max().item() < 1e-2, errors
+
+
 _FA_RULE = runner._fa_rule  # before any test patches it
 
 

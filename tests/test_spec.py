@@ -101,8 +101,13 @@ BAD = [
     ({"family": "decode", "kv_dtype": "int8"},
      "specs/bad.yaml: kv_dtype: must be one of 'float16', 'bfloat16' or 'float8_e4m3fn', got \"int8\""),
     ({"family": "decode", "kv_dtype": "float8_e4m3fn", "head_dim": 72},
-     "specs/bad.yaml: kv_dtype: float8_e4m3fn needs head_dim a multiple of 16 (16-byte aligned cache rows), "
-     "got head_dim 72"),
+     "specs/bad.yaml: head_dim: family decode needs a power of two (16, 32, 64, 128 or 256; the prefill pads "
+     "other sizes), got 72"),
+    # The decode kernels' tiles are head_dim wide: 80 rendered, emulated right, and
+    # failed to compile ("Result tile shape must be power of 2").
+    ({"family": "decode", "head_dim": 80},
+     "specs/bad.yaml: head_dim: family decode needs a power of two (16, 32, 64, 128 or 256; the prefill pads "
+     "other sizes), got 80"),
     ({"kv_dtype": "float8_e4m3fn"}, "specs/bad.yaml: kv_dtype: a decode field, not supported by family prefill"),
     ({"v_cache_transposed": True},
      "specs/bad.yaml: v_cache_transposed: a decode field, not supported by family prefill"),

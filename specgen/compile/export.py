@@ -274,13 +274,17 @@ def decode_signatures(plan: Plan, config: ConfigPlan, target: str) -> dict:
     # The mask_mod's tensors (small, any alignment) and the block map (counts, indices).
     hooks = [array(getattr(ct, dtype), len(dims)) for _, _, dtype, dims in plan.extra_tensors]
     tables = [array(ct.int32, 4)] * 2 if plan.block_sparse else []
+    # splits: 1 launches the single-split form alone, and no combine.
+    singles = (True,) if fixed == 1 else (True, False)
     builds = {
         plan.kernel_name: [KernelSignature(split + sinks + hooks + tables + parts + scalars
                                            + [config.tile_n, single, pdl], convention)
-                           for single in (True, False)],
-        plan.combine_name: [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
-                            for tile in split_tiles if tile > 1],
+                           for single in singles],
     }
+    combines = [KernelSignature(sinks + parts + [scalars[1], tile, pdl], convention)
+                for tile in split_tiles if tile > 1]
+    if combines:
+        builds[plan.combine_name] = combines
     if plan.block_sparse:  # the map's kernels: states, seq_lens, hooks, q_len, max_len; the lists
         state = array(ct.int32, 4, 4, True)
         builds[plan.map_kernel_name] = [KernelSignature(

@@ -52,7 +52,8 @@ DESCRIPTIONS: dict[str, str] = {
     "(Phi-2: 80) runs as two tiles in D where that is narrower than one padded tile "
     "(`HEAD_DIM_MAIN` + `HEAD_DIM_REST`: 80 = 64 + 16; see `head_dim_split`), else it is "
     "zero-padded to the next power of two inside the kernel (`HEAD_DIM_TILE`, "
-    "`padding_mode=ZERO` on the loads); padding columns of the output are never stored.",
+    "`padding_mode=ZERO` on the loads); padding columns of the output are never stored. "
+    "Family decode takes powers of two.",
     "v_head_dim": "Head dimension of v and the output when it differs from `head_dim` "
     "(DeepSeek MLA: `head_dim` 192, `v_head_dim` 128), split or padded the same way. `null`: "
     "`head_dim`.",

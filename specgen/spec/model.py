@@ -123,7 +123,7 @@ class Spec(_Strict):
         128,
         description="Head dimension D of q and k: a multiple of 8 in [16, 256]; one "
         "that is not a power of two (Phi: 80) is zero-padded to the next power of two "
-        "inside the kernel.",
+        "inside the prefill kernels. Decode takes powers of two.",
     )
     v_head_dim: Optional[HeadDim] = Field(
         None,
@@ -508,9 +508,10 @@ class Spec(_Strict):
                                      "false, got true"))
         if self.family != "decode":
             return problems
-        if self.cache_dtype == "float8_e4m3fn" and self.head_dim % 16:
-            problems.append(("kv_dtype", f"float8_e4m3fn needs head_dim a multiple of 16 (16-byte "
-                                         f"aligned cache rows), got head_dim {self.head_dim}"))
+        if self.head_dim & (self.head_dim - 1):
+            # The decode kernels' tiles are head_dim wide (cuTile's tiles are powers of two).
+            problems.append(("head_dim", f"family decode needs a power of two (16, 32, 64, 128 or 256; "
+                                         f"the prefill pads other sizes), got {self.head_dim}"))
         rows = decode_rows(self.gqa_ratio, self.max_q_len)
         for name, cfg in self.targets.items():
             if cfg.tile_m != rows:

@@ -71,8 +71,14 @@ def main(emulated: bool) -> int:
         for case in cases:
             if emulated and case.seq_q * case.seq_k > 5000:
                 continue  # the emulator's time
-            with emulate.emulating() if emulated else contextlib.nullcontext():
-                row = run_case(torch, module, case, torch.Generator(device=device).manual_seed(3), device=device)
+            try:
+                with emulate.emulating() if emulated else contextlib.nullcontext():
+                    row = run_case(torch, module, case, torch.Generator(device=device).manual_seed(3),
+                                   device=device)
+            except Exception as exc:  # noqa: BLE001 - reported, and the next spec runs
+                failed += 1
+                print(f"{name}: {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}", flush=True)
+                break
             failed += not row["ok"]
             print(f"{name} {case.label(module.SPEC['gqa_ratio'])}: {case_verdict(row)}", flush=True)
     print(f"{failed} failed")

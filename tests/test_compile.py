@@ -282,6 +282,20 @@ def test_decode_kernels_compile_the_pdl_value_the_launcher_picks(pdl, target, ex
     assert [s.parameters[-1].value for s in combine_sigs] == [expected] * len(tiles)
 
 
+def test_a_block_map_of_a_mask_read_through_a_subscript_compiles():
+    """ids[b, ids[b, q_idx] % 40]: the map kernel's span step named the outer operand
+    as its one-tile loop does, and cuTile refused a local of two shapes (the emulator,
+    which keeps no types, ran it)."""
+    data = {"name": "nested_mask_map", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2, "backward": True,
+            "block_sparse": True, "tensors": {"ids": {"dtype": "int32", "shape": ["batch", "seq_k"]}},
+            "mask_mod": "ids[b, ids[b, q_idx] % 40] <= kv_idx + 3",
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    plan = make_plan(validate_spec(data))
+    source = render(plan, "specs/nested_mask_map.yaml").text
+    result = compile_target(plan, source, "generated/nested_mask_map.py", "sm_90")
+    assert len(result.paths) == 4  # forward, map, dK/dV, dQ
+
+
 def test_a_decode_spec_of_one_split_compiles_without_a_combine():
     """splits: 1 never launches the combine kernel: the build compiled it with the
     split kernel's signatures instead, and failed (SPLIT_TILE not a constant)."""

@@ -974,8 +974,12 @@ def _map_span(text: str, tensors: dict, mask: Hook, inner: str, rename: bool) ->
     # The operands the test reads by the inner positions alone (a side reading both
     # has no bounds), and any the mask_mod itself does not gather.
     side = [g for g in mask.gathers if g.where == inner and not reads(g, other)]
-    names = {inner: f"span_{inner}", **{g.local: f"span_{g.local}" for g in side + list(test.gathers)
-                                        if reads(g, inner)}}
+    # Renamed: the operands read at the inner positions, directly or through another
+    # such operand (ids[b, ids[b, q_idx]]: inner subscripts come first).
+    names = {inner: f"span_{inner}"}
+    for g in side + list(test.gathers):
+        if any(reads(g, name) for name in names):
+            names[g.local] = f"span_{g.local}"
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
 
     def renamed(expr: str) -> str:

@@ -225,6 +225,16 @@ def test_decode_out_checks(refused, launches):
     launches(lambda: mod.attention(q, k_cache, v_cache, seq_lens, out=torch.empty_like(q)))
 
 
+def test_decode_caches_without_kv_heads_are_named_as_such(refused):
+    """q and caches of no heads used to be refused in launch_plan's words
+    ("num_kv_heads must be an int >= 1, got 0"), an argument the caller never passed."""
+    mod = _module("fmha_decode_gqa8_bf16")
+    batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
+    q, k_cache, v_cache, seq_lens = batch.args()[:4]
+    refused(lambda: mod.attention(q[:, :, :0], k_cache[:, :, :0], v_cache[:, :, :0], seq_lens),
+            "the caches must hold at least one KV head, got shape (2, 40, 0, 128)")
+
+
 # --- the softmax scale -------------------------------------------------------------
 
 

@@ -978,10 +978,17 @@ def test_hook_derivatives_train_against_fp64_autograd(score_mod):
     ("fixed_pattern", {"score_mod": "score * 0.0 + q_idx * 0.01"}),
 ])
 def test_the_reference_follows_the_kernels_branches_and_int32_arithmetic(label, hooks):
-    data = {"name": f"hook_ref_{label}", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,
-            "backward": True, "targets": {"default": {"tile_m": 16, "tile_n": 16}}, **hooks}
-    module = _emulated(data, f"hook_ref_{label}")
-    for case in (Case(1, 1, 40, 50, 10), Case(1, 1, 30, 20, -13)):
+    _small_spec_trains(f"hook_ref_{label}", hooks, batches=(1, 1))
+
+
+def _small_spec_trains(label: str, fields: dict, batches=(1, 2)) -> None:
+    """A bf16 D16 GQA 2 training spec with ``fields``, 16x16 tiles, emulated: its
+    output and gradients pass the fp64 check on a chunked-prefill case and on one
+    with queries before the first key."""
+    data = {"name": label, "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2, "backward": True,
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}, **fields}
+    module = _emulated(data, label)
+    for case in (Case(batches[0], 1, 40, 50, 10), Case(batches[1], 1, 30, 20, -13)):
         row = _run(module, case)
         assert row["ok"] and row["grad_ok"], f"{label} {case}: {case_verdict(row)}"
 
@@ -1001,12 +1008,7 @@ _IDS = {"dtype": "int32", "shape": ["batch", "seq_k"]}
                          "tensors": {"ids": _IDS}, "block_sparse": True}),
 ])
 def test_subscripts_inside_subscripts_train_against_fp64(label, extra):
-    data = {"name": f"nested_{label}", "dtype": "bfloat16", "head_dim": 16, "gqa_ratio": 2,
-            "backward": True, "targets": {"default": {"tile_m": 16, "tile_n": 16}}, **extra}
-    module = _emulated(data, f"nested_{label}")
-    for case in (Case(1, 1, 40, 50, 10), Case(2, 1, 30, 20, -13)):
-        row = _run(module, case)
-        assert row["ok"] and row["grad_ok"], f"{label} {case}: {case_verdict(row)}"
+    _small_spec_trains(f"nested_{label}", extra)
 
 
 def test_decode_windows_of_several_new_tokens_mask_every_tile_before_the_last_tokens_window():

@@ -515,6 +515,22 @@ def test_float8_decode_descale_numbers_must_be_float32_normal(bad):
                                          "or a one-element float32 tensor"):
         mod._descale("k_descale", bad, torch.device("cpu"))
     assert mod._descale("k_descale", 0.5, torch.device("cpu")).tolist() == [0.5]
+    # NumPy's scalars are numbers too (np.float32 was refused as out of range)
+    assert mod._descale("k_descale", np.float32(1.25), torch.device("cpu")).tolist() == [1.25]
+
+
+@pytest.mark.parametrize("name", ["fmha_mha_bf16", "fmha_decode_gqa8_bf16", "fmha_train_gqa_causal",
+                                  "fmha_vit_dropout"])
+def test_numpy_scalars_are_taken_as_numbers(name, launches):
+    """scale (and dropout_p) given as NumPy scalars, as a config read with NumPy
+    gives them: np.float32 was refused ("must be a positive float"), np.float64 not."""
+    mod = _module(name)
+    if "decode" in name:
+        args = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu").args()
+    else:
+        args = random_qkv(mod.SPEC, 1, 1, 32, 32, generator=_gen(), device="cpu")
+    extra = {"dropout_p": np.float32(0.25)} if mod.SPEC.get("dropout") else {}
+    launches(lambda: mod.attention(*args, scale=np.float32(0.125), **extra))
 
 
 # --- grid limits, empty calls, descales, max_seqlen bounds ---------------------------

@@ -136,7 +136,7 @@ def _validated(data: dict) -> Spec | None:
         return None
 
 
-ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "os", "struct", "torch", "cuda.tile"}
+ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "os", "struct", "torch", "cuda.tile"}
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
 ALLOWED_TOP_CALLS = {"_register_op", "math.log", "math.sqrt", "_AotStore",

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from specgen.compile.jobs import Job, foreign_modules, hand_edited_file, load_jobs, module_text, write_jobs
+from specgen.compile.jobs import Job, edited_modules, foreign_modules, load_jobs, write_jobs
 from specgen.compile.export import package_version
 from specgen.errors import InvalidSpecs, UsageError
 
@@ -49,9 +49,7 @@ def fresh_jobs(paths: list[str], out_dir: Path, log) -> list[Job]:
         raise InvalidSpecs("\n".join(foreign))
     # So is a hand-edited module that this run would replace: named before any
     # module is written (exit 2 writes nothing).
-    edited = [f"{job.out_path}: edited by hand, not overwritten (specgen build --force replaces it)"
-              for job in jobs if job.out_path.is_file() and hand_edited_file(job.out_path)
-              and module_text(job.out_path) != job.rendered.text]
+    edited = edited_modules(jobs)
     if edited:
         raise InvalidSpecs("\n".join(edited))
     refused = write_jobs(jobs, out_dir, force=False, log=log)

@@ -54,7 +54,7 @@ def _expected(source: str, results: list[CompileResult]) -> tuple[bytes, dict[st
             name = cubin.name
             cubins[name] = data = cubin.read_bytes()
             sums[name] = hashlib.sha256(data).hexdigest()
-            for entry in cached_entries(cubin) or ():
+            for entry in cached_entries(cubin, data) or ():
                 entries.append({**entry, "cubin": name})
     return (json.dumps(_manifest(source, sums, entries), indent=1) + "\n").encode(), cubins
 

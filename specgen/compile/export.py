@@ -490,23 +490,23 @@ def aot_entries_path(cubin: Path) -> Path:
 ENTRY_FIELDS = ("kernel", "sm", "hints", "signature", "symbol")
 
 
-def cached_entries(cubin: Path) -> list[dict] | None:
+def cached_entries(cubin: Path, data: bytes | None = None) -> list[dict] | None:
     """The AOT entries of a cached cubin, or None where the cache does not hold it
     whole: no cubin or record, a record that does not read, entries without their
     fields, or cubin bytes that are not the ones the record's sha256 names (a
-    truncated or replaced file)."""
+    truncated or replaced file). ``data``: the cubin's bytes, where the caller read
+    them already."""
     try:
         record = json.loads(aot_entries_path(cubin).read_text(encoding="utf-8"))
         entries = record["entries"]
         if (not isinstance(entries, list) or not entries
                 or not all(isinstance(e, dict) and all(k in e for k in ENTRY_FIELDS) for e in entries)):
             return None
-        if hashlib.sha256(cubin.read_bytes()).hexdigest() != record["sha256"]:
+        if hashlib.sha256(cubin.read_bytes() if data is None else data).hexdigest() != record["sha256"]:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return entries
-
 
 
 def aot_entries(module, kernel, name: str, target: str, sigs) -> list[dict]:

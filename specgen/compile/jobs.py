@@ -34,6 +34,26 @@ class Job:
     rendered: Rendered
 
 
+def spec_files(folder: Path) -> list[Path]:
+    """The spec files of ``folder``, sorted. Files only: a folder named x.yaml is not a
+    spec. A link counts (a broken one is named where it is read); hidden files are an
+    editor's (a lock link .#x.yaml, a backup .~x.yaml), not specs."""
+    return sorted(p for p in folder.iterdir() if p.suffix in SPEC_SUFFIXES
+                  and not p.name.startswith(".") and (p.is_file() or p.is_symlink()))
+
+
+def shared_names(named: Iterable[tuple[Path, str]]) -> list[str]:
+    """One line for each spec file whose name: an earlier one of ``named`` ((spec
+    path, name) pairs) has too."""
+    seen: dict[str, Path] = {}
+    problems = []
+    for spec_path, name in named:
+        other = seen.setdefault(name, spec_path)
+        if other != spec_path:
+            problems.append(f"{spec_path}: name: {name!r} is also the name in {other}; each spec needs its own name")
+    return problems
+
+
 def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
     """Spec files named directly, plus every *.yaml / *.yml in named folders."""
     found: list[Path] = []
@@ -42,11 +62,7 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
             raise UsageError(f"{str(raw)!r}: expected a spec file or a folder of specs")
         path = Path(raw)
         if path.is_dir():
-            # Files only: a folder named x.yaml is not a spec. A link is followed (a
-            # broken one is named below); hidden files are an editor's (a lock link
-            # .#x.yaml, a backup .~x.yaml), not specs.
-            found += sorted(p for p in path.iterdir() if p.suffix in SPEC_SUFFIXES
-                            and not p.name.startswith(".") and (p.is_file() or p.is_symlink()))
+            found += spec_files(path)
         elif path.is_file():
             found.append(path)
         elif path.exists():
@@ -96,14 +112,7 @@ def load_plans(paths: Iterable[str | Path]) -> list[tuple[Path, Plan]]:
             plans.append((spec_path, make_plan(load_spec(spec_path))))
         except SpecError as exc:
             problems += exc.lines()
-    seen: dict[str, Path] = {}
-    for spec_path, plan in plans:
-        other = seen.setdefault(plan.module_name, spec_path)
-        if other != spec_path:
-            problems.append(
-                f"{spec_path}: name: {plan.module_name!r} is also the name in {other}; "
-                "each spec needs its own name"
-            )
+    problems += shared_names((spec_path, plan.module_name) for spec_path, plan in plans)
     if problems:
         raise InvalidSpecs("\n".join(problems))
     return plans
@@ -220,6 +229,24 @@ def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     return problems
 
 
+def _on_disk(job: Job) -> str | None:
+    """The text of the module ``job`` writes as it is on disk, or None (no file)."""
+    return module_text(job.out_path) if job.out_path.is_file() else None
+
+
+def _edited_by_hand(job: Job, old: str | None) -> str | None:
+    """The refusal of a write of ``job`` over ``old`` (the module on disk) when that
+    was edited by hand, or None (no module there, the same text, or one specgen wrote)."""
+    if old is None or old == job.rendered.text or not hand_edited(old):
+        return None
+    return f"{job.out_path}: edited by hand, not overwritten (specgen build --force replaces it)"
+
+
+def edited_modules(jobs: list[Job]) -> list[str]:
+    """The refusals write_jobs (without force) would give, before anything is written."""
+    return [line for line in (_edited_by_hand(job, _on_disk(job)) for job in jobs) if line]
+
+
 def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str], None]) -> list[str]:
     """Write changed modules atomically; refuse to replace hand-edited ones."""
     # A folder (or another non-file) where a module goes is found before any write.
@@ -231,15 +258,14 @@ def write_jobs(jobs: list[Job], out_dir: Path, force: bool, log: Callable[[str],
     if not init.is_file():
         atomic_write(init, INIT_TEXT.encode())
     for job in jobs:
-        new = job.rendered.text
-        if job.out_path.is_file():
-            old = module_text(job.out_path)
-            if old == new:
-                log(f"{job.out_path}: unchanged")
-                continue
-            if not force and hand_edited(old):
-                refused.append(f"{job.out_path}: edited by hand, not overwritten (specgen build --force replaces it)")
-                continue
+        new, old = job.rendered.text, _on_disk(job)
+        if old == new:
+            log(f"{job.out_path}: unchanged")
+            continue
+        refusal = None if force else _edited_by_hand(job, old)
+        if refusal:
+            refused.append(refusal)
+            continue
         atomic_write(job.out_path, new.encode())
         log(f"{job.out_path}: written")
     return refused

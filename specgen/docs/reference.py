@@ -594,22 +594,17 @@ def _spec_summary(spec: Spec) -> str:
 def load_specs(specs_dir: Path) -> list[tuple[Path, Spec]]:
     """Every spec file (*.yaml, *.yml) in ``specs_dir`` with its validated spec, as
     `specgen build` reads them; DocsError naming the file and field otherwise."""
-    from specgen.compile.jobs import SPEC_SUFFIXES
+    from specgen.compile.jobs import shared_names, spec_files
     from specgen.errors import SpecError
     from specgen.spec import load_spec
 
     specs, problems = [], []
-    for path in sorted(p for p in specs_dir.iterdir()
-                       if p.suffix in SPEC_SUFFIXES and not p.name.startswith(".") and p.is_file()):
+    for path in (p for p in spec_files(specs_dir) if p.is_file()):  # a broken link: not read
         try:
             specs.append((path, load_spec(path)))
         except SpecError as exc:
             problems += exc.lines()
-    seen: dict[str, Path] = {}
-    for path, spec in specs:
-        other = seen.setdefault(spec.name, path)
-        if other != path:
-            problems.append(f"{path}: name: {spec.name!r} is also the name in {other}; each spec needs its own name")
+    problems += shared_names((path, spec.name) for path, spec in specs)
     if problems:  # one line each
         raise DocsError("\n".join(problems))
     return specs

@@ -7,11 +7,10 @@ structure of the kernel changes (causal masking, split loops, block remap, K^T).
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass, replace
 
-from specgen.spec.hooks import Gather, Hook, block_quotients, compile_hook, tile_pretest
+from specgen.spec.hooks import Gather, Hook, block_quotients, compile_hook, rename_words, tile_pretest
 from specgen.spec.derive import score_derivative, tensor_derivatives
 from specgen.plan.abi import Param, prefill_params
 from specgen.spec import defaults
@@ -263,6 +262,13 @@ class Plan:
     # q_idx // R and kv_idx only as kv_idx // K (None: not read), R and K powers of
     # two, with no causal or window terms. None: every pair is evaluated.
     map_blocks: tuple[int | None, int | None] | None = None
+
+    @property
+    def reads_beyond_qkv(self) -> bool:
+        """Whether a prefill launcher passes its kernels tensors besides q, k and v
+        (sinks, hook tensors, cu_seqlens, descales, a block map): a caller's out is
+        then checked against them too, after they are checked themselves."""
+        return bool(self.sinks or self.extra_tensors or self.varlen or self.fp8 or self.block_sparse)
 
     @property
     def decode_map_rows(self) -> int:
@@ -980,10 +986,9 @@ def _map_span(text: str, tensors: dict, mask: Hook, inner: str, rename: bool) ->
     for g in side + list(test.gathers):
         if any(reads(g, name) for name in names):
             names[g.local] = f"span_{g.local}"
-    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
 
     def renamed(expr: str) -> str:
-        return pattern.sub(lambda m: names[m.group(1)], expr)
+        return rename_words(expr, names)
 
     gathers = tuple(replace(g, local=renamed(g.local), indices=tuple(map(renamed, g.indices)))
                     for g in side + list(test.gathers))
@@ -1003,10 +1008,11 @@ def _backward_hooks(spec: Spec) -> dict:
     for which in ("score_mod", "mask_mod"):  # the forward hooks' numbering, then on
         if getattr(spec, which):
             forward[which] = compile_hook(getattr(spec, which), which, tensors, counter)
-    # The forward score_mod's subscripts by their text: a learnable tensor's gradient
-    # goes to the indices the forward read it at, whose own subscripts (an id tensor
-    # inside the index) are the forward's locals in the backward kernels too.
-    by_source = {ast.unparse(ast.parse(g.source, mode="eval").body): g for g in forward["score_mod"].gathers}
+    # The forward score_mod's subscripts by their text (both sides ast.unparse of the
+    # folded hook): a learnable tensor's gradient goes to the indices the forward read
+    # it at, whose own subscripts (an id tensor inside the index) are the forward's
+    # locals in the backward kernels too.
+    by_source = {g.source: g for g in forward["score_mod"].gathers}
     text = score_derivative(spec.score_mod)
     score_mod_grad = (None if text == "1.0" else
                       compile_hook(text, "score_mod", tensors, counter, check_size=False))
@@ -1014,7 +1020,7 @@ def _backward_hooks(spec: Spec) -> dict:
     grads = []
     for number, (source, text) in enumerate(tensor_derivatives(spec.score_mod, learnable)):
         subscript = compile_hook(source, "score_mod", tensors, {}, check_size=False)
-        gather = by_source[ast.unparse(ast.parse(source, mode="eval").body)]
+        gather = by_source[source]
         grads.append(TensorGrad(
             tensor=gather.tensor, param="D" + tensor_param(gather.tensor), local=f"dsum_{number}",
             indices=gather.indices, where=gather.where, uses_rows="q_idx" in subscript.uses,

@@ -21,11 +21,10 @@ index falls outside the tensor reads 0.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import math
 import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 # The kernel's name of each variable.
@@ -680,6 +679,15 @@ class TilePretest:
     gathers: tuple[Gather, ...]
 
 
+def rename_words(text: str, names: dict[str, str]) -> str:
+    """``text`` (kernel names) with each whole word that is a key of ``names``
+    replaced by its value (``ids_0`` is renamed, ``ids_01`` and ``span_ids_0`` are not)."""
+    if not names:
+        return text
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    return pattern.sub(lambda m: names[m.group(1)], text)
+
+
 def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = (),
                  per_tile: tuple[str, str] | None = None) -> TilePretest | None:
     """The pretest of mask_mod ``text``, or None where no comparison of it has
@@ -707,20 +715,14 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
         # Inner subscripts come first: a gather the mask_mod already made is read from
         # its local, in the expression and in the indices of the gathers that follow.
         renamed: dict[str, str] = {}
-
-        def renaming(text):
-            for old, new in renamed.items():
-                text = re.sub(rf"\b{re.escape(old)}\b", new, text)
-            return text
-
         for g in compiler.gathers:
-            indices = tuple(renaming(i) for i in g.indices)
+            indices = tuple(rename_words(i, renamed) for i in g.indices)
             local = own.get((g.tensor, indices))
             if local is None:
-                extra.append(dataclasses.replace(g, indices=indices))
+                extra.append(replace(g, indices=indices))
             else:
                 renamed[g.local] = local
-        expr = renaming(expr)
+        expr = rename_words(expr, renamed)
         if not compiler.uses & {"q_idx", "kv_idx"}:
             return expr, expr  # the same for the whole tile
         if per_tile and per_tile[0] in compiler.uses:

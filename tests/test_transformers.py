@@ -122,13 +122,21 @@ def test_a_spec_of_another_dtype_or_head_dim_is_refused_on_padded_batches_too(fi
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"position_bias": torch.zeros(1, 4, 8, 8)}, "the layer passes position_bias"),
-    ({"head_mask": torch.ones(4)}, "the layer passes a head_mask"),
+    ({"head_mask": torch.ones(4)}, "the layer passes head_mask"),
+    ({"indices": torch.zeros(1, 8, 4, dtype=torch.long)}, "the layer passes indices (a sparse "
+                                                          "selection of keys per query"),
+    ({"block_indices": torch.zeros(1, 8, 2, dtype=torch.long)}, "the layer passes block_indices"),
+    ({"sinks": torch.zeros(4)}, "the layer passes sinks (sink logits under a name other than s_aux"),
+    ({"cu_seq_lens_q": torch.tensor([0, 8], dtype=torch.int32)}, "the layer passes cu_seq_lens_q"),
     ({"sliding_window": 4}, "the layer has sliding_window 4 and the spec has no window; give the spec "
                             "window: {left: 3, right: 0}"),
 ])
 def test_layer_arguments_the_kernel_would_drop_are_refused(kwargs, message):
-    """A T5-style position_bias, a head_mask or a sliding window that the spec lacks
-    used to be dropped on the kernel's path (3.6 off sdpa for a position_bias)."""
+    """A T5-style position_bias, a head_mask, a sparse key selection (DeepSeek-V3.2's
+    indexer passes indices= to every backend but eager and sdpa), sinks under another
+    name, packed cu_seqlens or a sliding window that the spec lacks used to be dropped
+    on the kernel's path (3.6 off sdpa for a position_bias; indices: 0.65 off the
+    sparse attention)."""
     module = stand_in()
     function = tf_integration.make_attention_function(module)
     layer = types.SimpleNamespace(is_causal=True)
@@ -206,3 +214,89 @@ def test_register_from_spec_and_module_name_gives_the_generated_kernel():
     from transformers import AttentionInterface
 
     assert AttentionInterface()["specgen-cpu-spec"] is by_spec
+
+
+def eager_reference(q, k, v, mask, *, scale, softcap=None, sinks=None):
+    """transformers' eager attention in float64: scores, soft-cap, an additive mask of
+    the dtype's lowest value, a sink column joining the softmax."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(groups, dim=1)
+    v = v.double().repeat_interleave(groups, dim=1)
+    s = q.double() @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~mask[..., : k.shape[2]], torch.finfo(torch.float64).min)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().reshape(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)], -1)
+    w = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        w = w[..., :-1]
+    return (w @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("fields", [{"sinks": True}, {"softcap": 5.0}, {"sinks": True, "softcap": 5.0}])
+def test_masked_calls_of_softcap_and_sinks_specs_keep_them(fields):
+    """transformers' sdpa function takes no sinks (it dropped s_aux: 0.60 off eager) and
+    refuses a soft-cap; a masked call of such a spec runs float32 torch attention with
+    both, and with the mask, against eager attention in float64."""
+    module = stand_in(gqa_ratio=2, backward=True, **fields)
+    function = tf_integration.make_attention_function(module)
+    layer = types.SimpleNamespace(is_causal=True)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 7, 32, generator=g) * 3
+    k, v = torch.randn(2, 2, 12, 32, generator=g) * 3, torch.randn(2, 2, 12, 32, generator=g)
+    mask = torch.ones(2, 1, 7, 12, dtype=torch.bool).tril(diagonal=3)
+    mask[1, :, :, :4] = False  # left padding
+    mask[1, :, 0] = False  # a row that sees no key
+    kwargs = {"softcap": fields.get("softcap")}
+    sinks = None
+    if fields.get("sinks"):
+        sinks = kwargs["s_aux"] = torch.randn(4, generator=g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, weights = function(layer, q, k, v, mask, scaling=0.2, **kwargs)
+    ref = eager_reference(q, k, v, mask, scale=0.2, softcap=fields.get("softcap"), sinks=sinks)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert weights is None and module.calls == [] and function.stats["fallback"] == 1
+    assert any("float32 torch attention" in str(w.message) for w in caught)
+    if sinks is not None:  # the sink logits get their gradient through the fallback
+        sinks.requires_grad_(True)
+        function(layer, q, k, v, mask, scaling=0.2, **kwargs)[0].sum().backward()
+        assert sinks.grad is not None and sinks.grad.abs().sum() > 0
+
+
+def test_a_sinks_spec_trains_the_sinks_alone_through_the_kernels_output():
+    """With only s_aux requiring gradients the adapter must not pass out= (the
+    generated module refuses out= under autograd) and must check the spec trains."""
+    module = stand_in(sinks=True, backward=True)
+    function = tf_integration.make_attention_function(module)
+    layer = types.SimpleNamespace(is_causal=True)
+    q, kv = torch.zeros(1, 4, 8, 32), torch.zeros(1, 2, 8, 32)
+    sinks = torch.zeros(4, requires_grad=True)
+    function(layer, q, kv, kv, None, s_aux=sinks)
+    assert module.outs == [None]
+    frozen = tf_integration.make_attention_function(stand_in(sinks=True))
+    with pytest.raises(ValueError, match="set backward: true"):
+        frozen(layer, q, kv, kv, None, s_aux=sinks)
+
+
+def test_a_return_lse_spec_serves_without_its_lse():
+    module = stand_in(return_lse=True, backward=True)
+    inner = module.attention
+
+    def with_lse(q, k, v, **kwargs):
+        out = inner(q, k, v, **kwargs)
+        return out, torch.zeros(q.shape[:3])
+
+    module.attention = with_lse
+    function = tf_integration.make_attention_function(module)
+    layer = types.SimpleNamespace(is_causal=True)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 8, 32, generator=g)
+    kv = torch.randn(1, 2, 8, 32, generator=g)
+    plain, _ = tf_integration.make_attention_function(stand_in())(layer, q, kv, kv, None)
+    out, _ = function(layer, q, kv, kv, None)
+    torch.testing.assert_close(out, plain)
+    out, _ = function(layer, q.requires_grad_(True), kv, kv, None)  # autograd's path
+    torch.testing.assert_close(out.detach(), plain)
+    assert tf_integration.register("specs/fmha_gptoss_sinks.yaml", name="specgen-cpu-lse").module.SPEC["return_lse"]

@@ -12,19 +12,22 @@ and gives the same name sdpa's mask builder in ``AttentionMaskInterface``. That
 builder returns no mask when plain causal (or full) attention over the whole KV is
 what the layer needs (no padding; prefill of an empty cache, or one new token);
 those calls run the specgen kernel. Calls that come with a mask (padded batches,
-chunked prefill against a filled cache, a sliding window that binds) run
-transformers' own sdpa function instead: the kernel takes no arbitrary mask, and
-getting the numbers right comes first. ``stats`` on the returned function counts
-both kinds of call, and the first fallback warns once.
+chunked prefill against a filled cache, a sliding window that binds) fall back:
+the kernel takes no arbitrary mask, and getting the numbers right comes first. The
+fallback is transformers' own sdpa function, or, for a spec with a soft-cap or
+sinks (which sdpa cannot apply), attention written in float32 torch operations
+with the mask, the soft-cap and the sinks, as transformers' eager layers compute
+it. ``stats`` on the returned function counts both kinds of call, and the first
+fallback warns once.
 
 What the layer asks for is checked against the spec before any launch, with a
 ValueError that names both sides: causal or not, the GQA ratio, a sliding window
 (window.left == sliding_window - 1), a soft-cap, sinks (``s_aux``), dropout, and
 gradients (only a ``backward: true`` spec is differentiable), the dtype and head
-dims, ``output_attentions`` (the kernel forms no weights to return), and a
-``position_bias`` or ``head_mask`` (the kernel takes neither). These
-checks run on the fallback's calls too. The device is checked by the generated
-``attention`` itself.
+dims, ``output_attentions`` (the kernel forms no weights to return), and the layer
+arguments that would change the result and that the kernel does not take (see
+``DROPPED_ARGUMENTS``). These checks run on the fallback's calls too. The device is
+checked by the generated ``attention`` itself.
 """
 
 from __future__ import annotations
@@ -41,6 +44,22 @@ from typing import Any, Callable, Union
 # asks for them.
 BUILTIN_NAMES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3",
                  "flash_attention_4", "flex_attention")
+
+# Layer arguments that change what attention computes and that neither the kernel
+# nor the fallbacks take: given (not None), they are refused rather than dropped.
+DROPPED_ARGUMENTS = {
+    "position_bias": "an additive score bias, as T5's relative positions; write the bias "
+                     "as the spec's score_mod, or use attn_implementation='sdpa' for this model",
+    "head_mask": "a per-head scaling of the attention weights",
+    "indices": "a sparse selection of keys per query, as DeepSeek-V3.2's top-k indexer "
+               "gives; the kernel would attend to every key",
+    "block_indices": "a sparse selection of key blocks per query; the kernel would attend "
+                     "to every key",
+    "sinks": "sink logits under a name other than s_aux, whose semantics the spec's "
+             "sinks do not promise",
+    "cu_seq_lens_q": "packed sequences (cu_seqlens); the kernel would attend across them",
+    "cu_seq_lens_k": "packed sequences (cu_seqlens); the kernel would attend across them",
+}
 
 
 def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleType:
@@ -88,7 +107,6 @@ def load_kernel_module(module_or_spec: Union[ModuleType, str, Path]) -> ModuleTy
             ("tensors: (hook tensors have no source in a transformers layer)", spec.get("tensors")),
             ("a score_mod or mask_mod (a transformers layer's attention is plain; the hook "
              "would change what the model computes)", spec.get("score_mod") or spec.get("mask_mod")),
-            ("return_lse", spec.get("return_lse")),
         ) if bad
     ]
     if unsupported:
@@ -114,6 +132,43 @@ def _module_from_spec(path: Path) -> ModuleType:
     return load_module_from_source(plan.module_name, rendered.text, f"<specgen {path}>")
 
 
+def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sinks=None,
+                     dropout: float = 0.0):
+    """Attention under a transformers mask, in float32 torch operations: the fallback
+    for a spec whose soft-cap or sinks transformers' sdpa function cannot apply.
+
+    ``query`` [B, Hq, Sq, D], ``key``/``value`` [B, Hkv, Skv, D]; ``mask`` boolean
+    (True: attend) or additive, broadcastable to [B, Hq, Sq, Skv] (its key axis may be
+    longer: a static cache's). Masked scores take float32's lowest value, as
+    transformers' eager layers do, so a row with no visible key averages V instead of
+    giving NaN; a sink logit (one per query head) joins every row's normaliser.
+    Returns [B, Sq, Hq, Dv] in the query's dtype.
+    """
+    import torch
+
+    groups = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(groups, dim=1)
+    v = value.float().repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask.dim() == 4:
+        mask = mask[:, :, :, : key.shape[-2]]
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask.float()
+    if sinks is not None:
+        column = sinks.float().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        scores = torch.cat([scores, column], dim=-1)
+    weights = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    if dropout > 0.0:
+        weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
+    return torch.matmul(weights, v).to(query.dtype).transpose(1, 2).contiguous()
+
+
 def make_attention_function(module: ModuleType) -> Callable:
     """The function transformers calls in each attention layer:
     ``(layer, query [B, Hq, Sq, D], key, value [B, Hkv, Skv, D], attention_mask,
@@ -125,10 +180,15 @@ def make_attention_function(module: ModuleType) -> Callable:
     causal_spec = bool(spec.get("causal"))
     ratio = spec.get("gqa_ratio", 1)
     window = spec.get("window")
+    return_lse = bool(spec.get("return_lse"))
     name = spec.get("name")
     stats = {"kernel": 0, "fallback": 0}
     dtype, head_dim = getattr(torch, spec["dtype"]), spec["head_dim"]
     v_head_dim = spec.get("v_head_dim") or head_dim
+
+    def needs_grad(*tensors) -> bool:
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors)
 
     def check(layer, query, key, value, dropout: float, kwargs) -> dict:
         """Kernel keyword arguments for this call, or a ValueError naming the mismatch.
@@ -160,14 +220,12 @@ def make_attention_function(module: ModuleType) -> Callable:
                 f"specgen {name}: the layer has {query.shape[1]} query heads and "
                 f"{key.shape[1]} KV heads; the spec has gqa_ratio {ratio}"
             )
-        if kwargs.get("position_bias") is not None:
-            raise ValueError(
-                f"specgen {name}: the layer passes position_bias (an additive score bias, as "
-                "T5's relative positions), which the kernel does not take; write the bias as "
-                "the spec's score_mod, or use attn_implementation='sdpa' for this model"
-            )
-        if kwargs.get("head_mask") is not None:
-            raise ValueError(f"specgen {name}: the layer passes a head_mask, which the kernel does not take")
+        for argument, what in DROPPED_ARGUMENTS.items():
+            if kwargs.get(argument) is not None:
+                raise ValueError(
+                    f"specgen {name}: the layer passes {argument} ({what}), which the "
+                    "kernel does not take"
+                )
         sliding = kwargs.get("sliding_window")
         if window is None and sliding is not None:
             raise ValueError(
@@ -201,8 +259,7 @@ def make_attention_function(module: ModuleType) -> Callable:
                 )
             # A fresh seed per call from Python's RNG: no device sync.
             extra.update(dropout_p=dropout, seed=random.randrange(2**31 - 1))
-        if (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key))
-                and not spec.get("backward")):
+        if needs_grad(query, key, value, sinks) and not spec.get("backward"):
             raise ValueError(
                 f"specgen {name}: gradients are required and the spec has no backward "
                 "kernels; set backward: true in the spec (or use torch.no_grad())"
@@ -217,10 +274,17 @@ def make_attention_function(module: ModuleType) -> Callable:
             if stats["fallback"] == 1:
                 warnings.warn(
                     f"specgen {name}: a call with an attention mask (padding, or a "
-                    "filled cache under chunked prefill) runs transformers' sdpa instead; "
-                    "see specgen.integrations.transformers",
+                    "filled cache under chunked prefill) runs "
+                    + ("float32 torch attention (soft-cap, sinks)"
+                       if spec.get("softcap") or spec.get("sinks") else "transformers' sdpa")
+                    + " instead; see specgen.integrations.transformers",
                     stacklevel=2,
                 )
+            if spec.get("softcap") or spec.get("sinks"):
+                scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+                return masked_attention(query, key, value, attention_mask, scale=scale,
+                                        softcap=spec.get("softcap"), sinks=extra.get("sinks"),
+                                        dropout=float(dropout or 0.0)), None
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(layer, query, key, value, attention_mask,
@@ -236,9 +300,11 @@ def make_attention_function(module: ModuleType) -> Callable:
                 # it off the same way).
                 key, value = key[:, :, :q_len], value[:, :, :q_len]
         scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if needs_grad(query, key, value, extra.get("sinks")):
             # Autograd owns the kernel's output: transformers' layout is a copy of it.
             out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)
+            if return_lse:  # (out, lse): the layer has no use for the LSE
+                out = out[0]
             out = out.transpose(1, 2).contiguous()
         else:
             # The kernel stores transformers' layout [B, Sq, Hq, Dv] itself, through a

@@ -277,3 +277,32 @@ def test_negative_q_offset_rows_before_the_first_key_are_zero_with_lse_minus_inf
     attention_reference(q64, k64, v64, causal=True, q_offset=-7).sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q64, k64, v64))
     assert (q64.grad[:, :, :7] == 0).all()
+
+
+@pytest.mark.parametrize("paged", [None, {"page_size": 16}])
+def test_decode_reference_reads_lengths_as_the_kernels_do(paged):
+    """A length past the cache's capacity is read as the capacity, a negative one as
+    0 (the kernels' documented rule); the reference gave zeros (contiguous) or raised
+    IndexError (paged) past the capacity."""
+    from specgen.check.cases import DecodeBatch, decode_reference, random_decode
+
+    spec = {"name": "d", "family": "decode", "dtype": "float32", "head_dim": 16, "gqa_ratio": 2,
+            "paged": paged, "window": None}
+    g = torch.Generator().manual_seed(3)
+    batch = random_decode(spec, [40, 7], kv_heads=2, q_len=3, generator=g, device="cpu")
+    capacity = batch.capacity
+    assert capacity >= 40
+    beyond = DecodeBatch(batch.q, batch.k_cache, batch.v_cache,
+                         torch.tensor([capacity + 5, -4], dtype=torch.int32), batch.page_table)
+    at = DecodeBatch(batch.q, batch.k_cache, batch.v_cache,
+                     torch.tensor([capacity, 0], dtype=torch.int32), batch.page_table)
+    if paged is None:  # the slots past 40 hold NaN: give them values, as a full cache would
+        beyond.k_cache.nan_to_num_(0.5)
+        beyond.v_cache.nan_to_num_(0.25)
+    else:
+        batch.k_cache.nan_to_num_(0.5)
+        batch.v_cache.nan_to_num_(0.25)
+    ours, want = decode_reference(spec, beyond, {}), decode_reference(spec, at, {})
+    assert torch.isfinite(ours).all() and ours.abs().sum() > 0
+    torch.testing.assert_close(ours, want, atol=0, rtol=0)
+    assert ours[1].abs().max() == 0  # no key: zeros

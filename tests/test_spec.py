@@ -386,3 +386,22 @@ def test_the_order_of_targets_in_the_file_does_not_change_the_module():
     assert render_spec_data(shuffled)[1] == render_spec_data(data)[1]
     spaces = {"sm_100": {"tile_m": [64, 128]}, "sm_90": {"tile_m": [64, 128]}}
     assert list(validate_spec({"name": "x", "autotune": spaces}).autotune) == ["sm_90", "sm_100"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"causal": False}, "causal: family decode is always causal (each new token sees the cache "
+                        "and the new tokens before it); remove the field, got false"),
+    ({"causal": True}, "causal: family decode is always causal"),
+    ({"fast_math": {"approx_div": False}}, "fast_math.approx_div: family decode divides exactly"),
+    ({"loads": {"check_bounds": "masked"}}, "loads.check_bounds: family decode checks every load's "
+                                            "bounds"),
+])
+def test_decode_refuses_fields_it_would_ignore(fields, message):
+    """A decode spec with causal: false built a causal kernel (the field was read as
+    given and ignored); approx_div and check_bounds changed nothing either."""
+    data = {"name": "d", "family": "decode", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 4,
+            **fields}
+    with pytest.raises(SpecError) as caught:
+        validate_spec(data, "d.yaml")
+    lines = caught.value.lines()
+    assert len(lines) == 1 and message in lines[0], lines

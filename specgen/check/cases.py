@@ -291,9 +291,14 @@ class DecodeBatch:
         return {"batch": self.q.shape[0], "heads": heads, "kv_heads": kv_heads,
                 "seq_k": self.capacity}
 
+    def seq_len(self, b: int) -> int:
+        """Sequence b's length as the kernels read it: a negative length as 0 and a
+        length past the cache's capacity as the capacity."""
+        return min(max(int(self.seq_lens[b]), 0), self.capacity)
+
     def keys(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence b's cached K and V, [Hkv, seq_len, D] each."""
-        n = int(self.seq_lens[b])
+        n = self.seq_len(b)
         # V in the usual layout ([B, L, Hkv, D] or [num_pages, page_size, Hkv, D]).
         v_cache = self.v_cache.permute(0, 3, 1, 2) if self.v_transposed else self.v_cache
         if self.page_table is None:
@@ -377,7 +382,7 @@ def decode_reference(spec: dict, batch: DecodeBatch, extra: dict, scale=None) ->
             k = k.to(torch.float64) * float(extra.get("k_descale", 1.0))
             v = v.to(torch.float64) * float(extra.get("v_descale", 1.0))
         q = batch.q[b].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        n = int(batch.seq_lens[b])
+        n = batch.seq_len(b)
         out, _ = reference_for({**spec, "causal": True}, q, k[None], v[None], extra,
                                q_offset=n - q_len, scale=scale, batch_offset=b)
         outs.append(out[0].transpose(0, 1))

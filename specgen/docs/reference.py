@@ -65,7 +65,8 @@ DESCRIPTIONS: dict[str, str] = {
     "paged": "A paged KV cache (vLLM / FlashInfer layout); see [`paged`](#paged). `null`: "
     "a contiguous cache `[B, max_len, Hkv, D]`.",
     "causal": "Query row i, at absolute position `q_offset + i`, sees keys j ≤ "
-    "`q_offset + i`. Key tiles past the diagonal are skipped.",
+    "`q_offset + i`. Key tiles past the diagonal are skipped. Decode is always causal (each new token "
+    "sees the cache and the new tokens before it) and takes no `causal` field.",
     "window": "A sliding window around each query position; see [`window`](#window). "
     "`null`: no window.",
     "softcap": "Logit soft-cap c: `score = c · tanh(score / c)` (Gemma 2: 50), applied to "

@@ -72,7 +72,7 @@ FAMILY_ONLY = {
     **dict.fromkeys(("v_head_dim", "out_dtype", "softcap", "score_mod", "skip_masked_tiles",
                      "dropout", "varlen", "return_lse", "block_remap", "loop_split",
                      "prescale_q", "q_subtiles", "qk_ahead", "pack_gqa", "head_dim_split", "backward",
-                     "deterministic", "context_parallel"), "prefill"),
+                     "deterministic", "context_parallel", "causal"), "prefill"),
 }
 
 
@@ -143,7 +143,8 @@ class Spec(_Strict):
     )
     causal: bool = Field(
         False,
-        description="Query row i (absolute position q_offset+i) sees keys j <= q_offset+i.",
+        description="Query row i (absolute position q_offset+i) sees keys j <= q_offset+i. "
+        "Decode is always causal among its new tokens and takes no causal field.",
     )
     window: Optional[Window] = Field(
         None,
@@ -483,8 +484,21 @@ class Spec(_Strict):
         other = "prefill" if self.family == "decode" else "decode"
         owned = [name for name, family in FAMILY_ONLY.items() if family == other]
         problems = [(n, f"a {other} field, not supported by family {self.family}")
-                    for n in owned if changed(n)]
+                    for n in owned if changed(n) and n != "causal"]
         if self.family == "decode":
+            if "causal" in self.model_fields_set:
+                # Left to its default (false), the field used to be read as given.
+                problems.append(("causal", "family decode is always causal (each new token "
+                                           "sees the cache and the new tokens before it); "
+                                           f"remove the field, got {str(self.causal).lower()}"))
+            if not self.fast_math.approx_div:
+                problems.append(("fast_math.approx_div", "family decode divides exactly (one "
+                                                         "division per row); remove the field, "
+                                                         "got false"))
+            if self.loads.check_bounds != "all":
+                problems.append(("loads.check_bounds", "family decode checks every load's bounds "
+                                                       "(its tiles stop at each sequence's length); "
+                                                       f"use 'all', got {self.loads.check_bounds!r}"))
             if self.dtype == "float8_e4m3fn":
                 problems.append(("dtype", "float8_e4m3fn is not supported by family decode "
                                           "(a float8 cache is kv_dtype: float8_e4m3fn)"))

@@ -105,7 +105,7 @@ FAMILY_SAMPLES = {
     "dropout": True, "varlen": True, "return_lse": True, "loop_split": False,
     "block_remap": False, "prescale_q": True, "q_subtiles": 2, "qk_ahead": True, "backward": True,
     "pack_gqa": True, "head_dim_split": False, "deterministic": True, "context_parallel": "ulysses",
-    "v_cache_transposed": True,
+    "v_cache_transposed": True, "causal": False,
 }
 # Other fields a sample needs to pass its own field's checks, so that the family check
 # is the one that refuses it: two query half-tiles need a decode tile of 32 rows.

@@ -389,9 +389,10 @@ def test_the_order_of_targets_in_the_file_does_not_change_the_module():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"causal": False}, "causal: family decode is always causal (each new token sees the cache "
-                        "and the new tokens before it); remove the field, got false"),
-    ({"causal": True}, "causal: family decode is always causal"),
+    ({"causal": False}, "causal: a prefill field, not supported by family decode, which is always "
+                        "causal (each new token sees the cache and the new tokens before it); "
+                        "remove the field, got false"),
+    ({"causal": True}, "not supported by family decode, which is always causal"),
     ({"fast_math": {"approx_div": False}}, "fast_math.approx_div: family decode divides exactly"),
     ({"loads": {"check_bounds": "masked"}}, "loads.check_bounds: family decode checks every load's "
                                             "bounds"),

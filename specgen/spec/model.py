@@ -488,9 +488,10 @@ class Spec(_Strict):
         if self.family == "decode":
             if "causal" in self.model_fields_set:
                 # Left to its default (false), the field used to be read as given.
-                problems.append(("causal", "family decode is always causal (each new token "
-                                           "sees the cache and the new tokens before it); "
-                                           f"remove the field, got {str(self.causal).lower()}"))
+                problems.append(("causal", "a prefill field, not supported by family decode, "
+                                           "which is always causal (each new token sees the "
+                                           "cache and the new tokens before it); remove the "
+                                           f"field, got {str(self.causal).lower()}"))
             if not self.fast_math.approx_div:
                 problems.append(("fast_math.approx_div", "family decode divides exactly (one "
                                                          "division per row); remove the field, "

@@ -300,3 +300,48 @@ def test_a_return_lse_spec_serves_without_its_lse():
     out, _ = function(layer, q.requires_grad_(True), kv, kv, None)  # autograd's path
     torch.testing.assert_close(out.detach(), plain)
     assert tf_integration.register("specs/fmha_gptoss_sinks.yaml", name="specgen-cpu-lse").module.SPEC["return_lse"]
+
+
+def test_gpt_oss_with_the_shipped_sinks_kernel_matches_eager_padded_or_not():
+    """The shipped gpt-oss spec (sinks, a 128-key window, return_lse) serves a tiny
+    GptOss model: unpadded calls run its kernel (emulated), a padded batch runs the
+    float32 fallback with the sinks; both match transformers' eager attention (the
+    fallback used to be sdpa, which dropped the sinks: logits 0.53 off)."""
+    import copy
+
+    from specgen.check import emulate
+    from .helpers import ROOT
+
+    module = emulate.load_module(ROOT / "generated" / "fmha_gptoss_sinks.py", name="gptoss_emulated")
+    function = tf_integration.register(module, name="specgen-cpu-gptoss")
+    config = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=1, head_dim=64, sliding_window=128,
+        layer_types=["sliding_attention"] * 2, num_local_experts=2, num_experts_per_tok=2,
+        max_position_embeddings=256, tie_word_embeddings=False)
+
+    def model(implementation):
+        torch.manual_seed(0)
+        made = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=implementation, dtype=torch.float32)
+        with torch.no_grad():
+            for layer in made.model.layers:  # zeros at init: make the sinks matter
+                layer.self_attn.sinks.normal_(0, 2.0)
+        return made.to(torch.bfloat16).eval()
+
+    # Every expert on every token (no top-k choice for rounding to flip between a
+    # batch and a single row); eager in float32 on the bf16-rounded weights.
+    ours, eager = model("specgen-cpu-gptoss"), model("eager").float()
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad(), emulate.emulating(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = (ours(ids[:1]).logits.float() - eager(ids[:1]).logits).abs().max()
+        assert function.stats == {"kernel": 2, "fallback": 0}
+        padded = (ours(ids, attention_mask=mask).logits.float()
+                  - eager(ids, attention_mask=mask).logits)[:, 6:].abs().max()
+        assert function.stats == {"kernel": 2, "fallback": 2}
+    # bf16 logits of about 1: one or two bf16 steps apart, where dropping the sinks
+    # moved them by 0.5
+    assert alone < 0.02 and padded < 0.02, (float(alone), float(padded))

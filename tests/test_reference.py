@@ -306,3 +306,16 @@ def test_decode_reference_reads_lengths_as_the_kernels_do(paged):
     assert torch.isfinite(ours).all() and ours.abs().sum() > 0
     torch.testing.assert_close(ours, want, atol=0, rtol=0)
     assert ours[1].abs().max() == 0  # no key: zeros
+
+
+def test_a_float16_reference_takes_a_softcap_beyond_float16s_range():
+    """The input-dtype reference of the FA rule held a soft-cap of 1e5 as float16's inf
+    in its backward: NaN gradients, and correct kernels failed as 'nan of FA's allowance'."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    half = [t.half().requires_grad_(True) for t in (q, k, v)]
+    out = attention_reference(*half, causal=True, softcap=1e5, compute_dtype=torch.float16)
+    out.float().sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in half)
+    exact = attention_reference(q, k, v, causal=True, softcap=1e5)
+    assert (out.double() - exact).abs().max() < 2e-2

@@ -257,6 +257,10 @@ NEW_FIELDS_BAD = [
     ({"q_subtiles": 2, "targets": {"default": {"tile_m": 16, "tile_n": 64}}},
      "specs/bad.yaml: q_subtiles: 2 needs tile_m >= 32 in every target, got tile_m 16 in "
      "targets.default"),
+    ({"q_subtiles": 2, "targets": {"default": {"tile_m": 64, "tile_n": 64, "by_seq_k": [
+        {"max_seq_k": 2048, "tile_m": 16, "tile_n": 64}]}}},
+     "specs/bad.yaml: q_subtiles: 2 needs tile_m >= 32 in every target, got tile_m 16 in "
+     "targets.default.by_seq_k[0]"),
     ({"q_subtiles": 3}, "specs/bad.yaml: q_subtiles: must be one of 1 or 2, got 3"),
     ({"loop_split": False, "loads": {"check_bounds": "masked"}},
      "specs/bad.yaml: loads.check_bounds: 'masked' needs loop_split: true"),
@@ -406,3 +410,18 @@ def test_decode_refuses_fields_it_would_ignore(fields, message):
         validate_spec(data, "d.yaml")
     lines = caught.value.lines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_float16_prescale_refuses_a_softcap_beyond_its_range():
+    """Q * scale / softcap in float16 fell below its normal range (softcap 1e5, D64:
+    output error 2e-2, LSE 2.4e-2, gradients 1.7e-2, against 2.6e-4 without prescale_q)."""
+    base = {"name": "s", "dtype": "float16", "head_dim": 64, "causal": True, "prescale_q": True}
+    with pytest.raises(SpecError) as caught:
+        validate_spec({**base, "softcap": 100000.0}, "s.yaml")
+    assert caught.value.lines() == [
+        "s.yaml: prescale_q: true with float16 needs softcap <= 1000 (Q is pre-multiplied by "
+        "scale / softcap in float16, and softcap 100000 takes it below float16's normal range, "
+        "where its digits are lost); use false, or bfloat16, got true"]
+    validate_spec({**base, "softcap": 1000.0}, "s.yaml")
+    validate_spec({**base, "dtype": "bfloat16", "softcap": 100000.0}, "s.yaml")
+    validate_spec({**base, "prescale_q": False, "softcap": 100000.0}, "s.yaml")

@@ -144,7 +144,12 @@ def attention_reference(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q64, k64.transpose(-1, -2)) * scale
     if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+        if torch.finfo(scores.dtype).max < softcap:
+            # A cap past float16's range (65504) would be an infinite constant in the
+            # backward; the kernels cap in float32, and so does this reference.
+            scores = (softcap * torch.tanh(scores.float() / softcap)).to(scores.dtype)
+        else:
+            scores = softcap * torch.tanh(scores / softcap)
     if score_mod or mask_mod:
         from specgen.spec.hooks import evaluate
 

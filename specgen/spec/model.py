@@ -77,6 +77,12 @@ FAMILY_ONLY = {
 
 
 
+# The largest soft-cap a float16 prescale_q takes: Q * scale / softcap stays within
+# float16's normal range (above 6.1e-5) to about 1e-3 of its values' size at the
+# default scale (float16 softcap 1e5, D64: output error 2e-2, LSE 2.4e-2).
+FP16_PRESCALE_CAP = 1000.0
+
+
 def _target_order(value: dict) -> dict:
     """A per-target mapping in one order whatever the file's: default first, then
     the targets by architecture, so a module does not change with the keys' order."""
@@ -808,6 +814,12 @@ class Spec(_Strict):
         if value and info.data.get("dtype") == "float8_e4m3fn":
             raise ValueError("true needs a 16-bit dtype (a pre-scaled Q would be rounded back "
                              "to float8); use false")
+        softcap = info.data.get("softcap")
+        if value and info.data.get("dtype") == "float16" and softcap and softcap > FP16_PRESCALE_CAP:
+            raise ValueError(
+                f"true with float16 needs softcap <= {FP16_PRESCALE_CAP:g} (Q is pre-multiplied "
+                f"by scale / softcap in float16, and softcap {softcap:g} takes it below float16's "
+                "normal range, where its digits are lost); use false, or bfloat16")
         return value
 
     @property
@@ -846,11 +858,12 @@ class Spec(_Strict):
             if used:
                 raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")
         for name, cfg in (info.data.get("targets") or {}).items():
-            for bucket in [cfg, *cfg.by_seq_k]:
+            for where, bucket in [(f"targets.{name}", cfg)] + [
+                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
                 if bucket.tile_m // value < 16:
                     raise ValueError(
                         f"{value} needs tile_m >= {16 * value} in every target, "
-                        f"got tile_m {bucket.tile_m} in targets.{name}"
+                        f"got tile_m {bucket.tile_m} in {where}"
                     )
         return value
 

@@ -179,6 +179,14 @@ ONE_LINE = [
     ({"name": "torch"}, "name: must not be the name of a Python standard-library module nor of "
                         "torch, cuda, triton, numpy, specgen, generated"),
     ({"name": "random"}, "name: must not be the name of a Python standard-library module"),
+    # what import torch itself loads (a generated typing_extensions.py broke it), and
+    # names refused on another Python version than this one
+    ({"name": "typing_extensions"}, "name: must not be the name of a Python standard-library "
+                                    "module nor of torch, cuda"),
+    ({"name": "sitecustomize"}, "name: must not be the name"),
+    ({"name": "distutils"}, "name: must not be the name of a Python standard-library module"),
+    ({"name": "tomllib"}, "name: must not be the name of a Python standard-library module"),
+    ({"name": "type"}, "name: must be a Python identifier that is not a keyword"),
     # bools and floats are not integers, in a choice of numbers too
     ({"q_subtiles": True}, "q_subtiles: must be an integer, got true"),
     ({"q_subtiles": 2.0}, "q_subtiles: must be an integer, got 2.0"),
@@ -303,14 +311,14 @@ def test_reserved_names_cover_every_generated_signature(path):
 
 
 @pytest.mark.parametrize("tensors,message", [
-    ({"a_1b": {}, "a1_b": {}}, "tensor names 'a_1b' and 'a1_b' both become the kernel parameter A1B; rename one"),
+    ({"a_1b": {}, "a1_b": {}}, "tensor names 'a1_b' and 'a_1b' both become the kernel parameter A1B; rename one"),
     ({"delta": {}}, "tensor name 'delta' becomes the kernel parameter Delta, a name the kernels already use"),
     ({"d_out": {}}, "tensor name 'd_out' becomes the kernel parameter DOut"),
     ({"o_part": {}}, "tensor name 'o_part' becomes the kernel parameter OPart"),
     ({"map_idx": {}}, "tensor name 'map_idx' becomes the kernel parameter MapIdx"),
     ({"qs": {}}, "tensor name 'qs' becomes the kernel parameter Qs"),
     ({"slope": {"learnable": True}, "d_slope": {}},
-     "tensor names 'slope' and 'd_slope' both become the kernel parameter DSlope; rename one"),
+     "tensor names 'd_slope' and 'slope' both become the kernel parameter DSlope; rename one"),
 ])
 def test_tensor_names_that_make_one_kernel_parameter_are_refused(tensors, message):
     """A hook tensor is a kernel parameter named kernel_param(name) (a learnable one's

@@ -355,3 +355,18 @@ def test_a_split_head_dim_renders_two_tiles_and_false_pads():
     assert "V_HEAD_DIM_MAIN = 64" in mla and "V_REST_COL" in mla and "\nREST_COL" not in mla
     for text in (split, padded, mla):
         compile(text, "variant.py", "exec")
+
+
+def test_the_order_of_a_specs_tensors_does_not_change_its_module():
+    """Two files that differ only in the order of their tensors had one spec hash and
+    one custom-op name but kernels and ops with their parameters in two orders: one
+    process holding both would hand each tensor to the other's parameter."""
+    def text(order):
+        tensors = "\n".join(f"  {n}: {{dtype: float32, shape: [heads]}}" for n in order)
+        return ("name: two_tables\ndtype: bfloat16\nhead_dim: 64\ncausal: true\n"
+                f"tensors:\n{tensors}\n"
+                'score_mod: "score - aa[h] * (q_idx - kv_idx) + bb[h]"\n')
+
+    first, second = (render(make_plan(validate_spec(yaml.safe_load(text(o)), "t.yaml")), "t.yaml").text
+                     for o in (("aa", "bb"), ("bb", "aa")))
+    assert first == second

@@ -30,7 +30,10 @@ from .base import REGENERATE, DocsError
 # appears.
 DESCRIPTIONS: dict[str, str] = {
     "name": "Module name: `specgen build` writes `generated/<name>.py`. An ASCII Python "
-    "identifier that is not a keyword and does not start with `_`, at most 100 characters.",
+    "identifier that is not a keyword (soft keywords included) and does not start with `_`, "
+    "at most 100 characters, and not the name of a standard-library module (of any Python "
+    "from 3.10) or of a package the module or specgen imports (`torch`, `typing_extensions`, "
+    "`jinja2`, ...): `generated/<name>.py` would be imported in its place.",
     "family": "`prefill`: queries against keys, `[B, H, S, D]` tensors "
     "(`templates/fmha_prefill.py.jinja`). `decode`: a few new tokens per sequence against "
     "a KV cache, split-KV flash decoding with a combine kernel "
@@ -305,7 +308,7 @@ completion, for example with `# yaml-language-server: $schema=schema.json` at th
 of a spec. The schema knows the keys, types, choices, bounds, head-dim and tile sizes
 and the name's form; the rules between fields, the target names and the hooks are
 checked by `specgen build` (`specgen build SPEC --no-compile` renders without
-compiling; exit 2 lists every problem), so a spec the editor accepts may still be
+compiling; exit 2 lists every problem, the rules between fields once each field is valid), so a spec the editor accepts may still be
 refused there, with one line naming the field.
 
 The *family* column says which kernel family takes a field; setting a field of the

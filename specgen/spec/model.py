@@ -46,7 +46,24 @@ from specgen.spec.fields import (
 
 # Packages a generated module imports or sits beside: a spec named after one would
 # shadow it.
-SHADOWED_PACKAGES = ("torch", "cuda", "triton", "numpy", "specgen", "generated")
+SHADOWED_PACKAGES = ("torch", "cuda", "triton", "numpy", "specgen", "generated",
+                     # what torch and cuda.tile import with them, and the site hooks
+                     "torchgen", "typing_extensions", "cutile_cache", "tqdm", "sympy", "mpmath",
+                     "networkx", "filelock", "fsspec", "jinja2", "markupsafe", "setuptools",
+                     "pkg_resources", "packaging", "sitecustomize", "usercustomize",
+                     # what specgen and its tests load
+                     "pydantic", "pydantic_core", "yaml", "black", "pytest", "hypothesis",
+                     "transformers", "pip", "wheel")
+# Standard-library modules and soft keywords of the Python versions specgen runs on
+# (3.10 and later) that this interpreter may not list, so that a name refused on one
+# version is refused on every one.
+OTHER_STDLIB = frozenset({
+    "tomllib", "annotationlib", "compression", "distutils", "imp", "asynchat", "asyncore",
+    "smtpd", "aifc", "audioop", "cgi", "cgitb", "chunk", "crypt", "imghdr", "mailcap",
+    "msilib", "nis", "nntplib", "ossaudiodev", "pipes", "sndhdr", "spwd", "sunau",
+    "telnetlib", "uu", "xdrlib", "lib2to3",
+})
+SOFT_KEYWORDS = frozenset({"_", "case", "match", "type"})
 # False while a spec written without targets is validated with the configs filled in
 # for it: a check that a filled config fails then names the user's fields instead.
 _TARGETS_WRITTEN: ContextVar[bool] = ContextVar("targets_written", default=True)
@@ -349,6 +366,7 @@ class Spec(_Strict):
             or not value.isidentifier()
             or keyword.iskeyword(value)
             or keyword.issoftkeyword(value)
+            or value in SOFT_KEYWORDS
             or value.startswith("_")
             or len(value) > 100
         ):
@@ -356,7 +374,7 @@ class Spec(_Strict):
                 "must be a Python identifier that is not a keyword and does not "
                 "start with '_' (letters, digits, '_'; at most 100 characters)"
             )
-        if value in sys.stdlib_module_names or value in SHADOWED_PACKAGES:
+        if value in sys.stdlib_module_names or value in OTHER_STDLIB or value in SHADOWED_PACKAGES:
             # generated/<name>.py, copied beside a user's code, would be imported in
             # place of that module (by the generated code itself: torch, math, os).
             raise ValueError(
@@ -403,6 +421,10 @@ class Spec(_Strict):
     @field_validator("tensors")
     @classmethod
     def _tensor_names(cls, value: dict) -> dict:
+        # One order whatever the file's (the spec's hash sorts keys): the kernels' and
+        # the custom op's parameters follow it, so two files that differ only in the
+        # order of their tensors give one module, not two with one op name.
+        value = dict(sorted(value.items()))
         for name in value:
             if not TENSOR_NAME_RE.match(name) or keyword.iskeyword(name) or name in RESERVED_NAMES:
                 raise ValueError(

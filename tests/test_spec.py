@@ -425,3 +425,22 @@ def test_float16_prescale_refuses_a_softcap_beyond_its_range():
     validate_spec({**base, "softcap": 1000.0}, "s.yaml")
     validate_spec({**base, "dtype": "bfloat16", "softcap": 100000.0}, "s.yaml")
     validate_spec({**base, "prescale_q": False, "softcap": 100000.0}, "s.yaml")
+
+
+def test_a_tile_the_compiler_cannot_place_is_refused():
+    """256 x 256 at D256 with 4 warps (1024 float32 values of S and the accumulator per
+    thread) validated and then failed to compile for sm_90 with no message; 8 warps
+    compile (512), as do 768 (256 x 256 at D128)."""
+    base = {"name": "t", "dtype": "bfloat16", "head_dim": 256, "causal": True}
+    big = {"tile_m": 256, "tile_n": 256, "occupancy": 1}
+    with pytest.raises(SpecError) as caught:
+        validate_spec({**base, "targets": {"default": big}}, "t.yaml")
+    assert caught.value.lines() == [
+        "t.yaml: targets.default.tile_m: tile_m x (tile_n + head dim 256) / (32 x 4 warps) must "
+        "be at most 768 float32 values per thread, which the compiler can place; use "
+        "num_worker_warps: 8 or smaller tiles, got 256 x (256 + 256) / 128 = 1024"]
+    with pytest.raises(SpecError, match=r"targets\.sm_90\.by_seq_k\[0\]\.tile_m"):
+        validate_spec({**base, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "by_seq_k": [
+            {"max_seq_k": 2048, **big}]}}}, "t.yaml")
+    validate_spec({**base, "targets": {"default": {**big, "num_worker_warps": 8}}}, "t.yaml")
+    validate_spec({**base, "head_dim": 128, "targets": {"default": big}}, "t.yaml")

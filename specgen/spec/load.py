@@ -375,10 +375,13 @@ def spec_to_dict(spec: Spec) -> dict:
     """The validated spec, defaults filled in, as plain JSON-compatible data.
 
     Target configs leave out the compiler hints that are null (auto) and empty
-    bucket lists; ``autotune`` is left out when empty. The dict validates back to
+    bucket lists; ``autotune`` is left out when empty, and ``causal`` in a decode
+    spec (which is always causal and refuses the field). The dict validates back to
     an equal spec.
     """
     data = spec.model_dump(mode="json")
+    if spec.family == "decode":
+        del data["causal"]
     data["targets"] = {name: _target_dict(cfg) for name, cfg in spec.targets.items()}
     if not data["autotune"]:
         del data["autotune"]

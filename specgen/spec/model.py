@@ -54,6 +54,11 @@ SHADOWED_PACKAGES = ("torch", "cuda", "triton", "numpy", "specgen", "generated",
                      # what specgen and its tests load
                      "pydantic", "pydantic_core", "yaml", "black", "pytest", "hypothesis",
                      "transformers", "pip", "wheel")
+# The float32 values of a prefill tile's S and accumulator per thread, tile_m x (tile_n
+# + padded D) / threads, that cuTile 1.7 compiles for sm_90: 512 to 768 compiled (128 or
+# 256 rows, D64 to D256, 4 warps), 1024 failed with no message (256 x 256 at D256,
+# 4 warps; "Return code 5"), where 8 warps (512) compile.
+MAX_TILE_VALUES_PER_THREAD = 768
 # Standard-library modules and soft keywords of the Python versions specgen runs on
 # (3.10 and later) that this interpreter may not list, so that a name refused on one
 # version is refused on every one.
@@ -477,7 +482,7 @@ class Spec(_Strict):
         problems = (self._family_problems() + self._tensor_problems() + self._learnable_problems()
                     + self._block_sparse_problems() + self._context_parallel_problems()
                     + self._qk_ahead_problems() + self._pack_gqa_problems()
-                    + self._head_dim_split_problems())
+                    + self._head_dim_split_problems() + self._tile_size_problems())
         if problems:
             raise Problems(problems)
         return self
@@ -568,6 +573,24 @@ class Spec(_Strict):
                                  f"must lie in one page), got {cfg.tile_n}"))
             if cfg.by_seq_k:
                 problems.append((f"targets.{name}.by_seq_k", "decode specs take one config per target"))
+        return problems
+
+    def _tile_size_problems(self) -> list[tuple[str, str]]:
+        """A prefill tile whose float32 S and accumulator need more values per thread
+        than cuTile's compiler can place (it fails with no message) is refused here."""
+        if self.family != "prefill":
+            return []
+        width = 1 << (max(self.head_dim, self.dv) - 1).bit_length()  # the padded D
+        problems = []
+        for where, bucket in self._target_buckets():
+            warps = bucket.num_worker_warps or 4
+            values = bucket.tile_m * (bucket.tile_n + width) // (32 * warps)
+            if values > MAX_TILE_VALUES_PER_THREAD:
+                problems.append((f"{where}.tile_m", (
+                    f"tile_m x (tile_n + head dim {width}) / (32 x {warps} warps) must be at most "
+                    f"{MAX_TILE_VALUES_PER_THREAD} float32 values per thread, which the compiler "
+                    f"can place; use num_worker_warps: 8 or smaller tiles, got {bucket.tile_m} x "
+                    f"({bucket.tile_n} + {width}) / {32 * warps} = {values}")))
         return problems
 
     def _target_buckets(self) -> list[tuple[str, object]]:

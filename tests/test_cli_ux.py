@@ -70,3 +70,15 @@ def test_a_build_says_that_it_compiles_before_the_first_cubin_is_done(project):
     start = next(i for i, line in enumerate(lines) if line.startswith("compiling 1 module-target pair"))
     done = next(i for i, line in enumerate(lines) if line.startswith("[1/1] fmha_gqa_causal"))
     assert start < done
+
+
+def test_a_bad_templates_setting_is_bad_input(project, monkeypatch):
+    """SPECGEN_TEMPLATES pointing at no templates is the user's setting: exit 2 and one
+    line naming it (it exited 1, as for a broken install)."""
+    monkeypatch.setenv("SPECGEN_TEMPLATES", str(project / "nowhere"))
+    result = specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"SPECGEN_TEMPLATES={project / 'nowhere'}: no fmha_prefill.py.jinja there; point it at a "
+        "folder of specgen's templates, or unset it to use the installed ones"]
+    assert not (project / "generated" / "fmha_gqa_causal.py").exists()

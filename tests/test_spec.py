@@ -444,3 +444,13 @@ def test_a_tile_the_compiler_cannot_place_is_refused():
             {"max_seq_k": 2048, **big}]}}}, "t.yaml")
     validate_spec({**base, "targets": {"default": {**big, "num_worker_warps": 8}}}, "t.yaml")
     validate_spec({**base, "head_dim": 128, "targets": {"default": big}}, "t.yaml")
+
+
+def test_an_unknown_target_is_one_problem_whatever_its_value():
+    """The unknown key and its value's shape were two lines for one problem."""
+    with pytest.raises(SpecError) as caught:
+        validate_spec({"name": "x", "targets": {"bogus": 1, "sm_90": {"tile_m": 100}}}, "x.yaml")
+    lines = caught.value.lines()
+    assert len(lines) == 3, lines  # bogus; sm_90's tile_m and its missing tile_n
+    assert lines[0].startswith("x.yaml: targets.bogus: unknown target; allowed: 'default' or sm_80")
+    assert any(line.startswith("x.yaml: targets.sm_90.tile_m: must be a power of two") for line in lines)

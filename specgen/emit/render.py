@@ -48,6 +48,11 @@ def templates_dir() -> Path:
     for path in candidates:
         if (path / TEMPLATE_BY_FAMILY["prefill"]).is_file():
             return path
+    if override:  # the user's setting: bad input (exit 2)
+        raise UsageError(
+            f"SPECGEN_TEMPLATES={override}: no {TEMPLATE_BY_FAMILY['prefill']} there; point it "
+            "at a folder of specgen's templates, or unset it to use the installed ones"
+        )
     raise RenderError(
         f"templates not found (looked in {', '.join(map(str, candidates))}); reinstall "
         "specgen (pip install specgen, or pip install -e . in a checkout) or point "

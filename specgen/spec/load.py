@@ -291,10 +291,16 @@ def _problem(error: dict, root: type[BaseModel] = Spec) -> tuple[str, str]:
     return _field_path(loc), message
 
 
-def problem_lines(exc: ValidationError, root: type[BaseModel]) -> list[tuple[str, str]]:
+def problem_lines(exc: ValidationError, root: type[BaseModel] = Spec) -> list[tuple[str, str]]:
     """Every error of validating ``root`` as (field path, message), in the words a
-    spec's errors use ("unknown key; allowed keys: ...", "must be ..., got ...")."""
-    return [line for error in exc.errors() for line in _problems(error, root)]
+    spec's errors use ("unknown key; allowed keys: ...", "must be ..., got ...").
+    Under a mapping key that is refused itself (an unknown target), its value's
+    errors are left out: the key is the one problem there."""
+    errors = exc.errors()
+    bad_keys = {tuple(e["loc"][:-1]) for e in errors if e["loc"] and e["loc"][-1] == "[key]"}
+    kept = [e for e in errors if e["loc"] and e["loc"][-1] == "[key]"
+            or not any(tuple(e["loc"][:len(k)]) == k for k in bad_keys)]
+    return [line for error in kept for line in _problems(error, root)]
 
 
 def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:
@@ -305,7 +311,7 @@ def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:
     try:
         return Spec.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(path, [line for e in exc.errors() for line in _problems(e)]) from None
+        raise SpecError(path, problem_lines(exc)) from None
 
 
 def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:

@@ -345,3 +345,47 @@ def test_gpt_oss_with_the_shipped_sinks_kernel_matches_eager_padded_or_not():
     # bf16 logits of about 1: one or two bf16 steps apart, where dropping the sinks
     # moved them by 0.5
     assert alone < 0.02 and padded < 0.02, (float(alone), float(padded))
+
+
+def test_a_model_of_sliding_and_full_layers_runs_a_kernel_for_each():
+    """Gemma 2/3 and gpt-oss mix sliding and full layers; one spec could serve only one
+    kind, and each error pointed at the other. A list registers one per kind."""
+    import copy
+
+    import transformers as tf
+
+    from .helpers import QWEN2_SIZES
+
+    local = stand_in(window={"left": 7, "right": None}, name="local")
+    full = stand_in(name="full")
+    function = tf_integration.register([local, full], name="specgen-cpu-mixed")
+    config = tf.Qwen2Config(num_hidden_layers=2, tie_word_embeddings=False, sliding_window=8,
+                            use_sliding_window=True, max_window_layers=2,
+                            layer_types=["sliding_attention", "full_attention"],
+                            **QWEN2_SIZES["tiny"])
+
+    def model(implementation):
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
+                                                   attn_implementation=implementation).eval()
+
+    ours, sdpa = model("specgen-cpu-mixed"), model("sdpa")
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(ours(ids[:, :6]).logits, sdpa(ids[:, :6]).logits, atol=1e-4, rtol=1e-4)
+        assert len(local.calls) == 1 and len(full.calls) == 1  # no mask: both kernels
+        # The window binds past 8 tokens: the sliding layer falls back with its mask.
+        torch.testing.assert_close(ours(ids).logits, sdpa(ids).logits, atol=1e-4, rtol=1e-4)
+    assert len(local.calls) == 1 and len(full.calls) == 2
+    assert function.stats == {"kernel": 3, "fallback": 1}
+    layer = types.SimpleNamespace(is_causal=True)
+    q, kv = torch.zeros(1, 4, 8, 32), torch.zeros(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="the layer has sliding_window 4096 and the registered "
+                                         "kernels serve sliding_window 8, full attention"):
+        function(layer, q, kv, kv, None, sliding_window=4096)
+    with pytest.raises(ValueError, match="both serve full-attention layers"):
+        tf_integration.register([full, stand_in(name="other")], name="specgen-cpu-twice")
+    single = tf_integration.make_attention_function(full)
+    with pytest.raises(ValueError, match=re.escape("register([sliding_spec, full_spec])")):
+        single(layer, q, kv, kv, None, sliding_window=8)

@@ -45,6 +45,10 @@ from typing import Any, Callable, Union
 BUILTIN_NAMES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3",
                  "flash_attention_4", "flex_attention")
 
+# The way out of a window mismatch for models whose layers differ.
+MIXED_LAYERS = ("; a model that mixes sliding and full layers registers a spec for each: "
+                "register([sliding_spec, full_spec])")
+
 # Layer arguments that change what attention computes and that neither the kernel
 # nor the fallbacks take: given (not None), they are refused rather than dropped.
 DROPPED_ARGUMENTS = {
@@ -169,10 +173,60 @@ def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sin
     return torch.matmul(weights, v).to(query.dtype).transpose(1, 2).contiguous()
 
 
-def make_attention_function(module: ModuleType) -> Callable:
+def sliding_window_of(spec: dict):
+    """The transformers ``sliding_window`` a spec serves: left + 1 of its window, or
+    None (full attention) for a spec without one."""
+    window = spec.get("window")
+    return None if window is None else window.get("left") + 1
+
+
+def make_attention_function(module: Union[ModuleType, list, tuple]) -> Callable:
     """The function transformers calls in each attention layer:
     ``(layer, query [B, Hq, Sq, D], key, value [B, Hkv, Skv, D], attention_mask,
-    **kwargs) -> (out [B, Sq, Hq, Dv], None)``."""
+    **kwargs) -> (out [B, Sq, Hq, Dv], None)``.
+
+    Several modules (a list) serve a model whose layers differ in their sliding
+    window (Gemma 2 and 3, gpt-oss: sliding and full layers): each call runs the one
+    whose window is the layer's ``sliding_window`` (none for a full layer)."""
+    if isinstance(module, (list, tuple)):
+        return _dispatching_function(list(module))
+    return _layer_function(module, {"kernel": 0, "fallback": 0})
+
+
+def _dispatching_function(modules: list) -> Callable:
+    if not modules:
+        raise ValueError("register: give at least one generated module or spec")
+    stats = {"kernel": 0, "fallback": 0}
+    by_window: dict = {}
+    for module in modules:
+        window = sliding_window_of(module.SPEC)
+        if window in by_window:
+            raise ValueError(
+                f"register: specs {by_window[window].module.SPEC.get('name')!r} and "
+                f"{module.SPEC.get('name')!r} both serve "
+                + ("full-attention layers" if window is None else f"sliding_window {window}")
+                + "; give one kernel per kind of layer")
+        by_window[window] = _layer_function(module, stats)
+    served = ", ".join("full attention" if w is None else f"sliding_window {w}" for w in by_window)
+
+    def attention_function(layer, query, key, value, attention_mask, **kwargs):
+        sliding = kwargs.get("sliding_window")
+        chosen = by_window.get(sliding)
+        if chosen is None:
+            raise ValueError(
+                "specgen: the layer has "
+                + ("no sliding window" if sliding is None else f"sliding_window {sliding}")
+                + f" and the registered kernels serve {served}; register a spec for it too")
+        return chosen(layer, query, key, value, attention_mask, **kwargs)
+
+    attention_function.stats = stats
+    attention_function.modules = modules
+    attention_function.__name__ = "specgen_" + "_".join(m.SPEC.get("name") for m in modules)
+    return attention_function
+
+
+def _layer_function(module: ModuleType, stats: dict) -> Callable:
+    """One kernel's attention function; ``stats`` counts its calls."""
     import torch
 
     spec = module.SPEC
@@ -182,7 +236,6 @@ def make_attention_function(module: ModuleType) -> Callable:
     window = spec.get("window")
     return_lse = bool(spec.get("return_lse"))
     name = spec.get("name")
-    stats = {"kernel": 0, "fallback": 0}
     dtype, head_dim = getattr(torch, spec["dtype"]), spec["head_dim"]
     v_head_dim = spec.get("v_head_dim") or head_dim
 
@@ -231,12 +284,14 @@ def make_attention_function(module: ModuleType) -> Callable:
             raise ValueError(
                 f"specgen {name}: the layer has sliding_window {sliding} and the spec has no "
                 f"window; give the spec window: {{left: {sliding - 1 if isinstance(sliding, int) else 'N - 1'}, right: 0}}"
+                f"{MIXED_LAYERS}"
             )
         if window is not None and (sliding is None or window.get("left") != sliding - 1
                                    or window.get("right") not in (None, 0)):
             raise ValueError(
                 f"specgen {name}: the spec's window {window} needs a layer with "
                 f"sliding_window == left + 1, and the layer has sliding_window {sliding}"
+                f"{MIXED_LAYERS}"
             )
         softcap = kwargs.get("softcap")
         if (softcap or None) != spec.get("softcap"):
@@ -320,16 +375,21 @@ def make_attention_function(module: ModuleType) -> Callable:
     return attention_function
 
 
-def register(module_or_spec: Union[ModuleType, str, Path], name: str = "specgen") -> Callable:
+def register(module_or_spec: Union[ModuleType, str, Path, list, tuple],
+             name: str = "specgen") -> Callable:
     """Register a generated kernel as transformers attention backend ``name``;
     ``from_pretrained``/``from_config(..., attn_implementation=name)`` then uses it.
+    A list registers one kernel per kind of layer, for models that mix sliding and
+    full layers: ``register(["specs/local.yaml", "specs/global.yaml"])``; each call
+    runs the kernel whose window is the layer's ``sliding_window``.
 
     Returns the registered function; its ``stats`` dict counts the calls that ran
-    the kernel and those that fell back to sdpa (calls with a mask).
+    a kernel and those that fell back (calls with a mask).
 
     Raises:
-        ValueError: the module or spec cannot serve (decode, varlen, fp8, hook
-            tensors), or ``name`` is not a new identifier.
+        ValueError: a module or spec cannot serve (decode, varlen, fp8, hook
+            tensors), two serve the same kind of layer, or ``name`` is not a new
+            identifier.
         ImportError: transformers is not installed.
     """
     if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
@@ -347,7 +407,10 @@ def register(module_or_spec: Union[ModuleType, str, Path], name: str = "specgen"
             "specgen.integrations.transformers needs transformers>=4.56 "
             "(pip install 'transformers>=4.56')"
         ) from exc
-    module = load_kernel_module(module_or_spec)
+    if isinstance(module_or_spec, (list, tuple)):
+        module = [load_kernel_module(one) for one in module_or_spec]
+    else:
+        module = load_kernel_module(module_or_spec)
     function = make_attention_function(module)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, sdpa_mask)

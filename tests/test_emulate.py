@@ -872,10 +872,11 @@ def test_backward_op_fake_outputs_match_the_real_ones_for_strided_learnable_tens
     dout = torch.randn(q.shape, generator=g).to(q.dtype)
     with emulate.emulating():
         out, lse = module._forward(q, k, v, sinks=sinks, slope=slope, rel=rel)
-        args = (q, k, v, out, lse, dout, 0.125, 0, sinks, slope, rel)
+        # The hook tensors in name order, whatever the spec's order.
+        args = (q, k, v, out, lse, dout, 0.125, 0, sinks, rel, slope)
         real = module._op_grads(*args)
         fake = module._op_grads_fake(*args)
-    for name, r, f in zip(("dq", "dk", "dv", "dsinks", "dslope", "drel"), real, fake):
+    for name, r, f in zip(("dq", "dk", "dv", "dsinks", "drel", "dslope"), real, fake):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride()), name
 
 
@@ -1353,3 +1354,42 @@ def test_tracers_and_tensor_subclasses_see_the_op():
         assert module._eager([q, torch.nn.Parameter(k)])
         with torch._subclasses.fake_tensor.FakeTensorMode():
             assert not module._eager([q])
+
+
+def test_a_second_derivative_through_the_eager_backward_is_refused_not_dropped():
+    """create_graph=True on the eager path gave first-order gradients with no graph: a
+    loss on dq (a gradient penalty) was silently a constant (dv 96% off the true second
+    derivative). They now come from the backward op, whose own backward torch refuses,
+    as on the compiled path; first-order gradients are unchanged, bitwise."""
+    module = _module("fmha_train_gqa_causal")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 4, 32, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(1, 1, 32, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
+            for _ in range(2))
+    with emulate.emulating():
+        loss = module.attention(q, k, v).float().square().sum()
+        plain = torch.autograd.grad(loss, (q, k, v), retain_graph=True)
+        dq, dk, dv = torch.autograd.grad(loss, (q, k, v), create_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(plain, (dq, dk, dv)))
+        assert dq.requires_grad
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            torch.autograd.grad(dq.float().square().sum(), v)
+
+
+def test_a_sparse_or_broadcast_output_gradient():
+    """A sparse output gradient reached .contiguous() and failed in torch's words; it is
+    a ValueError naming the layout. A broadcast one (stride 0 outside D) is copied
+    before the kernels, whose tensor-memory loads take positive strides."""
+    module = _module("fmha_train_gqa_causal")
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, 16, 128, generator=g).to(torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(1, 1, 16, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    with emulate.emulating():
+        out = module.attention(q, k, v)
+        with pytest.raises(ValueError, match="the output gradient must be a torch.bfloat16 tensor "
+                                             r"of shape \(1, 4, 16, 128\) on cpu, got .*torch.sparse_coo"):
+            torch.autograd.grad(out, q, torch.ones_like(out).to_sparse(), retain_graph=True)
+        row = torch.randn(128, generator=g).to(torch.bfloat16)
+        (broadcast,) = torch.autograd.grad(out, q, row.expand_as(out), retain_graph=True)
+        (dense,) = torch.autograd.grad(out, q, row.expand_as(out).contiguous())
+    assert torch.equal(broadcast, dense)

@@ -395,6 +395,12 @@ def launch(stream, grid, kernel, args, **options):
     """Run every CTA of the grid, x fastest, each to its end before the next starts
     (a schedule every launch option, programmatic dependent launch included, allows)."""
     fn = getattr(kernel, "_pyfunc", kernel)
+    # A GPU kernel is invisible to autograd: so is its emulation.
+    with torch.no_grad():
+        _run_grid(fn, grid, args)
+
+
+def _run_grid(fn, grid, args):
     grid = tuple(grid) + (1,) * (3 - len(grid))
     _GRID.size = grid
     for z, y, x in itertools.product(range(grid[2]), range(grid[1]), range(grid[0])):

@@ -150,7 +150,7 @@ BAD = [
     ({"loads": {"v_latency": 0}},
      "specs/bad.yaml: loads.v_latency: must be an integer in [1, 10] or null, got 0"),
     ({"fast_math": {"exp3": True}},
-     "specs/bad.yaml: fast_math.exp3: unknown key; allowed keys: exp2, flush_to_zero, approx_div"),
+     "specs/bad.yaml: fast_math.exp3: unknown key (did you mean exp2?); allowed keys: exp2, flush_to_zero, approx_div"),
     ({"bogus": 1},
      "specs/bad.yaml: bogus: unknown key; allowed keys: name, family, dtype, out_dtype, kv_dtype, head_dim, v_head_dim, "
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, block_sparse, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
@@ -454,3 +454,16 @@ def test_an_unknown_target_is_one_problem_whatever_its_value():
     assert len(lines) == 3, lines  # bogus; sm_90's tile_m and its missing tile_n
     assert lines[0].startswith("x.yaml: targets.bogus: unknown target; allowed: 'default' or sm_80")
     assert any(line.startswith("x.yaml: targets.sm_90.tile_m: must be a power of two") for line in lines)
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("scale", "(the softmax scale is an argument of the call: attention(q, k, v, scale=...))"),
+    ("sliding_window", "(did you mean window? It takes {left: sliding_window - 1})"),
+    ("num_kv_heads", "(heads come from the tensors; the spec takes gqa_ratio, query heads per KV head)"),
+    ("causl", "(did you mean causal?)"),
+])
+def test_an_unknown_key_says_what_to_write_instead(key, hint):
+    with pytest.raises(SpecError) as caught:
+        validate_spec({"name": "x", key: 1}, "x.yaml")
+    assert caught.value.lines() == [f"x.yaml: {key}: unknown key {hint}; allowed keys: "
+                                    + ", ".join(Spec.model_fields)]

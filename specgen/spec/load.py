@@ -246,6 +246,33 @@ def _problems(error: dict, root: type[BaseModel] = Spec) -> list[tuple[str, str]
     return [_problem(error, root)]
 
 
+# Keys a spec's author may write for a field of another name or for a call argument,
+# with what to write instead (top level of a spec only).
+KEY_HINTS = {
+    "scale": "the softmax scale is an argument of the call: attention(q, k, v, scale=...)",
+    "softmax_scale": "the softmax scale is an argument of the call: attention(q, k, v, scale=...)",
+    "sliding_window": "did you mean window? It takes {left: sliding_window - 1}",
+    "num_heads": "heads come from the tensors; the spec takes gqa_ratio, query heads per KV head",
+    "num_kv_heads": "heads come from the tensors; the spec takes gqa_ratio, query heads per KV head",
+    "num_key_value_heads": "heads come from the tensors; the spec takes gqa_ratio, query heads "
+                           "per KV head",
+    "logit_softcap": "did you mean softcap?",
+    "attn_logit_softcapping": "did you mean softcap?",
+    "is_causal": "did you mean causal?",
+}
+
+
+def _key_hint(key: str, allowed: list[str], root: type[BaseModel], depth: int) -> str:
+    """' (what to write instead)' for an unknown key, where one is known or a field's
+    name is close to it; empty otherwise."""
+    import difflib
+
+    if root is Spec and depth == 1 and key in KEY_HINTS:
+        return f" ({KEY_HINTS[key]})"
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _problem(error: dict, root: type[BaseModel] = Spec) -> tuple[str, str]:
     loc = tuple(error["loc"])
     kind = error["type"]
@@ -253,7 +280,8 @@ def _problem(error: dict, root: type[BaseModel] = Spec) -> tuple[str, str]:
     if kind == "extra_forbidden":
         model = _model_at(loc[:-1], root)
         allowed = ", ".join(model.model_fields) if model else "none"
-        return _field_path(loc), f"unknown key; allowed keys: {allowed}"
+        hint = _key_hint(str(loc[-1]), list(model.model_fields) if model else [], root, len(loc))
+        return _field_path(loc), f"unknown key{hint}; allowed keys: {allowed}"
     if kind == "missing":
         return _field_path(loc), "required field is missing"
     if kind == "literal_error":

@@ -82,3 +82,15 @@ def test_a_bad_templates_setting_is_bad_input(project, monkeypatch):
         f"SPECGEN_TEMPLATES={project / 'nowhere'}: no fmha_prefill.py.jinja there; point it at a "
         "folder of specgen's templates, or unset it to use the installed ones"]
     assert not (project / "generated" / "fmha_gqa_causal.py").exists()
+
+
+def test_a_renamed_spec_file_takes_over_its_module(project):
+    """mv x.yaml y.yaml, then build y.yaml: the module's spec is gone, so the module is
+    y.yaml's (the build refused it as another spec's, and asked for --force)."""
+    assert specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project).returncode == 0
+    (project / "specs" / "fmha_gqa_causal.yaml").rename(project / "specs" / "renamed.yaml")
+    result = specgen("build", "specs/renamed.yaml", "--no-compile", cwd=project)
+    assert result.returncode == 0, result.stderr
+    module = project / "generated" / "fmha_gqa_causal.py"
+    assert "from specs/renamed.yaml" in module.read_text().splitlines()[0]
+    assert specgen("build", "--check", "--no-compile", "specs/renamed.yaml", cwd=project).returncode == 0

@@ -215,13 +215,16 @@ def leftover_modules(jobs: list[Job], out_dir: Path) -> list[str]:
 
 def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     """Modules a build would overwrite although another spec file made them (a copied
-    spec that kept its ``name:``): one line each, ending in ``remedy``."""
+    spec that kept its ``name:``): one line each, ending in ``remedy``. A module whose
+    spec is gone (the file renamed or moved) is the new spec's to take over."""
     problems = []
     for job in jobs:
         if not job.out_path.is_file():
             continue
         match = HEADER_RE.match(module_text(job.out_path))
-        if match and match["spec_path"] != job.rendered.spec_path:
+        project = job.out_path.parent.resolve().parent
+        if (match and match["spec_path"] != job.rendered.spec_path
+                and (project / match["spec_path"]).exists()):
             problems.append(
                 f"{job.spec_path}: name: {job.plan.module_name!r} would overwrite {job.out_path}, "
                 f"made from {match['spec_path']}; rename the spec's name, or {remedy}"

@@ -175,9 +175,12 @@ def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sin
 
 def sliding_window_of(spec: dict):
     """The transformers ``sliding_window`` a spec serves: left + 1 of its window, or
-    None (full attention) for a spec without one."""
+    None (full attention) for a spec without one; a window with no left bound serves
+    no layer (-1)."""
     window = spec.get("window")
-    return None if window is None else window.get("left") + 1
+    if window is None:
+        return None
+    return -1 if window.get("left") is None else window["left"] + 1
 
 
 def make_attention_function(module: Union[ModuleType, list, tuple]) -> Callable:

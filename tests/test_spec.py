@@ -95,7 +95,7 @@ BAD = [
     ({"family": "decode", "pdl": "yes"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"yes\""),
     ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
     ({"family": "decode", "pdl": "true"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"true\""),
-    ({"pdl": "auto"}, "specs/bad.yaml: pdl: a decode field, not supported by family prefill"),
+    ({"pdl": True}, "specs/bad.yaml: pdl: a decode field, not supported by family prefill"),
     ({"family": "decode", "dtype": "bfloat16", "kv_dtype": "float16"},
      "specs/bad.yaml: kv_dtype: must be null, bfloat16 (the dtype) or float8_e4m3fn, got \"float16\""),
     ({"family": "decode", "kv_dtype": "int8"},

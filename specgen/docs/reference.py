@@ -590,7 +590,7 @@ def _spec_summary(spec: Spec) -> str:
             parts.append(f"up to {spec.max_q_len} tokens per call")
         if spec.paged:
             parts.append(f"paged ({spec.paged.page_size}-token pages)")
-        if spec.pdl is not False:
+        if spec.pdl != "auto":  # not the default
             parts.append(f"pdl {_yaml_value(spec.pdl)}")
     if spec.block_sparse:
         parts.append("block-sparse (a block map)")

@@ -299,7 +299,7 @@ class Spec(_Strict):
         "count, batch, KV heads and length.",
     )
     pdl: Union[Literal["auto"], bool] = Field(
-        False,
+        "auto",
         description="decode: programmatic dependent launch (each kernel may start while "
         "the one before it finishes, and waits for it before reading): auto uses it on "
         "sm_90 (Hopper, where it was measured: an H200 gained at every shape of the "

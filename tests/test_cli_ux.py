@@ -82,6 +82,15 @@ def test_a_bad_templates_setting_is_bad_input(project, monkeypatch):
         f"SPECGEN_TEMPLATES={project / 'nowhere'}: no fmha_prefill.py.jinja there; point it at a "
         "folder of specgen's templates, or unset it to use the installed ones"]
     assert not (project / "generated" / "fmha_gqa_causal.py").exists()
+    # A folder with the family template but not the ones it includes: the same.
+    (project / "partial").mkdir()
+    shutil.copy(ROOT / "templates" / "fmha_prefill.py.jinja", project / "partial")
+    monkeypatch.setenv("SPECGEN_TEMPLATES", str(project / "partial"))
+    result = specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"SPECGEN_TEMPLATES={project / 'partial'}: no _aot.jinja there; point it at a folder of "
+        "specgen's templates, or unset it to use the installed ones"]
 
 
 def test_a_renamed_spec_file_takes_over_its_module(project):

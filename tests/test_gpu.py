@@ -402,7 +402,7 @@ DECODE_VARIANTS = {
                             "targets": {"default": {"tile_m": 16, "tile_n": 16}}},
     "window_sinks_no_exp2_splits3": {
         "gqa_ratio": 4, "window": {"left": 300}, "sinks": True, "splits": 3,
-        "fast_math": {"exp2": False, "flush_to_zero": False},
+        "fast_math": {"exp2": False, "flush_to_zero": False, "approx_div": False},
         "targets": {"default": {"tile_m": 16, "tile_n": 32}}},
     "gqa8_q2_d64_paged128": {"gqa_ratio": 8, "max_q_len": 2, "head_dim": 64, "paged": {"page_size": 128},
                              "targets": {"default": {"tile_m": 16, "tile_n": 128}}},

@@ -156,7 +156,7 @@ BAD = [
      "gqa_ratio, max_q_len, paged, causal, window, softcap, tensors, score_mod, mask_mod, skip_masked_tiles, block_sparse, dropout, varlen, sinks, return_lse, fast_math, loop_split, block_remap, loads, targets, prescale_q, "
      "q_subtiles, qk_ahead, head_dim_split, pack_gqa, splits, pdl, v_cache_transposed, backward, deterministic, context_parallel, compile_for, autotune"),
     ({"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "warps": 4}}},
-     "specs/bad.yaml: targets.sm_90.warps: unknown key; allowed keys: tile_m, tile_n, occupancy, "
+     "specs/bad.yaml: targets.sm_90.warps: unknown key (did you mean num_worker_warps?); allowed keys: tile_m, tile_n, occupancy, "
      "num_ctas, num_worker_warps, opt_level, tile_order, v_transposed, persistent, by_seq_k"),
     ({"compile_for": []}, "specs/bad.yaml: compile_for: must not be empty, got []"),
     ({"compile_for": ["sm_90", "sm_90"]},
@@ -397,13 +397,12 @@ def test_the_order_of_targets_in_the_file_does_not_change_the_module():
                         "causal (each new token sees the cache and the new tokens before it); "
                         "remove the field, got false"),
     ({"causal": True}, "not supported by family decode, which is always causal"),
-    ({"fast_math": {"approx_div": False}}, "fast_math.approx_div: family decode divides exactly"),
     ({"loads": {"check_bounds": "masked"}}, "loads.check_bounds: family decode checks every load's "
                                             "bounds"),
 ])
 def test_decode_refuses_fields_it_would_ignore(fields, message):
     """A decode spec with causal: false built a causal kernel (the field was read as
-    given and ignored); approx_div and check_bounds changed nothing either."""
+    given and ignored); check_bounds: masked changed nothing either."""
     data = {"name": "d", "family": "decode", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 4,
             **fields}
     with pytest.raises(SpecError) as caught:
@@ -436,7 +435,8 @@ def test_a_tile_the_compiler_cannot_place_is_refused():
     with pytest.raises(SpecError) as caught:
         validate_spec({**base, "targets": {"default": big}}, "t.yaml")
     assert caught.value.lines() == [
-        "t.yaml: targets.default.tile_m: tile_m x (tile_n + head dim 256) / (32 x 4 warps) must "
+        "t.yaml: targets.default.tile_m: tile_m x (tile_n + head dim 256) / (32 x 4 warps, as null "
+        "counts) must "
         "be at most 768 float32 values per thread, which the compiler can place; use "
         "num_worker_warps: 8 or smaller tiles, got 256 x (256 + 256) / 128 = 1024"]
     with pytest.raises(SpecError, match=r"targets\.sm_90\.by_seq_k\[0\]\.tile_m"):
@@ -461,9 +461,19 @@ def test_an_unknown_target_is_one_problem_whatever_its_value():
     ("sliding_window", "(did you mean window? It takes {left: sliding_window - 1})"),
     ("num_kv_heads", "(heads come from the tensors; the spec takes gqa_ratio, query heads per KV head)"),
     ("causl", "(did you mean causal?)"),
+    ("dropout_p", "(the dropout rate is an argument of the call, attention(..., dropout_p=...); "
+                  "dropout: true builds it in)"),
 ])
 def test_an_unknown_key_says_what_to_write_instead(key, hint):
     with pytest.raises(SpecError) as caught:
         validate_spec({"name": "x", key: 1}, "x.yaml")
     assert caught.value.lines() == [f"x.yaml: {key}: unknown key {hint}; allowed keys: "
                                     + ", ".join(Spec.model_fields)]
+
+
+def test_a_tile_field_named_as_other_tools_name_it_is_pointed_at():
+    with pytest.raises(SpecError) as caught:
+        validate_spec({"name": "x", "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_warps": 8}}},
+                      "x.yaml")
+    assert caught.value.lines()[0].startswith(
+        "x.yaml: targets.sm_90.num_warps: unknown key (did you mean num_worker_warps?); allowed keys:")

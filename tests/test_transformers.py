@@ -386,6 +386,15 @@ def test_a_model_of_sliding_and_full_layers_runs_a_kernel_for_each():
         function(layer, q, kv, kv, None, sliding_window=4096)
     with pytest.raises(ValueError, match="both serve full-attention layers"):
         tf_integration.register([full, stand_in(name="other")], name="specgen-cpu-twice")
+    with pytest.raises(ValueError, match="has a window with no left bound"):
+        tf_integration.register([full, stand_in(causal=False, window={"left": None, "right": 4})],
+                                name="specgen-cpu-unbounded")
+    # A spec of the list whose window cannot serve the layer it was picked for says so,
+    # without suggesting a list registration.
+    two_sided = stand_in(causal=False, window={"left": 7, "right": 2}, name="two_sided")
+    listed = tf_integration.make_attention_function([two_sided, stand_in(causal=False)])
+    with pytest.raises(ValueError, match=r"and the layer has sliding_window 8$"):
+        listed(types.SimpleNamespace(is_causal=False), q, kv, kv, None, sliding_window=8)
     single = tf_integration.make_attention_function(full)
     with pytest.raises(ValueError, match=re.escape("register([sliding_spec, full_spec])")):
         single(layer, q, kv, kv, None, sliding_window=8)

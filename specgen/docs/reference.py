@@ -196,7 +196,8 @@ DESCRIPTIONS: dict[str, str] = {
     "instruction); `false` uses `ct.exp` with the natural scale.",
     "fast_math.flush_to_zero": "`flush_to_zero=True` on `ct.exp2` and on the final "
     "division (`ct.exp` has no such option).",
-    "fast_math.approx_div": "`rounding_mode=APPROX` on the final normalisation.",
+    "fast_math.approx_div": "`rounding_mode=APPROX` on the final normalisation (prefill; "
+    "the decode kernels divide exactly, one division per row, whatever it says).",
     "loads.k_transposed": "Load K^T directly with `order=(0, 1, 3, 2)`; `false` loads K and "
     "transposes it with `ct.permute`.",
     "loads.k_latency": "`latency=` hint of the K loads; `null`: no hint.",
@@ -312,7 +313,7 @@ compiling; exit 2 lists every problem, the rules between fields once each field 
 refused there, with one line naming the field.
 
 The *family* column says which kernel family takes a field; setting a field of the
-other family (to anything but its default) is an error.
+other family (to anything but its default; `causal` in a decode spec at all) is an error.
 """
 
 

@@ -120,6 +120,13 @@ def render_raw(plan: Plan) -> str:
         # different specs, loaded in one process, get ops of their own.
         return env.get_template(TEMPLATE_BY_FAMILY[plan.spec.family]).render(
             plan=plan, op_tag=spec_hash(plan)[:10])
+    except jinja2.TemplateNotFound as exc:
+        override = os.environ.get("SPECGEN_TEMPLATES")
+        if override:  # the user's folder lacks a template: bad input (exit 2)
+            raise UsageError(
+                f"SPECGEN_TEMPLATES={override}: no {exc.name} there; point it at a folder of "
+                "specgen's templates, or unset it to use the installed ones") from None
+        raise RenderError(f"{_template_location(exc)}: {exc}") from exc
     except jinja2.TemplateError as exc:
         raise RenderError(f"{_template_location(exc)}: {exc}") from exc
 

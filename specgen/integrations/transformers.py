@@ -142,11 +142,13 @@ def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sin
     for a spec whose soft-cap or sinks transformers' sdpa function cannot apply.
 
     ``query`` [B, Hq, Sq, D], ``key``/``value`` [B, Hkv, Skv, D]; ``mask`` boolean
-    (True: attend) or additive, broadcastable to [B, Hq, Sq, Skv] (its key axis may be
-    longer: a static cache's). Masked scores take float32's lowest value, as
-    transformers' eager layers do, so a row with no visible key averages V instead of
-    giving NaN; a sink logit (one per query head) joins every row's normaliser.
-    Returns [B, Sq, Hq, Dv] in the query's dtype.
+    (True: attend) or additive, broadcastable to [B, Hq, Sq, Skv]; a 4-D mask's key
+    axis may be longer (a static cache's), as transformers' mask builders give it.
+    Scores a boolean mask hides take float32's lowest value, as transformers' eager
+    layers do, so a row with no visible key averages V; an additive mask is added as
+    given (a row of -inf gives NaN, as in eager, unless a sink joins it). A sink logit
+    (one per query head) joins every row's normaliser. Returns [B, Sq, Hq, Dv] in the
+    query's dtype.
     """
     import torch
 
@@ -203,13 +205,18 @@ def _dispatching_function(modules: list) -> Callable:
     by_window: dict = {}
     for module in modules:
         window = sliding_window_of(module.SPEC)
+        if window == -1:
+            raise ValueError(
+                f"register: spec {module.SPEC.get('name')!r} has a window with no left bound "
+                f"({module.SPEC.get('window')}), which no transformers layer's sliding_window "
+                "describes")
         if window in by_window:
             raise ValueError(
                 f"register: specs {by_window[window].module.SPEC.get('name')!r} and "
                 f"{module.SPEC.get('name')!r} both serve "
                 + ("full-attention layers" if window is None else f"sliding_window {window}")
                 + "; give one kernel per kind of layer")
-        by_window[window] = _layer_function(module, stats)
+        by_window[window] = _layer_function(module, stats, in_list=True)
     served = ", ".join("full attention" if w is None else f"sliding_window {w}" for w in by_window)
 
     def attention_function(layer, query, key, value, attention_mask, **kwargs):
@@ -223,13 +230,14 @@ def _dispatching_function(modules: list) -> Callable:
         return chosen(layer, query, key, value, attention_mask, **kwargs)
 
     attention_function.stats = stats
-    attention_function.modules = modules
+    attention_function.modules = modules  # (a single registration has .module)
     attention_function.__name__ = "specgen_" + "_".join(m.SPEC.get("name") for m in modules)
     return attention_function
 
 
-def _layer_function(module: ModuleType, stats: dict) -> Callable:
-    """One kernel's attention function; ``stats`` counts its calls."""
+def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> Callable:
+    """One kernel's attention function; ``stats`` counts its calls. ``in_list``: one of
+    several registered together (its refusals do not suggest registering a list)."""
     import torch
 
     spec = module.SPEC
@@ -287,14 +295,14 @@ def _layer_function(module: ModuleType, stats: dict) -> Callable:
             raise ValueError(
                 f"specgen {name}: the layer has sliding_window {sliding} and the spec has no "
                 f"window; give the spec window: {{left: {sliding - 1 if isinstance(sliding, int) else 'N - 1'}, right: 0}}"
-                f"{MIXED_LAYERS}"
+                f"{'' if in_list else MIXED_LAYERS}"
             )
         if window is not None and (sliding is None or window.get("left") != sliding - 1
                                    or window.get("right") not in (None, 0)):
             raise ValueError(
                 f"specgen {name}: the spec's window {window} needs a layer with "
                 f"sliding_window == left + 1, and the layer has sliding_window {sliding}"
-                f"{MIXED_LAYERS}"
+                f"{'' if in_list else MIXED_LAYERS}"
             )
         softcap = kwargs.get("softcap")
         if (softcap or None) != spec.get("softcap"):
@@ -387,7 +395,8 @@ def register(module_or_spec: Union[ModuleType, str, Path, list, tuple],
     runs the kernel whose window is the layer's ``sliding_window``.
 
     Returns the registered function; its ``stats`` dict counts the calls that ran
-    a kernel and those that fell back (calls with a mask).
+    a kernel and those that fell back (calls with a mask), and ``module`` (a list
+    registration: ``modules``) holds the generated module(s).
 
     Raises:
         ValueError: a module or spec cannot serve (decode, varlen, fp8, hook

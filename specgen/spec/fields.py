@@ -173,7 +173,8 @@ class FastMath(_Strict):
         True, description="flush_to_zero=True on exp2 and on the final division."
     )
     approx_div: bool = Field(
-        True, description="rounding_mode=APPROX on the final normalisation."
+        True, description="rounding_mode=APPROX on the final normalisation (prefill; the "
+        "decode kernels divide exactly, one division per row, whatever it says)."
     )
 
 

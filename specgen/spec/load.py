@@ -259,7 +259,12 @@ KEY_HINTS = {
     "logit_softcap": "did you mean softcap?",
     "attn_logit_softcapping": "did you mean softcap?",
     "is_causal": "did you mean causal?",
+    "dropout_p": "the dropout rate is an argument of the call, attention(..., dropout_p=...); "
+                 "dropout: true builds it in",
 }
+# Keys at any depth that name a field of another name.
+KEY_ALIASES = {"num_warps": "num_worker_warps", "warps": "num_worker_warps",
+               "block_m": "tile_m", "block_n": "tile_n", "BLOCK_M": "tile_m", "BLOCK_N": "tile_n"}
 
 
 def _key_hint(key: str, allowed: list[str], root: type[BaseModel], depth: int) -> str:
@@ -269,6 +274,8 @@ def _key_hint(key: str, allowed: list[str], root: type[BaseModel], depth: int) -
 
     if root is Spec and depth == 1 and key in KEY_HINTS:
         return f" ({KEY_HINTS[key]})"
+    if KEY_ALIASES.get(key) in allowed:
+        return f" (did you mean {KEY_ALIASES[key]}?)"
     close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
     return f" (did you mean {close[0]}?)" if close else ""
 

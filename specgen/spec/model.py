@@ -525,10 +525,6 @@ class Spec(_Strict):
                                            "which is always causal (each new token sees the "
                                            "cache and the new tokens before it); remove the "
                                            f"field, got {str(self.causal).lower()}"))
-            if not self.fast_math.approx_div:
-                problems.append(("fast_math.approx_div", "family decode divides exactly (one "
-                                                         "division per row); remove the field, "
-                                                         "got false"))
             if self.loads.check_bounds != "all":
                 problems.append(("loads.check_bounds", "family decode checks every load's bounds "
                                                        "(its tiles stop at each sequence's length); "
@@ -584,10 +580,11 @@ class Spec(_Strict):
         problems = []
         for where, bucket in self._target_buckets():
             warps = bucket.num_worker_warps or 4
+            counted = f"{warps} warps" if bucket.num_worker_warps else "4 warps, as null counts"
             values = bucket.tile_m * (bucket.tile_n + width) // (32 * warps)
             if values > MAX_TILE_VALUES_PER_THREAD:
                 problems.append((f"{where}.tile_m", (
-                    f"tile_m x (tile_n + head dim {width}) / (32 x {warps} warps) must be at most "
+                    f"tile_m x (tile_n + head dim {width}) / (32 x {counted}) must be at most "
                     f"{MAX_TILE_VALUES_PER_THREAD} float32 values per thread, which the compiler "
                     f"can place; use num_worker_warps: 8 or smaller tiles, got {bucket.tile_m} x "
                     f"({bucket.tile_n} + {width}) / {32 * warps} = {values}")))

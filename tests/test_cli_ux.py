@@ -73,24 +73,19 @@ def test_a_build_says_that_it_compiles_before_the_first_cubin_is_done(project):
 
 
 def test_a_bad_templates_setting_is_bad_input(project, monkeypatch):
-    """SPECGEN_TEMPLATES pointing at no templates is the user's setting: exit 2 and one
-    line naming it (it exited 1, as for a broken install)."""
-    monkeypatch.setenv("SPECGEN_TEMPLATES", str(project / "nowhere"))
-    result = specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"SPECGEN_TEMPLATES={project / 'nowhere'}: no fmha_prefill.py.jinja there; point it at a "
-        "folder of specgen's templates, or unset it to use the installed ones"]
-    assert not (project / "generated" / "fmha_gqa_causal.py").exists()
-    # A folder with the family template but not the ones it includes: the same.
+    """SPECGEN_TEMPLATES pointing at no templates, or at a folder with the family
+    template but not the ones it includes, is the user's setting: exit 2 and one line
+    naming it (it exited 1, as for a broken install)."""
     (project / "partial").mkdir()
     shutil.copy(ROOT / "templates" / "fmha_prefill.py.jinja", project / "partial")
-    monkeypatch.setenv("SPECGEN_TEMPLATES", str(project / "partial"))
-    result = specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project)
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"SPECGEN_TEMPLATES={project / 'partial'}: no _aot.jinja there; point it at a folder of "
-        "specgen's templates, or unset it to use the installed ones"]
+    for folder, missing in (("nowhere", "fmha_prefill.py.jinja"), ("partial", "_aot.jinja")):
+        monkeypatch.setenv("SPECGEN_TEMPLATES", str(project / folder))
+        result = specgen("build", "specs/fmha_gqa_causal.yaml", "--no-compile", cwd=project)
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [
+            f"SPECGEN_TEMPLATES={project / folder}: no {missing} there; point it at a folder of "
+            "specgen's templates, or unset it to use the installed ones"]
+        assert not (project / "generated" / "fmha_gqa_causal.py").exists()
 
 
 def test_a_renamed_spec_file_takes_over_its_module(project):

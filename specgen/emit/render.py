@@ -35,6 +35,14 @@ HEADER_RE = re.compile(
 )
 
 
+def _templates_setting_lacks(template: str) -> UsageError:
+    """The error for a SPECGEN_TEMPLATES folder without ``template``: the user's
+    setting, so bad input (exit 2)."""
+    return UsageError(
+        f"SPECGEN_TEMPLATES={os.environ.get('SPECGEN_TEMPLATES')}: no {template} there; point "
+        "it at a folder of specgen's templates, or unset it to use the installed ones")
+
+
 def templates_dir() -> Path:
     """The Jinja2 templates: SPECGEN_TEMPLATES if set, else the copy an installed wheel
     carries inside the package, else the top-level templates/ of a source checkout
@@ -48,11 +56,8 @@ def templates_dir() -> Path:
     for path in candidates:
         if (path / TEMPLATE_BY_FAMILY["prefill"]).is_file():
             return path
-    if override:  # the user's setting: bad input (exit 2)
-        raise UsageError(
-            f"SPECGEN_TEMPLATES={override}: no {TEMPLATE_BY_FAMILY['prefill']} there; point it "
-            "at a folder of specgen's templates, or unset it to use the installed ones"
-        )
+    if override:
+        raise _templates_setting_lacks(TEMPLATE_BY_FAMILY["prefill"])
     raise RenderError(
         f"templates not found (looked in {', '.join(map(str, candidates))}); reinstall "
         "specgen (pip install specgen, or pip install -e . in a checkout) or point "
@@ -121,11 +126,8 @@ def render_raw(plan: Plan) -> str:
         return env.get_template(TEMPLATE_BY_FAMILY[plan.spec.family]).render(
             plan=plan, op_tag=spec_hash(plan)[:10])
     except jinja2.TemplateNotFound as exc:
-        override = os.environ.get("SPECGEN_TEMPLATES")
-        if override:  # the user's folder lacks a template: bad input (exit 2)
-            raise UsageError(
-                f"SPECGEN_TEMPLATES={override}: no {exc.name} there; point it at a folder of "
-                "specgen's templates, or unset it to use the installed ones") from None
+        if os.environ.get("SPECGEN_TEMPLATES"):
+            raise _templates_setting_lacks(exc.name) from None
         raise RenderError(f"{_template_location(exc)}: {exc}") from exc
     except jinja2.TemplateError as exc:
         raise RenderError(f"{_template_location(exc)}: {exc}") from exc

@@ -246,6 +246,8 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
     ratio = spec.get("gqa_ratio", 1)
     window = spec.get("window")
     return_lse = bool(spec.get("return_lse"))
+    # Masked calls of a soft-cap or sinks spec, which sdpa cannot apply, run masked_attention.
+    torch_fallback = bool(spec.get("softcap") or spec.get("sinks"))
     name = spec.get("name")
     dtype, head_dim = getattr(torch, spec["dtype"]), spec["head_dim"]
     v_head_dim = spec.get("v_head_dim") or head_dim
@@ -335,19 +337,19 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
     def attention_function(layer, query, key, value, attention_mask, scaling=None,
                            dropout=0.0, **kwargs):
         extra = check(layer, query, key, value, float(dropout or 0.0), kwargs)
+        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if attention_mask is not None:
             stats["fallback"] += 1
             if stats["fallback"] == 1:
                 warnings.warn(
                     f"specgen {name}: a call with an attention mask (padding, or a "
                     "filled cache under chunked prefill) runs "
-                    + ("float32 torch attention (soft-cap, sinks)"
-                       if spec.get("softcap") or spec.get("sinks") else "transformers' sdpa")
+                    + ("float32 torch attention (soft-cap, sinks)" if torch_fallback
+                       else "transformers' sdpa")
                     + " instead; see specgen.integrations.transformers",
                     stacklevel=2,
                 )
-            if spec.get("softcap") or spec.get("sinks"):
-                scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+            if torch_fallback:
                 return masked_attention(query, key, value, attention_mask, scale=scale,
                                         softcap=spec.get("softcap"), sinks=extra.get("sinks"),
                                         dropout=float(dropout or 0.0)), None
@@ -365,7 +367,6 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                 # after a prefill from position 0 (transformers' sdpa path slices
                 # it off the same way).
                 key, value = key[:, :, :q_len], value[:, :, :q_len]
-        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if needs_grad(query, key, value, extra.get("sinks")):
             # Autograd owns the kernel's output: transformers' layout is a copy of it.
             out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)

@@ -105,6 +105,14 @@ FAMILY_ONLY = {
 FP16_PRESCALE_CAP = 1000.0
 
 
+def target_buckets(targets: dict) -> list[tuple[str, object]]:
+    """(where, config) of every launch config of ``targets``: each target's own and
+    its by_seq_k buckets, ``where`` the field path an error names."""
+    return [(where, bucket) for name, cfg in targets.items()
+            for where, bucket in [(f"targets.{name}", cfg)] + [
+                (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]]
+
+
 def _target_order(value: dict) -> dict:
     """A per-target mapping in one order whatever the file's: default first, then
     the targets by architecture, so a module does not change with the keys' order."""
@@ -591,11 +599,7 @@ class Spec(_Strict):
         return problems
 
     def _target_buckets(self) -> list[tuple[str, object]]:
-        """(where, config) of every launch config: each target's own and its by_seq_k
-        buckets, ``where`` the field path an error names."""
-        return [(where, bucket) for name, cfg in self.targets.items()
-                for where, bucket in [(f"targets.{name}", cfg)] + [
-                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]]
+        return target_buckets(self.targets)
 
     def _tensor_problems(self) -> list[tuple[str, str]]:
         hooks = [h for h in (self.score_mod, self.mask_mod) if h]
@@ -899,14 +903,12 @@ class Spec(_Strict):
                 used.append("dtype float8_e4m3fn")
             if used:
                 raise ValueError(f"{value} does not support {', '.join(used)} yet; use 1")
-        for name, cfg in (info.data.get("targets") or {}).items():
-            for where, bucket in [(f"targets.{name}", cfg)] + [
-                    (f"targets.{name}.by_seq_k[{i}]", b) for i, b in enumerate(cfg.by_seq_k)]:
-                if bucket.tile_m // value < 16:
-                    raise ValueError(
-                        f"{value} needs tile_m >= {16 * value} in every target, "
-                        f"got tile_m {bucket.tile_m} in {where}"
-                    )
+        for where, bucket in target_buckets(info.data.get("targets") or {}):
+            if bucket.tile_m // value < 16:
+                raise ValueError(
+                    f"{value} needs tile_m >= {16 * value} in every target, "
+                    f"got tile_m {bucket.tile_m} in {where}"
+                )
         return value
 
     @property

@@ -96,6 +96,11 @@ BAD = [
     ({"family": "decode", "pdl": 1}, "specs/bad.yaml: pdl: must be 'auto', true or false, got 1"),
     ({"family": "decode", "pdl": "true"}, "specs/bad.yaml: pdl: must be 'auto', true or false, got \"true\""),
     ({"pdl": True}, "specs/bad.yaml: pdl: a decode field, not supported by family prefill"),
+    # Written at its default, a field of the other family is still refused: a prefill
+    # spec's `pdl: auto` reads as a request family prefill would ignore.
+    ({"pdl": "auto"}, "specs/bad.yaml: pdl: a decode field, not supported by family prefill"),
+    ({"family": "decode", "backward": False},
+     "specs/bad.yaml: backward: a prefill field, not supported by family decode"),
     ({"family": "decode", "dtype": "bfloat16", "kv_dtype": "float16"},
      "specs/bad.yaml: kv_dtype: must be null, bfloat16 (the dtype) or float8_e4m3fn, got \"float16\""),
     ({"family": "decode", "kv_dtype": "int8"},
@@ -477,3 +482,16 @@ def test_a_tile_field_named_as_other_tools_name_it_is_pointed_at():
                       "x.yaml")
     assert caught.value.lines()[0].startswith(
         "x.yaml: targets.sm_90.num_warps: unknown key (did you mean num_worker_warps?); allowed keys:")
+
+
+@pytest.mark.parametrize("family", ["prefill", "decode"])
+def test_spec_to_dict_holds_only_its_own_familys_fields(family):
+    from specgen.spec import spec_to_dict
+    from specgen.spec.model import FAMILY_ONLY
+
+    spec = validate_spec({"name": "ok", "family": family})
+    data = spec_to_dict(spec)
+    other = "prefill" if family == "decode" else "decode"
+    assert not [name for name in data if FAMILY_ONLY.get(name) == other]
+    assert [name for name in FAMILY_ONLY if FAMILY_ONLY[name] == family and name in data]
+    assert validate_spec(data) == spec

@@ -313,7 +313,7 @@ compiling; exit 2 lists every problem, the rules between fields once each field 
 refused there, with one line naming the field.
 
 The *family* column says which kernel family takes a field; setting a field of the
-other family (to anything but its default; `causal` in a decode spec at all) is an error.
+other family (even to its default) is an error.
 """
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from specgen.errors import SpecError
 from specgen.spec.fields import MAX_SPEC_BYTES, Problems, TargetConfig
-from specgen.spec.model import Spec
+from specgen.spec.model import FAMILY_ONLY, Spec
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last one, and
@@ -416,13 +416,15 @@ def spec_to_dict(spec: Spec) -> dict:
     """The validated spec, defaults filled in, as plain JSON-compatible data.
 
     Target configs leave out the compiler hints that are null (auto) and empty
-    bucket lists; ``autotune`` is left out when empty, and ``causal`` in a decode
-    spec (which is always causal and refuses the field). The dict validates back to
+    bucket lists; ``autotune`` is left out when empty, and so are the fields of
+    the other family (which the spec's own family refuses). The dict validates back to
     an equal spec.
     """
     data = spec.model_dump(mode="json")
-    if spec.family == "decode":
-        del data["causal"]
+    other = "prefill" if spec.family == "decode" else "decode"
+    for name, family in FAMILY_ONLY.items():  # the other family's fields are refused
+        if family == other:
+            del data[name]
     data["targets"] = {name: _target_dict(cfg) for name, cfg in spec.targets.items()}
     if not data["autotune"]:
         del data["autotune"]

@@ -86,7 +86,7 @@ def _indexes(expression: str, tensor: str) -> bool:
 
 
 # Top-level fields that belong to one family: a spec of the other family that sets
-# one (to anything but its default) is refused. The spec reference's family column
+# one (even at its default) is refused. The spec reference's family column
 # is made from this table.
 FAMILY_ONLY = {
     **dict.fromkeys(("max_q_len", "paged", "splits", "pdl", "kv_dtype", "v_cache_transposed"),
@@ -524,8 +524,10 @@ class Spec(_Strict):
 
         other = "prefill" if self.family == "decode" else "decode"
         owned = [name for name, family in FAMILY_ONLY.items() if family == other]
+        # Written at all, even at its default (a prefill spec's `pdl: auto` would read
+        # as a request that family prefill ignores).
         problems = [(n, f"a {other} field, not supported by family {self.family}")
-                    for n in owned if changed(n) and n != "causal"]
+                    for n in owned if (changed(n) or n in self.model_fields_set) and n != "causal"]
         if self.family == "decode":
             if "causal" in self.model_fields_set:
                 # Left to its default (false), the field used to be read as given.

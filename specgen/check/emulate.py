@@ -265,12 +265,24 @@ def _reduce(fn, x, axis, keepdims):
     return fn(x, dim=axis, keepdim=keepdims)
 
 
+def _reduce_ignoring_nan(fn, x, axis, keepdims, propagate_nan, fill):
+    """A min or max reduction as cuTile's: NaN elements ignored unless propagate_nan
+    (NaN only where every element is NaN)."""
+    x = _tensor(x)
+    if propagate_nan or not x.is_floating_point():
+        return _reduce(fn, x, axis, keepdims)
+    nan = torch.isnan(x)
+    out = _reduce(fn, torch.where(nan, torch.tensor(fill, dtype=x.dtype), x), axis, keepdims)
+    every = _reduce(torch.amin, nan.to(torch.int8), axis, keepdims) > 0
+    return torch.where(every, torch.tensor(math.nan, dtype=x.dtype), out)
+
+
 def max(x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False):  # noqa: A001
-    return _reduce(torch.amax, x, axis, keepdims)
+    return _reduce_ignoring_nan(torch.amax, x, axis, keepdims, propagate_nan, -math.inf)
 
 
 def min(x, axis=None, *, keepdims=False, flush_to_zero=False, propagate_nan=False):  # noqa: A001
-    return _reduce(torch.amin, x, axis, keepdims)
+    return _reduce_ignoring_nan(torch.amin, x, axis, keepdims, propagate_nan, math.inf)
 
 
 def sum(x, axis=None, *, keepdims=False, rounding_mode=None, flush_to_zero=False):  # noqa: A001
@@ -336,14 +348,23 @@ def truediv(x, y, *, rounding_mode=None, flush_to_zero=False):
     return _flush(x / y, flush_to_zero)
 
 
+def _scalar_pair(x, y):
+    """_pair, two scalars made tiles of cuTile's default types first."""
+    if not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor):
+        x = _tensor(x)
+    return _pair(x, y)
+
+
 def minimum(x, y, *, flush_to_zero=False, propagate_nan=False):
-    x, y = _pair(x, y)
-    return torch.minimum(x, y)
+    """Elementwise minimum; a NaN operand is ignored unless propagate_nan (cuTile's
+    default: min(NaN, 1.0) is 1.0)."""
+    x, y = _scalar_pair(x, y)
+    return torch.minimum(x, y) if propagate_nan else torch.fmin(x, y)
 
 
 def maximum(x, y, *, flush_to_zero=False, propagate_nan=False):
-    x, y = _pair(x, y)
-    return torch.maximum(x, y)
+    x, y = _scalar_pair(x, y)
+    return torch.maximum(x, y) if propagate_nan else torch.fmax(x, y)
 
 
 def bitwise_and(x, y):
@@ -375,12 +396,51 @@ def broadcast_to(x, shape):
     return torch.broadcast_to(_tensor(x), tuple(shape)).clone()
 
 
+class _I32(int):
+    """An int32 scalar (a block index and what the kernel computes from it: batch,
+    head, a tile's number). On the GPU these are int32 scalar tiles, whose
+    arithmetic wraps at 32 bits (a hook's ``h * 1103515245``); a Python int would not.
+    Operations with another int give an _I32 (wrapped); with a float a float; with a
+    tensor the tensor's own operation."""
+
+    __slots__ = ()
+
+    def __new__(cls, value):
+        value = (int(value) + 2**31) % 2**32 - 2**31
+        return super().__new__(cls, value)
+
+    def __repr__(self):
+        return f"_I32({int(self)})"
+
+
+def _i32_binary(name):
+    base = getattr(int, name)
+
+    def op(self, other):
+        if isinstance(other, bool) or not isinstance(other, int):
+            return NotImplemented if isinstance(other, torch.Tensor) else base(int(self), other)
+        out = base(int(self), int(other))
+        return _I32(out) if type(out) is int else out
+    op.__name__ = name
+    return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__floordiv__", "__rfloordiv__", "__mod__", "__rmod__", "__lshift__",
+              "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__"):
+    setattr(_I32, _name, _i32_binary(_name))
+_I32.__neg__ = lambda self: _I32(-int(self))
+_I32.__pos__ = lambda self: self
+_I32.__abs__ = lambda self: _I32(abs(int(self)))
+_I32.__invert__ = lambda self: _I32(~int(self))
+
+
 def bid(axis):
-    return _GRID.bid[axis]
+    return _I32(_GRID.bid[axis])
 
 
 def num_blocks(axis):
-    return _GRID.size[axis]
+    return _I32(_GRID.size[axis])
 
 
 def grid_dependency_control_wait():

@@ -40,8 +40,10 @@ FUNCTIONS = {
     "log": (1, "ct.log", "log", "float"),
     "sqrt": (1, "ct.sqrt", "sqrt", "float"),
     "tanh": (1, "ct.tanh", "tanh", "float"),
-    "min": (2, "ct.minimum", "minimum", "same"),
-    "max": (2, "ct.maximum", "maximum", "same"),
+    # fmin/fmax: a NaN operand is ignored, as by cuTile's minimum/maximum (whose
+    # propagate_nan is False): max(NaN, 0.5) is 0.5.
+    "min": (2, "ct.minimum", "fmin", "same"),
+    "max": (2, "ct.maximum", "fmax", "same"),
     "where": (3, "ct.where", "where", "same"),
 }
 
@@ -266,6 +268,33 @@ def _is_zero(node: ast.AST) -> bool:
     return sp.expand(convert(node)) == 0
 
 
+_FOLD = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _folded(node: ast.AST):
+    """The value cuTile gives a subexpression of number constants alone: it folds
+    them in Python (arbitrary-precision ints, float64) before they meet a tile, and
+    then needs the result to fit the tile's int32 or float32. None where ``node``
+    reads anything else."""
+    if isinstance(node, ast.Constant):
+        return node.value if type(node.value) in (int, float) else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _folded(node.operand)
+        return None if value is None else (-value if isinstance(node.op, ast.USub) else value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _FOLD:
+        left, right = _folded(node.left), _folded(node.right)
+        if left is None or right is None:
+            return None
+        if isinstance(node.op, ast.Div):
+            left, right = float(left), float(right)
+        try:
+            return _FOLD[type(node.op)](left, right)
+        except (ZeroDivisionError, OverflowError):
+            return None  # a zero divisor is refused by its own check
+    return None
+
+
 def _node_name(node: ast.AST) -> str:
     for cls, text in _DESCRIBE.items():
         if isinstance(node, cls):
@@ -323,6 +352,19 @@ class _Compiler:
                             + tuple(self.tensors))
         self.fail(f"unknown name '{name}'; allowed: {allowed}")
 
+    def _check_folded(self, node):
+        """A subexpression of constants alone (``65536 * 65536``) must fit where the
+        kernel uses it, as each constant written must: cuTile folds it before it
+        meets a tile and refuses an int beyond int32 (the fp64 reference would
+        wrap it); a float beyond float32 would be inf or 0 there."""
+        value = _folded(node)
+        if isinstance(value, int) and not -2**31 <= value < 2**31:
+            self.fail(f"{ast.unparse(node)} is {value}, which does not fit in int32 (the kernels "
+                      "fold constants before they meet the int32 positions)")
+        if isinstance(value, float) and not _float32_number(value):
+            self.fail(f"{ast.unparse(node)} is {value!r}, outside float32's normal range (the "
+                      "kernels compute in float32: it would be 0 or inf there)")
+
     def _number(self, node, text, kind, what):
         if kind == "bool":
             self.fail(f"{what} needs numbers, got a condition: {ast.unparse(node)}")
@@ -345,9 +387,15 @@ class _Compiler:
             self.fail(f"'{symbol}' by zero is undefined, got {ast.unparse(node)}")
         self._number(node, left, lk, f"'{symbol}'")
         self._number(node, right, rk, f"'{symbol}'")
+        self._check_folded(node)
         if op in (ast.FloorDiv, ast.Mod):
             if lk != "int" or rk != "int":
                 self.fail(f"'{symbol}' needs integers, got {ast.unparse(node)}")
+            if _folded(node.right) is None:
+                # A divisor read at run time may be 0, where the GPU's integer division
+                # is undefined: such a quotient or remainder is 0 (as in the reference).
+                return (f"ct.where({right} == 0, 0, {left} {symbol} "
+                        f"ct.where({right} == 0, 1, {right}))"), "int"
             return f"({left} {symbol} {right})", "int"
         if op is ast.Div:
             # True division is float division, as in Python.
@@ -373,6 +421,7 @@ class _Compiler:
                 self.fail(f"'not' and '~' negate conditions, got {ast.unparse(node)}")
             return f"(~{operand})", "bool"
         self._number(node, operand, kind, "'-'")
+        self._check_folded(node)
         return (f"(-{operand})" if isinstance(node.op, ast.USub) else operand), kind
 
     def _BoolOp(self, node):
@@ -578,6 +627,12 @@ def torch_fn(text: str, branch_gradients: bool = False):
             if isinstance(node.op, ast.Div):
                 return lambda env, t: float_of(left(env, t)) / right(env, t)
             fn = arith[type(node.op)]
+            if isinstance(node.op, (ast.FloorDiv, ast.Mod)) and _folded(node.right) is None:
+                # A divisor of 0 gives 0, as in the kernels.
+                def guarded(env, t):
+                    a, d = left(env, t), torch.as_tensor(right(env, t))
+                    return torch.where(d == 0, 0, fn(a, torch.where(d == 0, 1, d)))
+                return guarded
             return lambda env, t: fn(left(env, t), right(env, t))
         if isinstance(node, ast.UnaryOp):
             operand = build(node.operand)

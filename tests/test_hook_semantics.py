@@ -1,0 +1,141 @@
+"""Hook semantics shared by the fp64 reference, the CPU emulator and cuTile: int32
+wrapping of h and b, min/max of scalars and of NaN, constants folded before they
+meet a tile."""
+
+import math
+
+import pytest
+import torch
+
+from specgen.check import emulate
+from specgen.check.cases import compare, reference_for
+from specgen.spec.hooks import ExprError, compile_hook
+
+from .helpers import ROOT, render_spec_data
+
+
+def _spec(label, score_mod):
+    return {"name": f"hooksem_{label}", "dtype": "float16", "head_dim": 32, "gqa_ratio": 1,
+            "causal": False, "score_mod": score_mod,
+            "targets": {"default": {"tile_m": 64, "tile_n": 64}}}
+
+
+def _emulated_vs_reference(label, score_mod, batch=2, heads=4, seq_q=37, seq_k=53):
+    data = _spec(label, score_mod)
+    plan, source = render_spec_data(data)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name=f"_test_hooksem_{label}")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq_q, 32, generator=g).half()
+    k, v = (torch.randn(batch, heads, seq_k, 32, generator=g).half() for _ in range(2))
+    with emulate.emulating():
+        out = module.attention(q, k, v)
+    ref, _ = reference_for(module.SPEC, q, k, v, {})
+    return out, ref
+
+
+HOOKS = [
+    # h * 1500000000 wraps negative at h = 2, 3 in int32 (the GPU's and the reference's)
+    ("head_wraps", "score + where(h * 1500000000 < 0, 1.0, -1.0) * (q_idx - kv_idx) * 0.05"),
+    ("batch_wraps", "score + where(b * 1500000000 * 2 + h < 0, 1.0, -1.0) * (q_idx - kv_idx) * 0.05"),
+    # min/max of two scalars (no tile among them)
+    ("min_of_scalars", "score + min(h, 1) * (q_idx - kv_idx) * 0.05"),
+    ("max_of_scalars", "score + max(b, h) * 0.1 + 0.0 * q_idx * kv_idx"),
+    # max ignores a NaN operand, as cuTile's maximum does: max(NaN, 0.5) is 0.5
+    ("max_ignores_nan", "score - max(sqrt((q_idx - kv_idx) * 1.0), 0.5) * 0.1"),
+    # a divisor read at run time that is 0 gives 0 (tile divisor, scalar divisor)
+    ("zero_tile_divisor", "score + where(q_idx % kv_idx == 0, 1.0, 0.0) + (q_idx // kv_idx) * 0.01"),
+    ("zero_scalar_divisor", "score + (kv_idx // (h - 1)) * 0.01 + ((q_idx - kv_idx) % (b - h)) * 0.1"),
+]
+
+
+@pytest.mark.parametrize("label,score_mod", HOOKS)
+def test_emulated_hooks_match_the_reference(label, score_mod):
+    out, ref = _emulated_vs_reference(label, score_mod)
+    assert not ref.isnan().any()
+    result = compare(out, ref, "float16")
+    assert result.ok, result
+
+
+def test_max_ignores_nan_in_the_reference():
+    env = {"q_idx": torch.arange(4, dtype=torch.int32).view(-1, 1),
+           "kv_idx": torch.arange(4, dtype=torch.int32).view(1, -1)}
+    from specgen.spec.hooks import evaluate
+
+    got = evaluate("max(sqrt((q_idx - kv_idx) * 1.0), 0.5) + min(log((q_idx - kv_idx) * 1.0), 9.0)",
+                   env, {})
+    assert not got.isnan().any()
+
+
+def test_emulated_reductions_and_minimum_ignore_nan():
+    x = torch.tensor([[math.nan, 1.0, 3.0], [math.nan, math.nan, math.nan]])
+    assert emulate.max(x, axis=1).tolist()[0] == 3.0 and math.isnan(emulate.max(x, axis=1)[1])
+    assert emulate.min(x, axis=1).tolist()[0] == 1.0
+    assert emulate.maximum(x, 2.0).tolist()[0] == [2.0, 2.0, 3.0]
+    assert math.isnan(emulate.max(x, axis=1, propagate_nan=True)[0])
+    assert emulate.minimum(3, 4).item() == 3
+
+
+def test_block_indices_wrap_at_32_bits(monkeypatch):
+    monkeypatch.setattr(emulate._GRID, "bid", (2, 0, 0), raising=False)
+    head = emulate.bid(0)
+    assert head * 1500000000 == 3000000000 - 2**32
+    assert (head * 1500000000) // 65536 == (3000000000 - 2**32) // 65536
+    assert isinstance(head + 1, int) and list(range(head)) == [0, 1]
+    assert head * 0.5 == 1.0
+
+
+@pytest.mark.parametrize("text", [
+    "score + ((q_idx * kv_idx + 65536 * 65536) % 7) * 0.1",  # cuTile: constant out of int32
+    "score + q_idx * (2147483647 + 1) * 0",
+    "score + q_idx * -(-2147483648) * 0",
+    "score * (1e30 * 1e30)",  # inf in float32
+    "score + 1e-30 * 1e-20",  # 0 in float32
+])
+def test_constant_subexpressions_must_fit_the_kernel_types(text):
+    with pytest.raises(ExprError, match="int32|float32"):
+        compile_hook(text, "score_mod", {})
+
+
+@pytest.mark.parametrize("text", [
+    "score + q_idx * 65536 * 65536 * 0.0 * kv_idx",  # tile arithmetic: wraps, allowed
+    "score - (-2147483648) * 0.0 + 0.0 * q_idx * kv_idx",
+    "score * (0.1 + 0.2) + 1 // 2",
+])
+def test_constant_subexpressions_that_fit_are_accepted(text):
+    compile_hook(text, "score_mod", {})
+
+
+def test_a_zero_divisor_gives_zero_in_the_reference():
+    from specgen.spec.hooks import evaluate
+
+    env = {"q_idx": torch.arange(4, dtype=torch.int32).view(-1, 1),
+           "kv_idx": torch.arange(4, dtype=torch.int32).view(1, -1)}
+    quotient = evaluate("q_idx // kv_idx + 0.0", env, {})
+    remainder = evaluate("q_idx % kv_idx + 0.0", env, {})
+    assert quotient[:, 0].tolist() == [0.0] * 4 and remainder[:, 0].tolist() == [0.0] * 4
+    assert quotient[3, 2] == 1 and remainder[3, 2] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("label,score_mod", HOOKS)
+def test_gpu_hooks_match_the_reference(label, score_mod, tmp_path):
+    """The same hooks on the GPU: int32 wrapping of b and h, NaN-ignoring min/max,
+    zero divisors, as the reference and the emulator compute them."""
+    import importlib.util
+
+    plan, source = render_spec_data(_spec(label, score_mod))
+    path = tmp_path / f"{plan.module_name}.py"
+    path.write_text(source)
+    found = importlib.util.spec_from_file_location(f"_gpu_hooksem_{label}", path)
+    module = importlib.util.module_from_spec(found)
+    found.loader.exec_module(module)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 77, 32, generator=g).half()
+    k, v = (torch.randn(2, 4, 131, 32, generator=g).half() for _ in range(2))
+    out = module.attention(q.cuda(), k.cuda(), v.cuda()).cpu()
+    ref, _ = reference_for(module.SPEC, q, k, v, {})
+    assert not ref.isnan().any()
+    result = compare(out, ref, "float16")
+    assert result.ok, result

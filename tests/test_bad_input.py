@@ -450,9 +450,11 @@ SPEC = "specs/fmha_gqa_causal.yaml"
     (["schema", "--file", "nowhere/schema.json"], "--file nowhere/schema.json: no such folder nowhere"),
     (["schema", "--file", ""], "--file: expected a file name, got ''"),
     (["docs", "--root", "README.md"],
-     "specgen docs: README.md is not a specgen project (it has no specs/ or bench/results/)"),
+     "specgen docs: README.md is not a checkout of specgen (it has no specs/ or bench/results/): "
+     "`specgen docs` regenerates specgen's own docs/ pages, not a page of your specs"),
     (["docs", "--root", "specs"],
-     "specgen docs: specs is not a specgen project (it has no specs/ or bench/results/)"),
+     "specgen docs: specs is not a checkout of specgen (it has no specs/ or bench/results/): "
+     "`specgen docs` regenerates specgen's own docs/ pages, not a page of your specs"),
     (["docs", "--check", "--root", ""], "specgen docs: --root: expected a folder, got ''"),
     (["build", SPEC, "--check", "--force"],
      "specgen build: --check and --force cannot be combined (--check writes nothing)"),

@@ -79,7 +79,10 @@ def wheel_env(tmp_path_factory):
     deps = sorted({sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
                   | {p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")})
     (Path(purelib) / "_outer_deps.pth").write_text("\n".join(deps) + "\n")
-    run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps", wheel)
+    # --ignore-installed: a specgen of the same version where the dependencies come
+    # from (a `pip install .` there, not editable) would make pip skip the wheel.
+    run(sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps",
+        "--ignore-installed", wheel)
     return wheel, python
 
 
@@ -119,3 +122,16 @@ def test_a_decode_spec_without_targets_builds_the_same_from_the_wheel_and_the_ch
     from_wheel = (tmp_path / "from_wheel" / "llama3_70b_decode.py").read_text()
     assert from_wheel == (tmp_path / "from_checkout" / "llama3_70b_decode.py").read_text()
     assert '"tile_m": 16' in from_wheel
+
+
+def test_the_wheel_metadata_has_the_package_version(wheel_env):
+    """One version: the wheel's metadata says what `specgen --version` and the module
+    headers say (pyproject.toml reads it from specgen/__init__.py)."""
+    wheel, python = wheel_env
+    from specgen import __version__
+
+    with zipfile.ZipFile(wheel) as z:
+        [metadata] = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        lines = z.read(metadata).decode().splitlines()
+    assert f"Version: {__version__}" in lines
+    assert run(python, "-m", "specgen", "--version").strip() == f"specgen {__version__}"

@@ -41,7 +41,8 @@ def write_docs(root: Path, check: bool = False) -> list[str]:
     # without them is not a project, and gets no docs/.
     missing = [f"{rel}/" for rel in ("specs", "bench/results") if not (root / rel).is_dir()]
     if missing:
-        raise DocsError(f"{root} is not a specgen project (it has no {' or '.join(missing)})")
+        raise DocsError(f"{root} is not a checkout of specgen (it has no {' or '.join(missing)}): "
+                        "`specgen docs` regenerates specgen's own docs/ pages, not a page of your specs")
     from specgen.compile.export import atomic_write
 
     # Every page is made before any is written: a bad spec or result leaves all as they were.

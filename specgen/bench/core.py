@@ -687,7 +687,7 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     inputs, against specgen's outputs kept on the host; the results are then
     written again with their rows filled in."""
     from specgen.check.gpu import import_module_file, require_cuda, require_do_bench
-    from specgen.compile.jobs import load_jobs, load_plans, write_jobs
+    from specgen.compile.jobs import foreign_modules, load_jobs, load_plans, write_jobs
 
     plans = load_plans(paths)
     suite.check([plan for _, plan in plans])
@@ -705,6 +705,11 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     require_unpatched_launch()
     do_bench = require_do_bench("bench")
     jobs = load_jobs(paths, gen, plans)
+    # Another spec's module of the same name (a copied spec that kept its name:) is
+    # refused before anything is timed or written, as build and test refuse it.
+    foreign = foreign_modules(jobs, "replace it with `specgen build --force` first")
+    if foreign:
+        raise UsageError("\n".join(foreign))
 
     device = describe_device(log)
     ctx = Context(torch, do_bench, log, suite.yardstick(torch, do_bench, log))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import warnings
@@ -48,6 +49,17 @@ class _Parser(argparse.ArgumentParser):
             unknown = self.unknown_options(getattr(self, "_given", []))
             if unknown:
                 message = f"unrecognized arguments: {' '.join(unknown)}"
+        # `--fuzz-case -1:2`: argparse reads a value that starts with '-' as an option.
+        missing = re.fullmatch(r"argument (?:\S+/)?(--[\w-]+)(?:/\S+)?: expected one argument", message)
+        given = getattr(self, "_given", [])
+        if missing:
+            option = missing.group(1)
+            after = [given[i + 1] for i, t in enumerate(given[:-1]) if t == option]
+            name = after[-1].split("=", 1)[0] if after else ""
+            known = name in self._option_string_actions or (name.startswith("--") and any(
+                k.startswith(name) for k in self._option_string_actions))
+            if after and after[-1].startswith("-") and not known:
+                message += f" (a value that starts with '-' goes as {option}={after[-1]})"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def unknown_options(self, tokens: list[str]) -> list[str]:
@@ -142,7 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("path", metavar="SPEC", help="spec file to tune (edited in place)")
     tune.add_argument("--target", required=True, metavar="SM",
                       help="GPU target to tune, e.g. sm_90; must be this machine's GPU")
-    tune.add_argument("--suite", default="prefill", help="suite whose shapes are timed (default: prefill)")
+    tune.add_argument("--suite", default="prefill",
+                      help="suite whose shapes are timed: prefill, the only one tune takes "
+                      "(default: prefill)")
     tune.add_argument("--seqs", metavar="LIST",
                       help="comma-separated sequence lengths instead of the suite's")
     tune.add_argument("--confirm", default="4", metavar="N",
@@ -161,7 +175,9 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="time specs' kernels next to cuDNN, FA2 and FlexAttention",
         description="Time each kernel and the baselines in one process on the same "
-        "inputs (triton do_bench medians); write JSON, a markdown table and a plot.",
+        "inputs (triton do_bench medians); write JSON, a markdown table and a plot. "
+        "Exit 0 ok (a baseline that fails is reported in the results), 1 a failure, "
+        "2 bad input or no CUDA GPU.",
     )
     bench.add_argument("paths", nargs="*", metavar="SPEC", help="spec file or folder of specs")
     bench.add_argument("--variants", metavar="FILE",
@@ -202,12 +218,15 @@ def _parser() -> argparse.ArgumentParser:
                       help="re-render specs with the installed templates (a checkout's "
                       "working tree) and diff them against the modules in --gen")
     diff.add_argument("--stat", action="store_true", help="source section: counts only")
-    diff.add_argument("--json", action="store_true", help="machine-readable output")
+    diff.add_argument("--json", action="store_true",
+                      help="machine-readable output (always with the whole source diff)")
     diff.add_argument("--no-compile", action="store_true", help="skip the compiled section")
     diff.add_argument("--results", default="bench/results", metavar="DIR",
-                      help="bench results for the performance section (default: bench/results)")
+                      help="bench results for the performance section (default: bench/results; "
+                      "--templates has no performance section)")
     diff.add_argument("--gen", default="generated", metavar="DIR",
-                      help="folder of generated modules (default: generated)")
+                      help="with --templates, the folder of the modules to compare (default: "
+                      "generated); read only")
 
     schema = sub.add_parser(
         "schema",
@@ -219,14 +238,14 @@ def _parser() -> argparse.ArgumentParser:
 
     docs = sub.add_parser(
         "docs",
-        help="regenerate the generated pages of docs/ (the spec field reference from the "
+        help="regenerate the generated pages of a specgen checkout's docs/ (the spec field reference from the "
         "Pydantic model, the performance page from bench/results)",
         description="Regenerate docs/spec-reference.md and docs/performance.md in the "
         "project at --root. Exit 0 in step (or written), 1 with --check when a page drifted, "
-        "2 bad input (a --root that is no specgen project).",
+        "2 bad input (a --root that is no checkout of specgen).",
     )
     docs.add_argument("--check", action="store_true", help="report drift, write nothing")
-    docs.add_argument("--root", default=".", metavar="DIR", help="project folder (default: .)")
+    docs.add_argument("--root", default=".", metavar="DIR", help="a checkout of specgen (default: .)")
     return parser
 
 
@@ -236,18 +255,27 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def _folder(text: str, option: str) -> Path:
-    """A folder option (--gen, --results): a folder or a path to make one at."""
+def _folder(text: str, option: str, write: bool = True) -> Path:
+    """A folder option (--gen, --results): a folder or a path to make one at.
+    ``write``: the command writes there (diff only reads its folders)."""
     if not text.strip():
-        raise UsageError(f"{option}: expected a folder, got ''")
+        raise UsageError(f"{option}: expected a folder, got {text!r}")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{option} {text}: exists and is not a folder")
-    # A folder to make: its nearest existing parent must be a folder too, so that a
-    # run does not time everything and fail only when it writes.
-    parent = next((p for p in path.parents if p.exists()), Path("."))
-    if not parent.is_dir():
-        raise UsageError(f"{option} {text}: {parent} is not a folder")
+    # A folder to make: its nearest existing parent must be a folder (where the
+    # command writes: one it may write in, and no link on the way may dangle, as mkdir
+    # refuses one), so that a run does not time everything and fail only when it writes.
+    if write:
+        for link in (p for p in (path, *path.parents) if not p.exists()):
+            if link.is_symlink():
+                raise UsageError(f"{option} {text}: {link} is a broken symbolic link "
+                                 f"(to {os.readlink(link)})")
+    existing = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise UsageError(f"{option} {text}: {existing} is not a folder")
+    if write and not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {text}: {existing} is not writable")
     return path
 
 
@@ -332,13 +360,14 @@ def _run(args) -> int:
             raise UsageError(f"--fuzz: expected a count in [1, 100000], got {args.fuzz}")
         if not 1 <= args.jobs <= 64:
             raise UsageError(f"--jobs: expected a worker count in [1, 64], got {args.jobs}")
+        # Parsed first: an empty --fuzz-case= is bad input, not an option left out.
+        case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case is not None else None
         _refuse_together(args, ("--fuzz", "--fuzz-case", "--fuzz-case replays one case"),
                          ("--quick", "--fuzz", "--fuzz draws its own shapes"),
                          ("--quick", "--fuzz-case", "--fuzz-case replays its own shape"))
         if args.seed is not None and args.fuzz_case:
             raise UsageError("specgen test: --seed and --fuzz-case cannot be combined (the case "
                              "names its own seed, SEED:INDEX)")
-        case = parse_fuzz_case(args.fuzz_case) if args.fuzz_case else None
         return run_test(args.paths, _folder(args.gen, "--gen"), quick=args.quick,
                         seed=0 if args.seed is None else args.seed,
                         fuzz=args.fuzz or 0, fuzz_case_seed=case, jobs=args.jobs,
@@ -348,6 +377,10 @@ def _run(args) -> int:
         from specgen.compile.jobs import parse_targets
         from specgen.commands.tune import parse_seqs, run_tune
 
+        if not args.path.strip():
+            raise UsageError(f"specgen tune: SPEC: expected a spec file, got {args.path!r}")
+        if not args.target.strip():
+            raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
         target = parse_targets(args.target, "--target")
         if len(target) != 1:
             raise UsageError(f"--target: expected one target such as sm_90, got {args.target!r}")
@@ -400,8 +433,8 @@ def _run(args) -> int:
         from specgen.commands.diff import run_diff
 
         return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
-                        not args.no_compile, _folder(args.results, "--results"),
-                        _folder(args.gen, "--gen"))
+                        not args.no_compile, _folder(args.results, "--results", write=False),
+                        _folder(args.gen, "--gen", write=False))
     if args.command == "docs":
         from specgen.docs import DocsError, write_docs
 

@@ -169,11 +169,18 @@ _ABSENT = object()
 def _changes(a: dict, b: dict) -> list[dict]:
     fa, fb = _flatten(a), _flatten(b)
     keys = list(fa) + [k for k in fb if k not in fa]
-    return [
-        {"field": k, "a": fa.get(k, _ABSENT), "b": fb.get(k, _ABSENT)}
-        for k in keys
-        if fa.get(k, _ABSENT) != fb.get(k, _ABSENT)
-    ]
+    changes = []
+    for k in keys:
+        change = {"field": k, "a": fa.get(k, _ABSENT), "b": fb.get(k, _ABSENT)}
+        if change["a"] == change["b"]:
+            continue
+        # --json writes an absent side as null, as it writes a field set to null:
+        # "absent" names the side that lacks the field.
+        absent = [side for side in ("a", "b") if change[side] is _ABSENT]
+        if absent:
+            change["absent"] = absent[0]
+        changes.append(change)
+    return changes
 
 
 def spec_section(a: Side, b: Side) -> list[dict]:

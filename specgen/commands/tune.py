@@ -20,6 +20,7 @@ import io
 import itertools
 import json
 import math
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -287,7 +288,7 @@ def run_tune(
     from specgen.bench.core import tflops
     from specgen.bench.flops import forward_flops
     from specgen.bench.prefill import BATCH, HEADS, SEQS, suite_heads
-    from specgen.compile.jobs import hand_edited_file, load_jobs, module_path, write_jobs
+    from specgen.compile.jobs import foreign_modules, hand_edited_file, load_jobs, module_path, write_jobs
     from specgen.check.cases import (
         Comparison,
         compare,
@@ -319,6 +320,9 @@ def run_tune(
     configs = search_space(space, spec.q_subtiles)
     if not configs:
         raise UsageError(f"{path}: autotune.{target}: no config fits q_subtiles {spec.q_subtiles}")
+    if len(configs) < space.size():
+        log(f"autotune.{target}: {space.size() - len(configs)} of {space.size()} configs skipped, "
+            f"tile_m / q_subtiles {spec.q_subtiles} below 16 rows")
     configs = _valid_targets(spec, path, target, configs, log)
     batch, heads, suite_seqs = BATCH, HEADS, SEQS
     seqs = sorted(seqs or suite_seqs)
@@ -330,6 +334,27 @@ def run_tune(
     if not dry_run and hand_edited_file(generated):
         raise UsageError(f"{generated}: edited by hand; tune would not overwrite it (move it "
                          "away, or run specgen build --force first, or use --dry-run)")
+    # So would another spec's module of this name (a copied spec that kept its name:),
+    # which the re-render would replace, as build refuses to.
+    if not dry_run:
+        foreign = foreign_modules(load_jobs([str(path)], gen_dir),
+                                  "replace it with `specgen build --force` first, or use --dry-run")
+        if foreign:
+            raise UsageError("\n".join(foreign))
+    plan_line = (f"tuning {spec.name} for {target}: {len(configs)} configs x {len(seqs)} lengths "
+                f"(B={batch}, Hq={heads}, S={','.join(map(str, sorted(seqs, reverse=True)))})")
+    if dry_run:
+        # What will be searched, in its order, before the GPU is asked for: --dry-run
+        # shows the space, its size and the lengths on any machine.
+        log(plan_line)
+        for config in configs:
+            log(f"  {describe(config)}")
+    # The spec is rewritten through a temporary file beside it (beside its target, for
+    # a link): a folder that cannot be written would fail only after the search.
+    folder = Path(os.path.realpath(path)).parent
+    if not dry_run and not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{path}: tune rewrites the spec, and its folder {folder} is not "
+                         "writable (use --dry-run, or tune a copy)")
     torch = require_cuda("tune")
     import cuda.tile as ct
     from cuda.tile.tune import exhaustive_search
@@ -339,8 +364,7 @@ def run_tune(
     if device["sm"] != target:
         raise UsageError(f"--target {target}: this GPU is {device['name']} ({device['sm']}); "
                          f"tune on a {target} device")
-    log(f"device: {device['name']} ({device['sm']}); tuning {spec.name} for {target}: "
-        f"{len(configs)} configs x {len(seqs)} lengths (B={batch}, Hq={heads})")
+    log(f"device: {device['name']} ({device['sm']})" + ("" if dry_run else f"; {plan_line}"))
 
     # One kernel for both tile orders when the space has "global".
     # And one kernel for both V layouts when the space asks for a transposed V.

@@ -17,7 +17,7 @@ from specgen.compile.aot import folder_problem, write_aot_folder
 from specgen.compile.export import CompileResult, atomic_write, compile_target
 from specgen.errors import CompileError, InvalidSpecs, SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
-from specgen.emit.render import HEADER_RE, Rendered, hand_edited, render, unnameable_path
+from specgen.emit.render import Rendered, hand_edited, module_header, render, unnameable_path
 from specgen.spec import load_spec
 from specgen.spec.fields import target_problem
 
@@ -93,9 +93,17 @@ def _is_under_cwd(path: Path) -> bool:
         return False
 
 
+def project_dir(out_dir: Path) -> Path:
+    """The project of an output folder: the folder that holds it, as named (a
+    ``generated`` that is a symbolic link to a folder elsewhere belongs to the project
+    that holds the link, not to the link's target's parent, so the module's header is
+    the same wherever the link points), with the links of its own path resolved."""
+    return Path(os.path.abspath(out_dir)).parent.resolve()
+
+
 def header_spec_path(spec_path: Path, out_dir: Path) -> str:
     """The spec's path relative to the project (the output folder's parent)."""
-    project = out_dir.resolve().parent
+    project = project_dir(out_dir)
     return Path(os.path.relpath(spec_path.resolve(), project)).as_posix()
 
 
@@ -187,8 +195,30 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
         elif hand_edited(text):
             problems.append(f"{job.out_path}: edited by hand (its content no longer matches its header's hash)")
         else:
-            problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates")
+            problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates "
+                            f"({stale_reason(text, job.rendered.text)})")
     return problems + leftover_modules(jobs, out_dir)
+
+
+def stale_reason(old: str, new: str) -> str:
+    """What differs between the header of a module on disk (``old``, not edited by
+    hand) and that of a fresh render (``new``): which input changed."""
+    was, now = module_header(old), module_header(new)
+    if was is None or now is None:
+        return "no header"
+    reasons = []
+    if was["spec_sha"] != now["spec_sha"]:
+        reasons.append("the spec changed: spec-sha256 differs")
+    if was["template_sha"] != now["template_sha"]:
+        reasons.append("the templates changed: template-sha256 differs")
+    if was["version"] != now["version"]:
+        reasons.append(f"written by specgen {was['version']}, this is {now['version']}")
+    if was["spec_path"] != now["spec_path"]:
+        reasons.append(f"it names the spec {was['spec_path']}, a fresh render {now['spec_path']}")
+    if not reasons:
+        reasons.append("same spec and templates, other code: another version of black, "
+                       "sympy or Python rendered it, or an edit updated its content-sha256")
+    return "; ".join(reasons)
 
 
 def leftover_modules(jobs: list[Job], out_dir: Path) -> list[str]:
@@ -197,11 +227,11 @@ def leftover_modules(jobs: list[Job], out_dir: Path) -> list[str]:
     problems = []
     built = {job.out_path.resolve() for job in jobs}
     makes = {job.rendered.spec_path: job.out_path for job in jobs}
-    project = out_dir.resolve().parent
+    project = project_dir(out_dir)
     for path in sorted(out_dir.glob("*.py")) if out_dir.is_dir() else ():
         if path.name == "__init__.py" or path.resolve() in built or not path.is_file():
             continue
-        match = HEADER_RE.match(module_text(path))
+        match = module_header(module_text(path))
         if not match:
             continue
         if match["spec_path"] in makes:
@@ -213,6 +243,25 @@ def leftover_modules(jobs: list[Job], out_dir: Path) -> list[str]:
     return problems
 
 
+def leftover_aot_folders(out_dir: Path) -> list[str]:
+    """AOT folders in ``out_dir`` whose module is gone (a module deleted after its spec
+    was, or after a ``name:`` change): nothing imports them, and a copy of the folder
+    carries them along. One line each."""
+    if not out_dir.is_dir():
+        return []
+    return [f"{folder}: the AOT folder of {folder.stem}.py, which is gone (delete the folder)"
+            for folder in sorted(out_dir.glob("*.aot"))
+            if folder.is_dir() and not folder.is_symlink()
+            and not (out_dir / f"{folder.stem}.py").exists()]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     """Modules a build would overwrite although another spec file made them (a copied
     spec that kept its ``name:``): one line each, ending in ``remedy``. A module whose
@@ -221,10 +270,13 @@ def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     for job in jobs:
         if not job.out_path.is_file():
             continue
-        match = HEADER_RE.match(module_text(job.out_path))
-        project = job.out_path.parent.resolve().parent
+        match = module_header(module_text(job.out_path))
+        project = project_dir(job.out_path.parent)
         if (match and match["spec_path"] != job.rendered.spec_path
-                and (project / match["spec_path"]).exists()):
+                and (project / match["spec_path"]).exists()
+                # the same file by another path (a header written through a linked
+                # output folder by an older specgen) is this spec's own module
+                and not _same_file(project / match["spec_path"], job.spec_path)):
             problems.append(
                 f"{job.spec_path}: name: {job.plan.module_name!r} would overwrite {job.out_path}, "
                 f"made from {match['spec_path']}; rename the spec's name, or {remedy}"
@@ -412,7 +464,16 @@ def default_workers() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
-def run_build(
+def run_build(*args, **kwargs) -> int:
+    """The build command; returns its exit code (0 ok, 1 failure, 2 bad input).
+    SIGTERM (a CI timeout, `timeout`, a process manager) ends it as Ctrl-C does, in
+    every phase: a module being written has its temporary file removed, where the
+    default action left a .<name>.py.XXXX file in the output folder."""
+    with _terminate_as_interrupt():
+        return _run_build(*args, **kwargs)
+
+
+def _run_build(
     paths: list[str],
     out_dir: Path,
     targets: str | None = None,
@@ -423,7 +484,7 @@ def run_build(
     log: Callable[[str], None] = print,
     err: Callable[[str], None] = lambda line: print(line, file=sys.stderr),
 ) -> int:
-    """The build command; returns its exit code (0 ok, 1 failure, 2 bad input)."""
+    """run_build, with SIGTERM as the caller left it."""
     target_list = parse_targets(targets)
     if workers is not None and not 1 <= workers <= 64:  # as `specgen test` takes it
         raise UsageError(f"--jobs: expected a worker count in [1, 64], got {workers}")
@@ -431,13 +492,13 @@ def run_build(
     failed = False
     if check:
         problems = check_jobs(jobs, out_dir)
+        if not no_compile:  # the AOT folders are compared only where a check compiles
+            problems += leftover_aot_folders(out_dir)
         for problem in problems:
             err(problem)
         if problems:
             err("run `specgen build` to regenerate (it refuses hand-edited files without --force)")
             failed = True
-        else:
-            log(f"{len(jobs)} generated module(s) in step with their specs and templates")
     else:
         foreign = [] if force else foreign_modules(jobs)
         if foreign:  # nothing is written: the build is refused as bad input
@@ -450,7 +511,8 @@ def run_build(
         for line in refused:
             err(line)
         failed = bool(refused)
-        for line in leftover_modules(jobs, out_dir):  # a build deletes nothing: said, not failed
+        leftovers = leftover_modules(jobs, out_dir) + ([] if no_compile else leftover_aot_folders(out_dir))
+        for line in leftovers:  # a build deletes nothing: said, not failed
             err(f"note: {line}")
     if not no_compile:
         # --check compiles too (a template change can break a compile) but writes nothing.
@@ -459,4 +521,7 @@ def run_build(
         for line in failures:
             err(line)
         failed = failed or bool(failures)
+    if check and not failed:  # said once everything was compared: a stale .aot folder is drift too
+        aot = "" if no_compile else " and AOT folders"
+        log(f"{len(jobs)} generated module(s){aot} in step with their specs and templates")
     return 1 if failed else 0

@@ -89,12 +89,23 @@ def _dedent(text: str, width: int = 4) -> str:
     return "\n".join(line[width:] if line.startswith(pad) else line for line in text.split("\n"))
 
 
+def template_files(path: Path) -> list[Path]:
+    """The template files of ``path``, in name order. Hidden files are an editor's (an
+    Emacs lock link .#x.jinja, a backup or swap copy), not templates: a template never
+    includes one, and hashing them made an open editor look like a template change
+    (or, for a lock link to nowhere, stopped every build)."""
+    return sorted(p for p in path.glob("*.jinja") if not p.name.startswith("."))
+
+
 def template_hash(path: Path | None = None) -> str:
-    """sha256 over every template file (name and content), in name order."""
+    """sha256 over every template file (name and content), in name order. Line ends
+    are read as Jinja reads them (CRLF and CR as LF): a checkout whose templates git
+    gave CRLF line ends (autocrlf) renders the same bytes, so it hashes the same."""
     path = path or templates_dir()
     digest = hashlib.sha256()
-    for file in sorted(path.glob("*.jinja")):
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    for file in template_files(path):
+        text = file.read_bytes().replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        digest.update(file.name.encode() + b"\0" + text + b"\0")
     return digest.hexdigest()
 
 
@@ -169,7 +180,12 @@ def unnameable_path(path: str) -> str | None:
     rest of the file name into the module as code; bidirectional controls reorder
     what a reader sees), a line or paragraph separator, or an undecodable byte.
     Spaces of any kind and other scripts are fine."""
-    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") for c in path):
+    if any(unicodedata.category(c) == "Cs" for c in path):  # os.fsdecode's escape of a byte
+        return (f"{ascii(path)}: a spec path with bytes that are not text in the file system's "
+                "encoding (a UTF-8 name under LC_ALL=C with PYTHONUTF8=0, or a name that is not "
+                "UTF-8) cannot be named in a generated module's header; use a UTF-8 locale or "
+                "rename the file")
+    if any(unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp") for c in path):
         return (f"{ascii(path)}: a spec path with a control character cannot be named in a "
                 "generated module's header; rename the file")
     return None
@@ -204,6 +220,12 @@ def render(plan: Plan, spec_path: str) -> Rendered:
     body = render_body(plan)
     header = make_header(plan, spec_path, body, template_hash())
     return Rendered(plan, spec_path, header + body)
+
+
+def module_header(text: str) -> re.Match | None:
+    """The header of a generated module's text, or None; line ends converted to CRLF
+    (by an editor or git) still read as a header, as ``hand_edited`` reads them."""
+    return HEADER_RE.match(text.replace("\r\n", "\n"))
 
 
 def hand_edited(text: str) -> bool:

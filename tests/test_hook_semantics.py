@@ -45,6 +45,8 @@ HOOKS = [
     ("max_ignores_nan", "score - max(sqrt((q_idx - kv_idx) * 1.0), 0.5) * 0.1"),
     # a divisor read at run time that is 0 gives 0 (tile divisor, scalar divisor)
     ("zero_tile_divisor", "score + where(q_idx % kv_idx == 0, 1.0, 0.0) + (q_idx // kv_idx) * 0.01"),
+    # log(0) on every key of row 0: the row has no weight and stores zeros
+    ("hidden_row", "where(q_idx == 0, score + log(0.0 * kv_idx), score)"),
     ("zero_scalar_divisor", "score + (kv_idx // (h - 1)) * 0.01 + ((q_idx - kv_idx) % (b - h)) * 0.1"),
 ]
 
@@ -117,25 +119,119 @@ def test_a_zero_divisor_gives_zero_in_the_reference():
     assert quotient[3, 2] == 1 and remainder[3, 2] == 1
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("label,score_mod", HOOKS)
-def test_gpu_hooks_match_the_reference(label, score_mod, tmp_path):
-    """The same hooks on the GPU: int32 wrapping of b and h, NaN-ignoring min/max,
-    zero divisors, as the reference and the emulator compute them."""
+def _gpu_module(label, data):
+    """The module of ``data``, rendered into a temporary folder and imported."""
     import importlib.util
+    import tempfile
+    from pathlib import Path
 
-    plan, source = render_spec_data(_spec(label, score_mod))
-    path = tmp_path / f"{plan.module_name}.py"
+    plan, source = render_spec_data(data)
+    path = Path(tempfile.mkdtemp(prefix="hooksem_")) / f"{plan.module_name}.py"
     path.write_text(source)
     found = importlib.util.spec_from_file_location(f"_gpu_hooksem_{label}", path)
     module = importlib.util.module_from_spec(found)
     found.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("label,score_mod", HOOKS)
+def test_gpu_hooks_match_the_reference(label, score_mod):
+    """The same hooks on the GPU: int32 wrapping of b and h, NaN-ignoring min/max,
+    zero divisors, as the reference and the emulator compute them."""
+    module = _gpu_module(label, _spec(label, score_mod))
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 77, 32, generator=g).half()
     k, v = (torch.randn(2, 4, 131, 32, generator=g).half() for _ in range(2))
     out = module.attention(q.cuda(), k.cuda(), v.cuda()).cpu()
     ref, _ = reference_for(module.SPEC, q, k, v, {})
     assert not ref.isnan().any()
+    result = compare(out, ref, "float16")
+    assert result.ok, result
+
+
+def _emulated_module(label, data):
+    plan, source = render_spec_data(data)
+    return emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                               name=f"_test_hooksem_{label}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_score_mod_that_hides_a_whole_row_gives_zeros(causal):
+    """log(0) is -inf on every key of row 0 (non-causal: in an unmasked full tile):
+    the reference's row has no weight and stores zeros; the kernel took exponents
+    against m = -inf there (-inf - -inf: NaN)."""
+    data = {**_spec("neginf_row", "where(q_idx == 0, score + log(0.0 * kv_idx), score)"),
+            "causal": causal, "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    module = _emulated_module(f"neginf_row_{causal}", data)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 32, generator=g).half() for _ in range(3))
+    with emulate.emulating():
+        out = module.attention(q, k, v)
+    ref, _ = reference_for(module.SPEC, q, k, v, {})
+    assert (ref[:, :, 0] == 0).all()
+    result = compare(out, ref, "float16")
+    assert result.ok, result
+
+
+HOOK_GRADS = [
+    # lse = -inf on row 0: P = exp(s - lse) was NaN in both backward kernels
+    "where(q_idx == 0, score + log(0.0 * kv_idx), score)",
+    # two choices: the chain rule multiplied 1/sqrt(0) (the score-free branch) by
+    # that branch's 0 slope
+    "sqrt(abs(where(q_idx > kv_idx, 0.0 * q_idx, score))) + where(kv_idx > 5, score, 2.0 * score)",
+    # one choice with a constant branch: refused before ("the derivative is not finite")
+    "sqrt(abs(where(q_idx > kv_idx, 0.0, score))) + 0.5 * score",
+]
+
+
+def _gradient_row(index, device):
+    from specgen.check.runner import Case, run_case
+
+    data = {**_spec("bwd_finite", HOOK_GRADS[index]), "backward": True,
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    if device == "cpu":
+        module = _emulated_module(f"bwd_finite_{index}", data)
+        with emulate.emulating():
+            return run_case(torch, module, Case(1, 2, 20, 20), torch.Generator().manual_seed(1),
+                            device="cpu")
+    module = _gpu_module(f"bwd_finite_{index}", data)
+    return run_case(torch, module, Case(2, 2, 77, 131), torch.Generator(device="cuda").manual_seed(1))
+
+
+@pytest.mark.parametrize("index", range(len(HOOK_GRADS)))
+def test_hook_gradients_are_finite_where_the_reference_is(index):
+    row = _gradient_row(index, "cpu")
+    assert row["ok"] and row["grad_finite"], row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("index", range(len(HOOK_GRADS)))
+def test_gpu_hook_gradients_are_finite_where_the_reference_is(index):
+    row = _gradient_row(index, "cuda")
+    assert row["ok"] and row["grad_finite"], row
+
+
+def test_the_block_map_pretest_keeps_a_tile_where_a_float_side_is_nan():
+    """NaN != 3.0 holds (rows 16-19 see every key), but the map's bound test for !=
+    took the sides' ct.min/ct.max, which skip NaN: rows 16-31 bound to [3, 3] against
+    keys [3, 3], the tile was dropped and rows 16-19 stored zeros."""
+    from specgen.spec.hooks import tile_pretest
+
+    mask = "where(q_idx < 20, sqrt(-1.0 * q_idx), 3.0) != kv_idx * 0.0 + 3.0"
+    assert tile_pretest(mask, {}) is None
+    assert tile_pretest("q_idx // 4 != kv_idx // 4", {}) is not None  # integers: bounded
+    data = {"name": "hooksem_pretest_nan", "dtype": "float16", "head_dim": 32, "gqa_ratio": 1,
+            "causal": False, "mask_mod": mask, "block_sparse": True,
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    module = _emulated_module("pretest_nan", data)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 32, 32, generator=g).half() for _ in range(3))
+    with emulate.emulating():
+        out = module.attention(q, k, v)
+    ref, _ = reference_for(module.SPEC, q, k, v, {})
+    assert ref[0, 0, 16:20].abs().sum() > 0
     result = compare(out, ref, "float16")
     assert result.ok, result

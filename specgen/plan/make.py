@@ -438,9 +438,11 @@ class Plan:
         """A window, a mask_mod, or a causal row before the first key (q_offset < 0,
         or a varlen sequence with more queries than keys) can leave a row with no
         visible key in a tile, or at all: the softmax takes its exponents against 0
-        there and the division guards l = 0."""
+        there and the division guards l = 0. A score_mod can hide every key of a row
+        too: a score of -inf (log(0), -1.0 / 0) on each of them, in any tile."""
         return (self.window_left is not None or self.window_right is not None
-                or self.mask_mod is not None or self.varlen or self.causal)
+                or self.mask_mod is not None or self.varlen or self.causal
+                or self.score_mod is not None)
 
     @property
     def hooks(self) -> tuple[Hook, ...]:

@@ -194,7 +194,7 @@ def score_derivative(text: str) -> str:
     with _sympy_errors(text):
         tree = parse_hook(text)  # True and False folded, as the kernel reads it
         converter = _ToSympy()
-        expr = converter.convert(tree.body)
+        expr = _branch_first(converter.convert(tree.body))
         derivative = _fold(sp.diff(expr, _SCORE))
         if derivative.has(sp.Subs, sp.Derivative):
             raise ExprError(f"{text}: sympy left an unevaluated derivative ({derivative})")
@@ -210,7 +210,7 @@ def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
     with _sympy_errors(text):
         tree = parse_hook(text)  # True and False folded, as the kernel reads it
         converter = _ToSympy(frozenset(learnable))
-        expr = converter.convert(tree.body)
+        expr = _branch_first(converter.convert(tree.body))
         printer = _Printer(converter.opaque)
         result = []
         for source, symbol in converter.variables.items():
@@ -220,6 +220,23 @@ def tensor_derivatives(text: str, learnable) -> list[tuple[str, str]]:
                                 f"({derivative})")
             result.append((source, printer(derivative)))
         return result
+
+
+# The most sets of conditions _branch_first pulls to the top (2**n branches).
+MAX_BRANCH_CHOICES = 4
+
+
+def _branch_first(expr):
+    """The hook with its choices pulled to the top before it is differentiated
+    (``sqrt(abs(where(c, 0.0, score)))`` becomes ``where(c, sqrt(abs(0.0)),
+    sqrt(abs(score)))``), so that each branch is differentiated alone, as the
+    reference's autograd does: the chain rule through a choice otherwise multiplies
+    the slope of the outer function at the branch not taken (1/sqrt(0): inf) by that
+    branch's 0, NaN in the kernel. Up to MAX_BRANCH_CHOICES sets of conditions."""
+    choices = {tuple(cond for _, cond in p.args) for p in expr.atoms(sp.Piecewise)}
+    if not choices or len(choices) > MAX_BRANCH_CHOICES:
+        return expr
+    return sp.piecewise_fold(expr)
 
 
 def _fold(derivative):

@@ -778,6 +778,8 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
             else:
                 renamed[g.local] = local
         expr = rename_words(expr, renamed)
+        if kind == "float":
+            sides_float.append(node)
         if not compiler.uses & {"q_idx", "kv_idx"}:
             return expr, expr  # the same for the whole tile
         if per_tile and per_tile[0] in compiler.uses:
@@ -785,9 +787,16 @@ def tile_pretest(text: str, tensors: dict, mask_gathers: tuple[Gather, ...] = ()
             return f"ct.min({shaped}, axis=1)", f"ct.max({shaped}, axis=1)"
         return f"ct.min({expr})", f"ct.max({expr})"
 
+    sides_float: list = []
+
     def compare(op, left, right):
+        sides_float.clear()
         a, b = side(left), side(right)
         if a is None or b is None:
+            return None
+        if isinstance(op, ast.NotEq) and sides_float:
+            # NaN != x holds, but ct.min and ct.max skip a NaN: a float side that is NaN
+            # on some pairs of the tile is not bounded by them (may hold).
             return None
         (lo_a, hi_a), (lo_b, hi_b) = a, b
         if isinstance(op, ast.Eq):

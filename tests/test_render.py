@@ -370,3 +370,18 @@ def test_the_order_of_a_specs_tensors_does_not_change_its_module():
     first, second = (render(make_plan(validate_spec(yaml.safe_load(text(o)), "t.yaml")), "t.yaml").text
                      for o in (("aa", "bb"), ("bb", "aa")))
     assert first == second
+
+
+def test_a_hook_renders_the_same_however_it_is_spaced():
+    """Spaces, extra parentheses, a comment and a YAML block's newline in a hook do
+    not change the module (its spec hash and op name included)."""
+    from .helpers import render_spec_data
+
+    base = {"name": "spacing", "causal": True, "backward": True,
+            "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"]}}}
+    spellings = ["doc[b, q_idx] == doc[b, kv_idx]",
+                 "doc[b,q_idx]==doc[b,kv_idx]",
+                 "(doc[b, q_idx]) == (doc[b, kv_idx])  # same document\n"]
+    texts = {render_spec_data({**base, "mask_mod": m})[1] for m in spellings}
+    assert len(texts) == 1
+    assert "doc[b, q_idx] == doc[b, kv_idx]" in texts.pop()

@@ -482,7 +482,10 @@ class Spec(_Strict):
             compile_hook(value, info.field_name, tensors)
         except ExprError as exc:
             raise ValueError(str(exc)) from None
-        return value
+        # Kept in one spelling (spaces, parentheses, a comment or a YAML block's
+        # newline do not matter): the module, its spec hash and its op name follow
+        # what the hook computes, not how it was typed.
+        return ast.unparse(ast.parse(value.strip(), mode="eval"))
 
     @model_validator(mode="after")
     def _cross_field(self):

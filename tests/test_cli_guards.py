@@ -181,3 +181,12 @@ def test_bench_refuses_to_replace_another_specs_module(project, monkeypatch):
     assert result.returncode == 2, result.stderr
     assert "mine.yaml: name: 'fmha_mha_bf16' would overwrite generated/fmha_mha_bf16.py" in result.stderr
     assert module.read_bytes() == before
+
+
+def test_diff_refuses_stat_with_json(project):
+    result = specgen("diff", "specs/fmha_gqa_causal.yaml", "--set", "causal=false", "--no-compile",
+                     "--stat", "--json", cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("specgen diff: --stat and --json cannot be combined "
+                                     "(--json carries the whole source diff)")
+    assert not result.stdout

@@ -432,6 +432,7 @@ def _run(args) -> int:
     if args.command == "diff":
         from specgen.commands.diff import run_diff
 
+        _refuse_together(args, ("--stat", "--json", "--json carries the whole source diff"))
         return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
                         not args.no_compile, _folder(args.results, "--results", write=False),
                         _folder(args.gen, "--gen", write=False))

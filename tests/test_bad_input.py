@@ -500,6 +500,8 @@ SPEC = "specs/fmha_gqa_causal.yaml"
     (["build", "--ge", "x"], "specgen build: error: the following arguments are required: PATH"),
     (["diff"], "specgen diff: give two specs or modules"),
     (["nope"], "specgen: error: argument COMMAND: invalid choice: 'nope'"),
+    ([], "specgen: error: a command is required: one of build, test, tune, bench, diff, schema, "
+         "docs (specgen --help says more)"),
     (["test", SPEC, "--fuzz", "x"], "specgen test: error: argument --fuzz: invalid int value: 'x'"),
 ])
 def test_cli_misuse_is_one_line_and_exit_2(project, capsys, args, expected):

@@ -60,6 +60,9 @@ class _Parser(argparse.ArgumentParser):
                 k.startswith(name) for k in self._option_string_actions))
             if after and after[-1].startswith("-") and not known:
                 message += f" (a value that starts with '-' goes as {option}={after[-1]})"
+        if message == "the following arguments are required: COMMAND":
+            commands = ", ".join(self._subparsers._group_actions[0].choices)
+            message = f"a command is required: one of {commands} (specgen --help says more)"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
     def unknown_options(self, tokens: list[str]) -> list[str]:

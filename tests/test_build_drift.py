@@ -123,6 +123,15 @@ def test_an_aot_folder_whose_module_is_gone_is_drift(project, monkeypatch):
     assert any("fmha_old_name.aot: the AOT folder of fmha_old_name.py, which is gone" in line
                for line in err), err
 
+    # A module its spec still makes is missing, not gone: its folder is left to the build.
+    (project / "generated" / "fmha_alibi.py").unlink()
+    (project / "generated" / "fmha_alibi.aot").mkdir(exist_ok=True)
+    err.clear()
+    assert jobs.run_build(["specs"], project / "generated", check=True, log=out.append,
+                          err=err.append) == 1
+    assert not any("fmha_alibi.aot" in line for line in err), err
+    assert any("fmha_alibi.py" in line for line in err), err
+
 
 def test_templates_with_crlf_line_ends_hash_as_they_render(tmp_path):
     """git's autocrlf gives a Windows checkout CRLF templates: Jinja reads them as LF

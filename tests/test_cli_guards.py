@@ -190,3 +190,53 @@ def test_diff_refuses_stat_with_json(project):
     assert result.stderr.strip() == ("specgen diff: --stat and --json cannot be combined "
                                      "(--json carries the whole source diff)")
     assert not result.stdout
+
+
+def test_build_check_reads_a_folder_it_may_not_write(project, monkeypatch):
+    """--check writes nothing: a --gen it may not write (a read-only checkout, CI's
+    mount) is compared, not refused. os.access is faked: root may write anywhere."""
+    assert specgen("build", "specs/fmha_alibi.yaml", "--no-compile", cwd=project).returncode == 0
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if mode & os.W_OK else real(p, mode, **kw))
+    result = specgen("build", "--check", "specs/fmha_alibi.yaml", "--no-compile", cwd=project)
+    assert result.returncode == 0, result.stderr
+    refused = specgen("build", "specs/fmha_alibi.yaml", "--no-compile", cwd=project)
+    assert refused.returncode == 2 and "is not writable" in refused.stderr
+
+
+def test_diff_reads_a_module_whose_spec_holds_the_other_familys_fields(project):
+    """A module written before SPEC dicts left out the other family's fields (a
+    prefill module's "pdl": "auto") still diffs against its spec."""
+    module = (ROOT / "generated" / "fmha_alibi.py").read_text()
+    spec_at = module.index('    "gqa_ratio": 1,\n')
+    old = module[:spec_at] + '    "kv_dtype": None,\n' + module[spec_at:]
+    old = old.replace('    "pack_gqa": False,\n', '    "pack_gqa": False,\n    "splits": "auto",\n'
+                      '    "pdl": "auto",\n    "v_cache_transposed": False,\n', 1)
+    from specgen.emit.render import HEADER_RE, content_hash
+
+    end = HEADER_RE.match(old).end()  # its content hash as specgen wrote it then
+    body = old[end:]
+    head = old[:end].replace(HEADER_RE.match(old)["content_sha"], content_hash(body))
+    (project / "old.py").write_text(head + body)
+    result = specgen("diff", "old.py", "specs/fmha_alibi.yaml", "--no-compile", "--json", cwd=project)
+    assert result.returncode in (0, 1), result.stderr
+    assert json.loads(result.stdout)["spec"] == []
+
+
+def test_test_serves_fresh_modules_from_a_folder_it_may_not_write(tmp_path, monkeypatch):
+    """specgen test writes only stale modules: fresh ones are served from a --gen it
+    may not write, and a stale one there is bad input naming the folder."""
+    from specgen.check import gpu
+    from specgen.errors import UsageError
+
+    spec = str(ROOT / "specs" / "fmha_alibi.yaml")
+    gen = tmp_path / "generated"
+    assert [job.out_path.name for job in gpu.fresh_jobs([spec], gen, log=lambda line: None)] == [
+        "fmha_alibi.py"]
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(gen / "fmha_alibi.py"))
+
+    monkeypatch.setattr(gpu, "write_jobs", refuse)
+    with pytest.raises(UsageError, match=r"--gen .*generated: a stale module must be written there"):
+        gpu.fresh_jobs([spec], gen, log=lambda line: None)

@@ -235,3 +235,18 @@ def test_the_block_map_pretest_keeps_a_tile_where_a_float_side_is_nan():
     assert ref[0, 0, 16:20].abs().sum() > 0
     result = compare(out, ref, "float16")
     assert result.ok, result
+
+
+def test_nested_run_time_divisors_are_refused_before_their_text_explodes():
+    """Each run-time divisor is printed three times (its zero guard): nested ones
+    grow the kernel text as 3**depth, gigabytes from a 250-character hook (depth 13
+    here: some 45 MB of text without the limit)."""
+    from specgen.spec.hooks import MAX_KERNEL_TEXT
+
+    inner = "q_idx"
+    for _ in range(13):
+        inner = f"(kv_idx // {inner})"
+    with pytest.raises(ExprError, match="divisors read at run time too deeply"):
+        compile_hook(f"score + {inner}", "score_mod", {})
+    shallow = "score + (kv_idx // (kv_idx // (q_idx + 1)))"
+    assert len(compile_hook(shallow, "score_mod", {}).kernel) < MAX_KERNEL_TEXT

@@ -52,7 +52,12 @@ def fresh_jobs(paths: list[str], out_dir: Path, log) -> list[Job]:
     edited = edited_modules(jobs)
     if edited:
         raise InvalidSpecs("\n".join(edited))
-    refused = write_jobs(jobs, out_dir, force=False, log=log)
+    try:  # only stale modules are written: a --gen it may not write serves fresh ones
+        refused = write_jobs(jobs, out_dir, force=False, log=log)
+    except PermissionError as exc:
+        raise UsageError(f"--gen {out_dir}: a stale module must be written there, and it may "
+                         f"not be ({exc.strerror}: {exc.filename}); run `specgen build` where "
+                         "it can write") from None
     if refused:  # edited between the check above and the write
         raise UsageError("\n".join(refused))
     return jobs

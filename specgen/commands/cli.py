@@ -258,9 +258,11 @@ def schema_text() -> str:
     return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
 
 
-def _folder(text: str, option: str, write: bool = True) -> Path:
+def _folder(text: str, option: str, write: bool | str = True) -> Path:
     """A folder option (--gen, --results): a folder or a path to make one at.
-    ``write``: the command writes there (diff only reads its folders)."""
+    ``write``: True, the command writes there; "maybe", it writes only what is stale
+    (test's modules), so a folder it may not write is fine until then; False, it only
+    reads there (diff, build --check)."""
     if not text.strip():
         raise UsageError(f"{option}: expected a folder, got {text!r}")
     path = Path(text)
@@ -277,7 +279,7 @@ def _folder(text: str, option: str, write: bool = True) -> Path:
     existing = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
     if not existing.is_dir():
         raise UsageError(f"{option} {text}: {existing} is not a folder")
-    if write and not os.access(existing, os.W_OK | os.X_OK):
+    if write is True and not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {text}: {existing} is not writable")
     return path
 
@@ -347,7 +349,7 @@ def _run(args) -> int:
         _refuse_together(args, ("--check", "--force", "--check writes nothing"))
         return run_build(
             args.paths,
-            _folder(args.gen, "--gen"),
+            _folder(args.gen, "--gen", write=not args.check),  # --check writes nothing
             targets=args.targets,
             no_compile=args.no_compile,
             check=args.check,
@@ -371,7 +373,8 @@ def _run(args) -> int:
         if args.seed is not None and args.fuzz_case:
             raise UsageError("specgen test: --seed and --fuzz-case cannot be combined (the case "
                              "names its own seed, SEED:INDEX)")
-        return run_test(args.paths, _folder(args.gen, "--gen"), quick=args.quick,
+        # Written only where a module is stale (fresh_jobs names a folder it may not write).
+        return run_test(args.paths, _folder(args.gen, "--gen", write="maybe"), quick=args.quick,
                         seed=0 if args.seed is None else args.seed,
                         fuzz=args.fuzz or 0, fuzz_case_seed=case, jobs=args.jobs,
                         emulate=args.emulate)
@@ -391,7 +394,8 @@ def _run(args) -> int:
             raise UsageError(f"--confirm: expected a count in [0, 64], got {args.confirm!r}")
         return run_tune(Path(args.path), target[0], parse_suite(args.suite, allowed=("prefill",)),
                         _folder(args.results, "--results"),
-                        _folder(args.gen, "--gen"), seqs=parse_seqs(args.seqs), dry_run=args.dry_run,
+                        _folder(args.gen, "--gen", write=not args.dry_run), seqs=parse_seqs(args.seqs),
+                        dry_run=args.dry_run,
                         confirm=int(args.confirm))
     if args.command == "bench":
         from specgen.bench import parse_suite, run_suite

@@ -66,6 +66,19 @@ def _spec_data_from_module(path: Path, text: str) -> dict:
     raise UsageError(f"{path}: not a generated module (no SPEC = {{...}})")
 
 
+def _legacy_fields_dropped(data: dict) -> dict:
+    """A module's SPEC without the other family's fields at their defaults: modules
+    written before SPEC dicts left them out hold them (a prefill module's
+    ``"pdl": "auto"``), which the spec model now refuses even at their default."""
+    from specgen.spec.model import FAMILY_ONLY, Spec
+
+    family = data.get("family", "prefill")
+    other = "prefill" if family == "decode" else "decode"
+    defaults = {name: Spec.model_fields[name].get_default(call_default_factory=True)
+                for name, owner in FAMILY_ONLY.items() if owner == other}
+    return {k: v for k, v in data.items() if not (k in defaults and v == defaults[k])}
+
+
 def load_side(path_text: str) -> tuple[dict, Side]:
     path = Path(path_text)
     if path.exists() and not path.is_file():
@@ -81,7 +94,7 @@ def load_side(path_text: str) -> tuple[dict, Side]:
         if hand_edited(text):
             raise UsageError(f"{path}: edited by hand (its content no longer matches its header's "
                              "hash); diff its spec, or rebuild the module")
-        data = _spec_data_from_module(path, text)
+        data = _legacy_fields_dropped(_spec_data_from_module(path, text))
         plan = make_plan(validate_spec(data, path))
         return data, Side(str(path), plan, text)
     data = parse_spec_text(read_spec_text(path), path)

@@ -243,15 +243,17 @@ def leftover_modules(jobs: list[Job], out_dir: Path) -> list[str]:
     return problems
 
 
-def leftover_aot_folders(out_dir: Path) -> list[str]:
-    """AOT folders in ``out_dir`` whose module is gone (a module deleted after its spec
-    was, or after a ``name:`` change): nothing imports them, and a copy of the folder
-    carries them along. One line each."""
+def leftover_aot_folders(jobs: list[Job], out_dir: Path) -> list[str]:
+    """AOT folders in ``out_dir`` whose module is gone and that no spec of ``jobs``
+    makes (a module deleted after its spec was, or after a ``name:`` change): nothing
+    imports them, and a copy of the folder carries them along. One line each. (A
+    missing module that a spec still makes is the build's to write, beside its folder.)"""
     if not out_dir.is_dir():
         return []
+    made = {job.out_path.name for job in jobs}
     return [f"{folder}: the AOT folder of {folder.stem}.py, which is gone (delete the folder)"
             for folder in sorted(out_dir.glob("*.aot"))
-            if folder.is_dir() and not folder.is_symlink()
+            if folder.is_dir() and not folder.is_symlink() and f"{folder.stem}.py" not in made
             and not (out_dir / f"{folder.stem}.py").exists()]
 
 
@@ -493,7 +495,7 @@ def _run_build(
     if check:
         problems = check_jobs(jobs, out_dir)
         if not no_compile:  # the AOT folders are compared only where a check compiles
-            problems += leftover_aot_folders(out_dir)
+            problems += leftover_aot_folders(jobs, out_dir)
         for problem in problems:
             err(problem)
         if problems:
@@ -511,7 +513,7 @@ def _run_build(
         for line in refused:
             err(line)
         failed = bool(refused)
-        leftovers = leftover_modules(jobs, out_dir) + ([] if no_compile else leftover_aot_folders(out_dir))
+        leftovers = leftover_modules(jobs, out_dir) + ([] if no_compile else leftover_aot_folders(jobs, out_dir))
         for line in leftovers:  # a build deletes nothing: said, not failed
             err(f"note: {line}")
     if not no_compile:

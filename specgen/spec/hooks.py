@@ -31,6 +31,10 @@ INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 KERNEL_NAMES = {"score": "s", "b": "batch", "h": "head", "q_idx": "rows", "kv_idx": "keys"}
 MAX_LENGTH = 500
 MAX_NODES = 200
+# The most characters a hook's kernel text may reach. A divisor read at run time is
+# printed three times (its zero guard), so nested ones grow it as 3**depth: a
+# 250-character hook would otherwise print gigabytes before any limit saw it.
+MAX_KERNEL_TEXT = 100_000
 
 # name -> (number of arguments, cuTile function, torch function name, result kind)
 # kind "float": float result (int arguments are cast); "same": the arguments' kind.
@@ -394,8 +398,13 @@ class _Compiler:
             if _folded(node.right) is None:
                 # A divisor read at run time may be 0, where the GPU's integer division
                 # is undefined: such a quotient or remainder is 0 (as in the reference).
-                return (f"ct.where({right} == 0, 0, {left} {symbol} "
-                        f"ct.where({right} == 0, 1, {right}))"), "int"
+                guarded = (f"ct.where({right} == 0, 0, {left} {symbol} "
+                           f"ct.where({right} == 0, 1, {right}))")
+                if len(guarded) > MAX_KERNEL_TEXT:
+                    self.fail(f"nests divisors read at run time too deeply ({ast.unparse(node)[:60]}...: "
+                              f"each is printed three times for its zero guard, over "
+                              f"{MAX_KERNEL_TEXT} characters of kernel code)")
+                return guarded, "int"
             return f"({left} {symbol} {right})", "int"
         if op is ast.Div:
             # True division is float division, as in Python.

@@ -577,8 +577,8 @@ def test_block_map_and_launch_plan_devices_and_sizes_are_value_errors(refused):
 
 
 def test_decode_lengths_beyond_the_cache_read_as_its_capacity():
-    """A seq_len past the cache's capacity is taken as the capacity (clamped in the
-    kernels, no host sync): it used to read past the cache (NaN rows at capacity + 1,
+    """A seq_len past the cache's capacity is taken as the capacity, a negative one as
+    0 (clamped in the kernels, no host sync): it used to read past the cache (NaN rows at capacity + 1,
     a loop of 2**31 keys for 2**31 - 1)."""
     for name in ("fmha_decode_gqa8_bf16", "fmha_decode_chunked_local", "fmha_decode_paged_mtp"):
         mod = _module(name)
@@ -597,6 +597,16 @@ def test_decode_lengths_beyond_the_cache_read_as_its_capacity():
             with emulate.emulating():
                 out = mod.attention(*args, **extra)
             assert (out.double() - ref).abs().max().item() < 2e-2, (name, length)
+        # A negative length reads as 0 (no key: zeros); -2**31 used to wrap the key
+        # positions computed from it (a tile loaded wholly outside the cache, or NaN
+        # rows with a block map).
+        for length in (-7, -2**31):
+            args[3] = batch.seq_lens.clone()
+            args[3][1] = length
+            with emulate.emulating():
+                out = mod.attention(*args, **extra)
+            assert (out[1] == 0).all(), (name, length)
+            assert (out[0].double() - ref[0]).abs().max().item() < 2e-2, (name, length)
 
 
 def test_dropout_p_that_rounds_to_dropping_everything_is_refused(refused, launches):

@@ -152,3 +152,22 @@ def test_tensor_derivatives_list_each_subscript_once():
     assert [s for s, _ in tensor_derivatives("score + bias[h, kv_idx] + bias[h, q_idx]", {"bias"})] == [
         "bias[h, kv_idx]", "bias[h, q_idx]"]
     assert tensor_derivatives("score - slope[h]", set()) == []
+
+
+def test_abs_of_log_and_sqrt_differentiates_as_a_real_abs():
+    """abs() of log(u) or sqrt(u): sympy's Abs took them for complex numbers and
+    differentiated through re and im: abs(sqrt(score)) was refused ("cos"), and
+    abs(log(u)) had (1 / log u) * log(u / sign u): NaN where u == 1 (a zero table
+    entry in 1.0 + score * t[kv_idx]). The derivative is sign(u) du."""
+    assert "cos" not in score_derivative("abs(sqrt(score))")
+    text = "abs(log(1.0 + 0.1 * score * t[kv_idx]))"
+    derivative = score_derivative(text)
+    score = torch.tensor([0.5, 1.0, 2.0, -3.0], dtype=torch.float64)
+    env = {"score": score, "b": 0, "h": 0, "q_idx": torch.tensor(0),
+           "kv_idx": torch.arange(4)}
+    tensors = {"t": torch.tensor([0.0, 1.0, 0.0, -2.0])}  # u == 1 at keys 0 and 2
+    got = evaluate(derivative, env, tensors)
+    s = score.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(evaluate(text, {**env, "score": s}, tensors).sum(), s)
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)

@@ -250,3 +250,31 @@ def test_nested_run_time_divisors_are_refused_before_their_text_explodes():
         compile_hook(f"score + {inner}", "score_mod", {})
     shallow = "score + (kv_idx // (kv_idx // (q_idx + 1)))"
     assert len(compile_hook(shallow, "score_mod", {}).kernel) < MAX_KERNEL_TEXT
+
+
+# A score_mod infinite only on pairs the masks hide: the kernels skip those pairs, and
+# the fp64 autograd reference must too (it multiplied their zero gradient by the
+# hook's infinite derivative: NaN, and a spurious gradient failure).
+HIDDEN_INF = [
+    # a row at position -1 (negative q_offset) sees no key under causal
+    ({"causal": True, "score_mod": "score / (q_idx + 1)"}, (1, 1, 2, 2, -1)),
+    # key 0 hidden by the mask_mod
+    ({"causal": False, "score_mod": "score / kv_idx", "mask_mod": "kv_idx > 0"}, (1, 1, 3, 3, 0)),
+    # a learnable slope divided by 0 three keys back, which the window (left 2) hides
+    ({"causal": True, "window": {"left": 2, "right": None},
+      "tensors": {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+      "score_mod": "score + slope[h] / (q_idx - kv_idx - 3)"}, (1, 1, 9, 9, 0)),
+]
+
+
+@pytest.mark.parametrize("index", range(len(HIDDEN_INF)))
+def test_reference_gradients_ignore_hidden_pairs(index):
+    from specgen.check.runner import Case, run_case
+
+    extra, shape = HIDDEN_INF[index]
+    data = {"name": f"hidden_inf_{index}", "dtype": "float16", "head_dim": 16, "backward": True,
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}, **extra}
+    module = _emulated_module(f"hidden_inf_{index}", data)
+    with emulate.emulating():
+        row = run_case(torch, module, Case(*shape), torch.Generator().manual_seed(0), device="cpu")
+    assert row["ok"] and row["grad_finite"], row

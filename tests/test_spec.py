@@ -126,6 +126,11 @@ BAD = [
       "score_mod": "score - slope[h] * (q_idx - kv_idx)"},
      "specs/bad.yaml: tensors.slope.learnable: true needs backward: true (a gradient comes from the "
      "backward kernels)"),
+    # Decode has no backward: "needs backward: true" sent the writer to a field decode refuses.
+    ({"family": "decode", "tensors": {"w": {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+      "mask_mod": "w[h] > 0.5"},
+     "specs/bad.yaml: tensors.w.learnable: family decode has no backward, so no tensor gets a gradient; "
+     "use false"),
     ({"backward": True, "tensors": {"doc": {"dtype": "int32", "shape": ["batch", "seq_k"], "learnable": True}},
       "mask_mod": "doc[b, q_idx] == doc[b, kv_idx]"},
      "specs/bad.yaml: tensors.doc.learnable: true needs dtype float32 (an int32 tensor has no gradient)"),

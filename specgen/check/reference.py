@@ -93,6 +93,16 @@ def dropout_keep(batch: int, heads: int, seq_q: int, seq_k: int, *, q_offset: in
     return ((x >> (16 * ((keys >> 3) & 1))) & 0xFFFF) >= threshold
 
 
+def _visible_pairs(allowed, shape, causal: bool, q_offset: int, window, device) -> torch.Tensor:
+    """[B, H, Sq, Skv] bool: the pairs the mask_mod (``allowed``, or None), causal
+    and the window leave visible."""
+    seen = torch.ones(shape, dtype=torch.bool, device=device) if allowed is None else allowed.clone()
+    if causal or window is not None:
+        seen &= visible_mask(shape[2], shape[3], causal=causal, q_offset=q_offset, window=window,
+                             device=device)
+    return seen
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -164,11 +174,27 @@ def attention_reference(
             "q_idx": (torch.arange(seq_q, device=q.device, dtype=i32) + q_offset).view(1, 1, -1, 1),
             "kv_idx": torch.arange(seq_k, device=q.device, dtype=i32).view(1, 1, 1, -1),
         }
-        if score_mod:
-            scores = torch.broadcast_to(evaluate(score_mod, env, tensors or {}), scores.shape)
-            scores = scores.to(compute_dtype)
+        allowed = None
         if mask_mod:
             allowed = torch.broadcast_to(evaluate(mask_mod, env, tensors or {}), scores.shape)
+        if score_mod:
+            grads = torch.is_grad_enabled() and (scores.requires_grad or any(
+                t.requires_grad for t in (tensors or {}).values()))
+            if grads and (allowed is not None or causal or window is not None):
+                # Differentiated: the hook is evaluated at the visible pairs only. A
+                # hidden pair's value is dropped, but autograd would still multiply
+                # its zero gradient by the hook's derivative there, which may be
+                # infinite (score / (q_idx + 1) at q_idx -1, score / kv_idx at a
+                # hidden key 0): NaN gradients where the kernels skip the pair.
+                seen = _visible_pairs(allowed, scores.shape, causal, q_offset, window, q.device)
+                picked = {n: torch.broadcast_to(t, scores.shape)[seen] for n, t in env.items()}
+                values = torch.broadcast_to(evaluate(score_mod, picked, tensors or {}),
+                                            picked["score"].shape).to(compute_dtype)
+                scores = scores.new_full(scores.shape, -math.inf).masked_scatter(seen, values)
+            else:
+                scores = torch.broadcast_to(evaluate(score_mod, env, tensors or {}), scores.shape)
+                scores = scores.to(compute_dtype)
+        if allowed is not None:
             scores = scores.masked_fill(~allowed, -math.inf)
     if causal or window is not None:
         visible = visible_mask(q.shape[2], k.shape[2], causal=causal, q_offset=q_offset,

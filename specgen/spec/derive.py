@@ -27,7 +27,30 @@ from specgen.spec.hooks import ExprError, _is_condition, parse_hook
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 _SCORE = sp.Symbol("score", real=True)
-_FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": sp.Abs}
+
+
+class _RealAbs(sp.Function):
+    """abs() as the kernels compute it, on a float32 value (a real number or NaN):
+    d|u| = sign(u) du, slope 0 at 0. sympy's Abs takes log(u) and sqrt(u) of a real u
+    for complex numbers and differentiates through re and im: abs(sqrt(score)) had
+    cos in its derivative (refused), and abs(log(u)) became (1/log u) * log(u / sign u)
+    * ..., inf * 0 (NaN in the kernel) wherever u == 1."""
+
+    @classmethod
+    def eval(cls, arg):
+        if arg.is_number:
+            return sp.Abs(arg)
+        if arg.is_extended_nonnegative:
+            return arg
+        if arg.is_extended_nonpositive:
+            return -arg
+        return None
+
+    def fdiff(self, argindex=1):
+        return sp.sign(self.args[0])
+
+
+_FUNCS = {"exp": sp.exp, "log": sp.log, "sqrt": sp.sqrt, "tanh": sp.tanh, "abs": _RealAbs}
 _ARITH = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
           ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
 
@@ -136,7 +159,7 @@ class _Printer:
             return self.power(*e.args)
         if isinstance(e, (sp.exp, sp.log, sp.tanh)):
             return f"{type(e).__name__}({self(e.args[0])})"
-        if isinstance(e, sp.Abs):
+        if isinstance(e, (sp.Abs, _RealAbs)):
             return f"abs({self(e.args[0])})"
         if isinstance(e, sp.sign):
             x = self(e.args[0])

@@ -734,7 +734,10 @@ class Spec(_Strict):
             if not t.learnable:
                 continue
             where = f"tensors.{name}.learnable"
-            if not self.backward:
+            if self.family == "decode":
+                problems.append((where, "family decode has no backward, so no tensor gets a "
+                                        "gradient; use false"))
+            elif not self.backward:
                 problems.append((where, "true needs backward: true (a gradient comes from the "
                                         "backward kernels)"))
             elif t.dtype != "float32":

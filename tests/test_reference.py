@@ -319,3 +319,27 @@ def test_a_float16_reference_takes_a_softcap_beyond_float16s_range():
     assert all(torch.isfinite(t.grad).all() for t in half)
     exact = attention_reference(q, k, v, causal=True, softcap=1e5)
     assert (out.double() - exact).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("causal, window, q_offset, sinks, dropout_p", [
+    (True, None, 2, False, 0.0), (False, (2, 1), -1, True, 0.3), (True, (3, None), 0, True, 0.0)])
+def test_visible_pairs_path_gives_the_plain_forward(causal, window, q_offset, sinks, dropout_p):
+    """With gradients taken the score_mod is evaluated at the visible pairs only
+    (_visible_pairs); the forward must be the one without gradients: GQA heads, hook
+    tables gathered per selected pair, softcap, sinks, dropout and a window with
+    q_offset included."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 5, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    tensors = {"bias": torch.randn(4, 7, generator=g, dtype=torch.float64),
+               "doc": torch.randint(0, 2, (2, 12), generator=g)}
+    args = dict(causal=causal, window=window, q_offset=q_offset, softcap=5.0, return_lse=True,
+                sinks=torch.randn(4, generator=g, dtype=torch.float64) if sinks else None,
+                score_mod="where(score > 0, sqrt(score), -score) + bias[h, kv_idx] / (q_idx + 2)",
+                mask_mod="doc[b, q_idx] == doc[b, kv_idx]", tensors=tensors,
+                dropout_p=dropout_p, seed=3)
+    with torch.no_grad():
+        plain = attention_reference(q, k, v, **args)
+    picked = attention_reference(q.clone().requires_grad_(), k, v, **args)
+    for a, b in zip(plain, picked):
+        torch.testing.assert_close(b.detach(), a, rtol=0, atol=0)

@@ -171,3 +171,21 @@ def test_abs_of_log_and_sqrt_differentiates_as_a_real_abs():
     (expected,) = torch.autograd.grad(evaluate(text, {**env, "score": s}, tensors).sum(), s)
     assert torch.isfinite(got).all(), got
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("hook,slope", [("min(score, log(score))", 1.0),
+                                        ("max(2.0 * score, log(score))", 2.0),
+                                        ("score + min(slope[h] * score, log(score))", 2.0)])
+def test_min_and_max_take_the_slope_of_the_operand_they_return_past_a_nan(hook, slope):
+    """min and max ignore a NaN operand (the kernel's, the reference's): where the second
+    is NaN (the log of a negative score) they return the first, and the derivative
+    is the first's slope, not the NaN branch's (the comparison is False there)."""
+    env, tensors = _env(torch.Generator().manual_seed(0))
+    score = -env["score"].detach().abs()  # every score negative: the second operand is NaN
+    tensors = dict(tensors, slope=torch.ones(8, dtype=torch.float64))
+    compile_hook(score_derivative(hook), "score_mod", TENSORS, check_size=False)
+    got = evaluate(score_derivative(hook), {**env, "score": score}, tensors)
+    grad = torch.autograd.grad(evaluate(hook, {**env, "score": score.requires_grad_()}, tensors).sum(),
+                               score)[0]
+    assert torch.equal(torch.as_tensor(got, dtype=torch.float64).expand_as(grad), torch.full_like(grad, slope))
+    assert torch.equal(grad, torch.full_like(grad, slope))  # the reference's autograd agrees

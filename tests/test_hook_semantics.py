@@ -278,3 +278,22 @@ def test_reference_gradients_ignore_hidden_pairs(index):
     with emulate.emulating():
         row = run_case(torch, module, Case(*shape), torch.Generator().manual_seed(0), device="cpu")
     assert row["ok"] and row["grad_finite"], row
+
+
+def test_gradient_check_of_an_lse_no_input_reaches():
+    """A score_mod that reads score only in a condition makes every score a constant:
+    the reference's lse then has no grad_fn. The gradient check of a backward spec with
+    return_lse must not crash on it (it did: autograd.grad of an output without one)."""
+    from specgen.check.runner import Case, run_case
+
+    data = {"name": "hooksem_const_lse", "dtype": "float16", "head_dim": 16, "gqa_ratio": 1,
+            "causal": False, "backward": True, "return_lse": True,
+            "score_mod": "where(score > 0.0, 1.0, 0.0)",
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    plan, source = render_spec_data(data)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name="_test_hooksem_const_lse")
+    with emulate.emulating():
+        row = run_case(torch, module, Case(1, 1, 5, 9, 0), torch.Generator().manual_seed(0),
+                       device="cpu")
+    assert row["ok"], row

@@ -123,8 +123,12 @@ class _ToSympy:
                 # The first argument where it is the smaller (larger), ties included:
                 # its slope at a tie, never the 0 of H(c) + H(-c) that sympy's Min and
                 # Max differentiate to. The comparison is a condition, kept whole.
+                # min and max ignore a NaN operand (cuTile's, the reference's): where
+                # b is NaN they return a, whose slope it is then, though a <= b is False.
                 a, b = node.args
                 test = ast.Compare(a, [ast.LtE() if name == "min" else ast.GtE()], [b])
+                if not isinstance(b, ast.Constant):
+                    test = ast.BinOp(test, ast.BitOr(), ast.Compare(b, [ast.NotEq()], [b]))
                 return sp.Piecewise((args[0], self.leaf(test, boolean=True)), (args[1], True))
             return _FUNCS[name](*args)
         if isinstance(node, ast.IfExp):

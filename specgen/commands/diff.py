@@ -70,12 +70,10 @@ def _legacy_fields_dropped(data: dict) -> dict:
     """A module's SPEC without the other family's fields at their defaults: modules
     written before SPEC dicts left them out hold them (a prefill module's
     ``"pdl": "auto"``), which the spec model now refuses even at their default."""
-    from specgen.spec.model import FAMILY_ONLY, Spec
+    from specgen.spec.model import Spec, other_family_fields
 
-    family = data.get("family", "prefill")
-    other = "prefill" if family == "decode" else "decode"
     defaults = {name: Spec.model_fields[name].get_default(call_default_factory=True)
-                for name, owner in FAMILY_ONLY.items() if owner == other}
+                for name in other_family_fields(data.get("family", "prefill"))}
     return {k: v for k, v in data.items() if not (k in defaults and v == defaults[k])}
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from specgen.errors import SpecError
 from specgen.spec.fields import MAX_SPEC_BYTES, Problems, TargetConfig
-from specgen.spec.model import FAMILY_ONLY, Spec
+from specgen.spec.model import Spec, other_family_fields
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys instead of keeping the last one, and
@@ -421,10 +421,8 @@ def spec_to_dict(spec: Spec) -> dict:
     an equal spec.
     """
     data = spec.model_dump(mode="json")
-    other = "prefill" if spec.family == "decode" else "decode"
-    for name, family in FAMILY_ONLY.items():  # the other family's fields are refused
-        if family == other:
-            del data[name]
+    for name in other_family_fields(spec.family):  # refused by the spec's own family
+        del data[name]
     data["targets"] = {name: _target_dict(cfg) for name, cfg in spec.targets.items()}
     if not data["autotune"]:
         del data["autotune"]

@@ -98,6 +98,12 @@ FAMILY_ONLY = {
 }
 
 
+def other_family_fields(family: str) -> list[str]:
+    """The fields FAMILY_ONLY gives the family other than ``family``: a spec of
+    ``family`` refuses them, even at their defaults."""
+    other = "prefill" if family == "decode" else "decode"
+    return [name for name, owner in FAMILY_ONLY.items() if owner == other]
+
 
 # The largest soft-cap a float16 prescale_q takes: Q * scale / softcap stays within
 # float16's normal range (above 6.1e-5) to about 1e-3 of its values' size at the
@@ -526,7 +532,7 @@ class Spec(_Strict):
             return getattr(self, name) != default
 
         other = "prefill" if self.family == "decode" else "decode"
-        owned = [name for name, family in FAMILY_ONLY.items() if family == other]
+        owned = other_family_fields(self.family)
         # Written at all, even at its default (a prefill spec's `pdl: auto` would read
         # as a request that family prefill ignores).
         problems = [(n, f"a {other} field, not supported by family {self.family}")

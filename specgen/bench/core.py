@@ -687,7 +687,7 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     inputs, against specgen's outputs kept on the host; the results are then
     written again with their rows filled in."""
     from specgen.check.gpu import import_module_file, require_cuda, require_do_bench
-    from specgen.compile.jobs import foreign_modules, load_jobs, load_plans, write_jobs
+    from specgen.compile.jobs import load_jobs, load_plans, refuse_foreign_modules, write_jobs
 
     plans = load_plans(paths)
     suite.check([plan for _, plan in plans])
@@ -707,9 +707,7 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     jobs = load_jobs(paths, gen, plans)
     # Another spec's module of the same name (a copied spec that kept its name:) is
     # refused before anything is timed or written, as build and test refuse it.
-    foreign = foreign_modules(jobs, "replace it with `specgen build --force` first")
-    if foreign:
-        raise UsageError("\n".join(foreign))
+    refuse_foreign_modules(jobs, "replace it with `specgen build --force` first")
 
     device = describe_device(log)
     ctx = Context(torch, do_bench, log, suite.yardstick(torch, do_bench, log))

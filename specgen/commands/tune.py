@@ -288,7 +288,7 @@ def run_tune(
     from specgen.bench.core import tflops
     from specgen.bench.flops import forward_flops
     from specgen.bench.prefill import BATCH, HEADS, SEQS, suite_heads
-    from specgen.compile.jobs import foreign_modules, hand_edited_file, load_jobs, module_path, write_jobs
+    from specgen.compile.jobs import hand_edited_file, load_jobs, module_path, refuse_foreign_modules, write_jobs
     from specgen.check.cases import (
         Comparison,
         compare,
@@ -337,10 +337,8 @@ def run_tune(
     # So would another spec's module of this name (a copied spec that kept its name:),
     # which the re-render would replace, as build refuses to.
     if not dry_run:
-        foreign = foreign_modules(load_jobs([str(path)], gen_dir),
-                                  "replace it with `specgen build --force` first, or use --dry-run")
-        if foreign:
-            raise UsageError("\n".join(foreign))
+        refuse_foreign_modules(load_jobs([str(path)], gen_dir),
+                               "replace it with `specgen build --force` first, or use --dry-run")
     plan_line = (f"tuning {spec.name} for {target}: {len(configs)} configs x {len(seqs)} lengths "
                 f"(B={batch}, Hq={heads}, S={','.join(map(str, sorted(seqs, reverse=True)))})")
     if dry_run:

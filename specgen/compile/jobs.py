@@ -286,6 +286,14 @@ def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     return problems
 
 
+def refuse_foreign_modules(jobs: list[Job], remedy: str) -> None:
+    """UsageError naming every module of ``foreign_modules``: for the commands that
+    re-render a module before they time it (bench, tune), as build refuses it."""
+    foreign = foreign_modules(jobs, remedy)
+    if foreign:
+        raise UsageError("\n".join(foreign))
+
+
 def _on_disk(job: Job) -> str | None:
     """The text of the module ``job`` writes as it is on disk, or None (no file)."""
     return module_text(job.out_path) if job.out_path.is_file() else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -205,14 +206,37 @@ def call_kernel(module, q, k, v, extra: dict, **kwargs):
     return result, None
 
 
+def prescaled_q(spec: dict, q, scale=None):
+    """(Q * pre rounded to Q's dtype, the scale that turns its products with K into
+    the scores) for a ``prescale_q`` spec, whose kernels multiply Q by pre in float32
+    and round it once: pre is the softmax scale, divided by the soft-cap where there
+    is one, else times 1/ln2 where the exponentials are exp2 (and no score_mod reads
+    the score in natural-log units). Differentiable in q."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    f32 = float(torch.tensor(scale, dtype=torch.float32))
+    if spec.get("softcap") is not None:
+        pre = f32 / float(torch.tensor(spec["softcap"], dtype=torch.float32))
+    elif (spec.get("fast_math") or {}).get("exp2") and not spec.get("score_mod"):
+        pre = f32 * float(torch.tensor(1.0 / math.log(2.0), dtype=torch.float32))
+    else:
+        pre = f32
+    pre = float(torch.tensor(pre, dtype=torch.float32))
+    return (q.to(torch.float32) * pre).to(q.dtype), scale / pre
+
+
 def reference_for(spec: dict, q, k, v, extra: dict, *, q_offset: int = 0, scale=None,
                   p_dtype=None, compute_dtype=torch.float64, batch_offset: int = 0):
     """The fp64 reference of ``spec`` (window, soft-cap, sinks): (out, lse).
-    ``p_dtype``: the P-rounding model of attention_reference (see p_rounding)."""
+    ``p_dtype``: the P-rounding model of attention_reference (see p_rounding).
+    With a ``compute_dtype`` other than float64 (the same math in the input dtype,
+    for FlashAttention's gradient rule), a ``prescale_q`` spec's Q is first
+    multiplied by the kernels' pre-scale and rounded once, as its kernels do."""
     from specgen.check.reference import attention_reference
 
     window = spec.get("window")
     tensors = {name: extra[name] for name in spec.get("tensors") or {}}
+    if spec.get("prescale_q") and compute_dtype != torch.float64:
+        q, scale = prescaled_q(spec, q, scale)
     if spec["dtype"] == "float8_e4m3fn":  # the values the float8 tensors stand for
         q, k, v = (t.to(torch.float32).to(torch.float64) * extra.get(name, 1.0)
                    for t, name in ((q, "q_descale"), (k, "k_descale"), (v, "v_descale")))

@@ -70,17 +70,21 @@ def main(argv=None) -> int:
         ]
         extra = feature_inputs(spec, datas[0].dims(), gen)
         hooks = {n: extra[n] for n in spec.get("tensors") or {}}
-        # A module with a block map gets its own, built once for every copy.
+        # A module with a block map gets its own for each input copy (a map is tied
+        # to the seq_lens tensor it was built from).
         maps = [
-            (
-                dict(
-                    block_map=module.make_block_map(
-                        datas[0].seq_lens, ratio * kv_heads, datas[0].capacity, **hooks
+            [
+                (
+                    dict(
+                        block_map=module.make_block_map(
+                            d.seq_lens, ratio * kv_heads, d.capacity, **hooks
+                        )
                     )
+                    if hasattr(module, "make_block_map")
+                    else {}
                 )
-                if hasattr(module, "make_block_map")
-                else {}
-            )
+                for d in datas
+            ]
             for module in modules
         ]
         outs = [[torch.empty_like(d.q) for d in datas] for _ in modules]
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
                     out=outs[m][i],
                     max_seq_len=length,
                     **extra,
-                    **maps[m],
+                    **maps[m][i],
                 )
                 for i in range(copies)
             ]

@@ -1356,6 +1356,34 @@ def test_tracers_and_tensor_subclasses_see_the_op():
             assert not module._eager([q])
 
 
+def test_each_emulated_load_traces_its_own_op():
+    """A spec loaded again (another sm, or another name) found the first load's op
+    registered and reused it: make_fx, torch.compile and opcheck of the sm_100 module
+    ran the sm_90 module's functions (its tiles: other grids) and none of its patches."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    path = ROOT / "generated" / "fmha_train_document.py"  # sm_90 64x64 tiles, sm_100 128x128
+    first = emulate.load_module(path, sm=(9, 0), name="_test_own_op_sm90")
+    second = emulate.load_module(path, sm=(10, 0), name="_test_own_op_sm100")
+    assert first.OP_NAME != second.OP_NAME and first._OP is not second._OP
+    launches = []
+    for module, tag in ((first, "sm90"), (second, "sm100")):
+        def spy(stream, grid, kernel, args, _tag=tag, _launch=module.ct.launch, **options):
+            launches.append((_tag, grid))
+            return _launch(stream, grid, kernel, args, **options)
+        module.ct.launch = spy
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 200, 128, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 1, 200, 128, generator=g).to(torch.bfloat16)
+    doc = torch.zeros(1, 200, dtype=torch.int32)
+    with emulate.emulating():
+        second.attention(q, k, k, doc=doc)
+        eager, launches[:] = list(launches), []
+        make_fx(lambda q, k, v: second.attention(q, k, v, doc=doc), tracing_mode="real")(q, k, k)
+    assert eager and all(tag == "sm100" for tag, _ in eager)
+    assert launches == eager
+
+
 def test_a_second_derivative_through_the_eager_backward_is_refused_not_dropped():
     """create_graph=True on the eager path gave first-order gradients with no graph: a
     loss on dq (a gradient penalty) was silently a constant (dv 96% off the true second

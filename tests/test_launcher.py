@@ -4,7 +4,7 @@ expected, raised before any launch (these run on the CPU, where a launch would f
 import pytest
 import torch
 
-from .helpers import generated_module
+from .helpers import ROOT, generated_module
 
 mod = generated_module("fmha_gqa_causal")  # gqa_ratio 4, float16, head_dim 128
 
@@ -90,6 +90,30 @@ def test_training_module_registers_a_custom_op_with_a_fake_impl():
         k = torch.empty(2, 2, 40, 128, dtype=torch.bfloat16)
         out, lse = op(q, k, k, 0.1, 7)
     assert out.shape == (2, 8, 33, 128) and lse.shape == (2, 8, 33) and lse.dtype == torch.float32
+
+
+def test_training_module_traces_with_a_symbolic_position():
+    """Outside dynamo, a tracer hands a dynamic int input to attention() as a SymInt
+    (torch.export's non-strict tracing, make_fx symbolic): q_offset (and seed,
+    q_shift, max_seqlen) were refused as "must be an int, got s6", where dynamo
+    (strict export, torch.compile) took them."""
+    from torch.export import Dim, export
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    train = generated_module("fmha_train_gqa_causal")
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v, q_offset):
+            return train.attention(q, k, v, q_offset=q_offset)
+
+    q = torch.randn(1, 4, 33, 128).to(torch.bfloat16)
+    k = torch.randn(1, 1, 40, 128).to(torch.bfloat16)
+    program = export(Layer(), (q, k, k, 7), dynamic_shapes=(None, None, None, Dim.DYNAMIC),
+                     strict=False)
+    ops = [n for n in program.graph.nodes if n.op == "call_function" and "specgen" in str(n.target)]
+    assert len(ops) == 1 and isinstance(ops[0].args[4], torch.fx.Node)  # q_offset stays symbolic
+    graph = make_fx(Layer(), tracing_mode="symbolic")(q, k, k, 7)
+    assert any(str(n.target).startswith(train.OP_NAME.replace("::", ".")) for n in graph.graph.nodes)
 
 
 def test_training_op_backward_traces_under_fake_tensors():
@@ -179,3 +203,41 @@ def test_a_negative_q_offset_reaches_the_launch(q_offset, monkeypatch):
     assert launched, "not launched"
     ints = [a for a in launched[0] if type(a) is int]
     assert q_offset in ints, ints
+
+
+def test_varlen_under_compile_without_max_seqlen_names_the_argument():
+    """torch.compile(fullgraph=True) of a varlen training call (its custom op) without
+    max_seqlen_q failed deep in torch ("Could not guard on data-dependent
+    expression"); the call now says which argument to pass. With max_seqlen given it
+    compiles (the kernels emulated)."""
+    from specgen.check import emulate
+
+    from .helpers import render_spec_data
+
+    data = {"name": "launcher_varlen_train", "dtype": "bfloat16", "head_dim": 32, "gqa_ratio": 2,
+            "causal": True, "varlen": True, "backward": True,
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    plan, source = render_spec_data(data)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name="_varlen_compile")
+    d, ratio = module.SPEC["head_dim"], module.SPEC["gqa_ratio"]
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    q = torch.randn(12, ratio, d).to(torch.bfloat16)
+    k = torch.randn(12, 1, d).to(torch.bfloat16)
+
+    def call(q, k, v, cu):
+        return module.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)
+
+    def call_with_max(q, k, v, cu):
+        return module.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7,
+                                max_seqlen_k=7)
+
+    torch._dynamo.reset()
+    with emulate.emulating():
+        with pytest.raises(Exception, match="max_seqlen_q must be given under torch.compile"):
+            torch.compile(call, fullgraph=True, backend="eager")(q, k, k, cu)
+        compiled = torch.compile(call_with_max, fullgraph=True, backend="eager")(q, k, k, cu)
+        eager = call(q, k, k, cu)
+    got = compiled[0] if isinstance(compiled, tuple) else compiled
+    want = eager[0] if isinstance(eager, tuple) else eager
+    assert torch.equal(got, want)

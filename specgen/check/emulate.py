@@ -26,6 +26,7 @@ import builtins
 import contextlib
 import itertools
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -587,7 +588,12 @@ def _invert(x):
 class _NoDevice(ast.NodeTransformer):
     """The emulated device is the CPU: ``x.is_cuda`` reads True and the device
     name "cuda" reads "cpu" (the launchers' device checks and defaults); custom
-    ops register under specgen_emulated::."""
+    ops register under specgen_emulated::, their names followed by ``op_suffix``
+    (load_module's: the module's name and compute capability)."""
+
+    def __init__(self, op_suffix: str = ""):
+        super().__init__()
+        self.op_suffix = op_suffix
 
     def visit_Attribute(self, node):
         self.generic_visit(node)
@@ -627,7 +633,10 @@ class _NoDevice(ast.NodeTransformer):
         if isinstance(node.value, str) and node.value.startswith("specgen::"):
             # Its custom ops in a namespace of their own: the module's real ops,
             # if loaded in this process, keep theirs.
-            renamed = "specgen_emulated::" + node.value[len("specgen::"):]
+            # The suffix keeps each load's ops its own: a module loaded again (another
+            # sm, or another name) registered nothing and traced, compiled or
+            # opchecked the first load's functions (its launch configs, its patches).
+            renamed = "specgen_emulated::" + node.value[len("specgen::"):] + self.op_suffix
             return ast.copy_location(ast.Constant(renamed), node)
         return node
 
@@ -657,7 +666,9 @@ def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
     its launch configs; ``source``: the module's text, where not the file's."""
     path = Path(path)
     text = path.read_text(encoding="utf-8") if source is None else source
-    tree = _NoDevice().visit(ast.parse(text, str(path)))
+    module_name = name or f"emulated_{path.stem}"
+    op_suffix = "_" + re.sub(r"\W", "_", module_name) + f"_sm{sm[0]}{sm[1]}"
+    tree = _NoDevice(op_suffix).visit(ast.parse(text, str(path)))
     ast.fix_missing_locations(tree)
     shim = _TileShim("cuda.tile")
     shim.__dict__.update(_OVERRIDES)
@@ -675,7 +686,7 @@ def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
             return torch_shim
         return real_import(name, globals, locals, fromlist, level)
 
-    module = types.ModuleType(name or f"emulated_{path.stem}")
+    module = types.ModuleType(module_name)
     module.__file__ = str(path.with_name(f"{path.stem}.emulated.py"))  # no AOT folder beside it
     module.__dict__["__builtins__"] = {**builtins.__dict__, "__import__": _import}
     module.__dict__["max"] = _builtin_max

@@ -304,3 +304,21 @@ def test_compiled_section_shows_what_qk_ahead_does_to_the_loop_schedule(tmp_path
     assert "      a step: " in text and " instructions: " in text
     mixes = [m for k in kernels[0] for m in k["loop_mix"]]
     assert mixes and all(m["mma"] > 0 and m["exp"] > 0 for m in mixes), mixes
+
+
+def test_a_field_that_becomes_a_section_is_one_change():
+    """A field null on one side and a dict on the other (window: null against
+    {left: 4095}) read as `window: null -> (absent)` and `window.left: (absent) ->
+    4095`, backwards; it is now one change holding the whole dict, and a section
+    only one side has is one line too. Sections on both sides still diff by key."""
+    from specgen.commands.diff import _changes
+
+    changes = _changes({"window": None, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64}},
+                        "autotune": {"sm_90": {"tile_m": [64]}}},
+                       {"window": {"left": 4095, "right": None},
+                        "targets": {"sm_90": {"tile_m": 128, "tile_n": 64}}})
+    assert [(c["field"], c["a"], c["b"]) for c in changes if "absent" not in c] == [
+        ("window", None, {"left": 4095, "right": None}), ("targets.sm_90.tile_m", 64, 128)]
+    (gone,) = [c for c in changes if "absent" in c]
+    assert gone["field"] == "autotune" and gone["absent"] == "b"
+    assert gone["a"] == {"sm_90": {"tile_m": [64]}}

@@ -161,15 +161,6 @@ def _header_path(source: str) -> Optional[str]:
 # --- sections ---------------------------------------------------------------------
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            out.update(_flatten(item, f"{prefix}.{key}" if prefix else str(key)))
-        return out
-    return {prefix: value}
-
-
 def _show(value: Any) -> str:
     return "(absent)" if value is _ABSENT else json.dumps(value)
 
@@ -177,14 +168,24 @@ def _show(value: Any) -> str:
 _ABSENT = object()
 
 
+def _leaf_pairs(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(field, a's value, b's value) for every field where a and b differ. Two dicts
+    are compared key by key (dotted names); where only one side holds a dict (a
+    field absent, null or a scalar on the other side), the field is one pair with
+    the whole dict, so `window: null -> {"left": 4095, ...}` reads as one change."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        pairs = []
+        for key in list(a) + [k for k in b if k not in a]:
+            name = f"{prefix}.{key}" if prefix else str(key)
+            pairs += _leaf_pairs(a.get(key, _ABSENT), b.get(key, _ABSENT), name)
+        return pairs
+    return [] if a is not _ABSENT and b is not _ABSENT and a == b else [(prefix, a, b)]
+
+
 def _changes(a: dict, b: dict) -> list[dict]:
-    fa, fb = _flatten(a), _flatten(b)
-    keys = list(fa) + [k for k in fb if k not in fa]
     changes = []
-    for k in keys:
-        change = {"field": k, "a": fa.get(k, _ABSENT), "b": fb.get(k, _ABSENT)}
-        if change["a"] == change["b"]:
-            continue
+    for field, value_a, value_b in _leaf_pairs(a, b):
+        change = {"field": field, "a": value_a, "b": value_b}
         # --json writes an absent side as null, as it writes a field set to null:
         # "absent" names the side that lacks the field.
         absent = [side for side in ("a", "b") if change[side] is _ABSENT]

@@ -435,9 +435,11 @@ def test_concurrent_builds_neither_corrupt_modules_nor_the_cubin_cache(project, 
     assert any(p.name.endswith(f"-{plans[1].combine_name}.cubin") for p in cubins), cubins
     leftovers = [p for p in list(cache.rglob(".*")) + list((project / "generated").glob(".*")) if p.is_file()]
     assert leftovers == [], leftovers
-    # Every process reported each (spec, target), compiled or (another wrote it) cached.
+    # Every process reported each (spec, target), compiled or (another wrote it) cached,
+    # on its "[i/n]" line (a slow machine adds "still compiling" lines that name them too).
     for _, stderr in results:
-        assert stderr.count(" sm_90 ") == 2, stderr
+        done = [line for line in stderr.splitlines() if line.startswith("[") and " sm_90 " in line]
+        assert len(done) == 2, stderr
 
 
 def test_a_build_names_an_aot_path_or_cache_it_cannot_write_before_writing_anything(tmp_path, monkeypatch):

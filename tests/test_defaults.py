@@ -79,9 +79,12 @@ def test_extras_fall_back_to_the_plain_entry_and_unknown_classes_to_portable():
     soft = validate_spec({**QWEN2, "softcap": 30.0})
     plain = validate_spec(QWEN2)
     assert soft.targets["sm_90"] == plain.targets["sm_90"]
-    # No table entry for float8 with D64: only the portable default.
+    # float8 at D64 has its own entry (measured beside the portable default).
     fp8_d64 = validate_spec({**QWEN2, "dtype": "float8_e4m3fn", "head_dim": 64})
-    assert set(fp8_d64.targets) == {"default"}
+    assert (fp8_d64.targets["sm_90"].tile_m, fp8_d64.targets["sm_90"].tile_n) == (64, 128)
+    # No table entry for a D64 decode: only the portable default.
+    decode_d64 = validate_spec({"name": "dec", "family": "decode", "head_dim": 64, "gqa_ratio": 8})
+    assert set(decode_d64.targets) == {"default"}
 
 
 @pytest.mark.parametrize("gqa, q_len, rows", [(8, 1, 16), (1, 4, 16), (4, 4, 16), (16, 2, 32), (64, 2, 128)])

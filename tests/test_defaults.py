@@ -6,6 +6,8 @@ from specgen.errors import SpecError
 from specgen.spec import defaults
 from specgen.spec import TargetConfig, decode_rows, spec_to_dict, validate_spec
 
+from .helpers import ROOT
+
 QWEN2 = {"name": "qwen2", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 7, "causal": True}
 KEY_FIELDS = {"family", "target", "dtype", "head_dim", "masked", "extras"}
 SOURCE_FIELDS = {"how", "spec", "device", "date", "shapes", "log"}
@@ -82,9 +84,12 @@ def test_extras_fall_back_to_the_plain_entry_and_unknown_classes_to_portable():
     # float8 at D64 has its own entry (measured beside the portable default).
     fp8_d64 = validate_spec({**QWEN2, "dtype": "float8_e4m3fn", "head_dim": 64})
     assert (fp8_d64.targets["sm_90"].tile_m, fp8_d64.targets["sm_90"].tile_n) == (64, 128)
-    # No table entry for a D64 decode: only the portable default.
+    # A decode at D64 has its own (256 keys a tile); a target the table does not know
+    # (every row is sm_90's) runs the portable default.
     decode_d64 = validate_spec({"name": "dec", "family": "decode", "head_dim": 64, "gqa_ratio": 8})
-    assert set(decode_d64.targets) == {"default"}
+    assert decode_d64.targets["sm_90"].tile_n == 256
+    assert set(decode_d64.targets) == {"default", "sm_90"}
+    assert (decode_d64.targets["default"].tile_n, decode_d64.targets["default"].occupancy) == (64, 2)
 
 
 @pytest.mark.parametrize("gqa, q_len, rows", [(8, 1, 16), (1, 4, 16), (4, 4, 16), (16, 2, 32), (64, 2, 128)])
@@ -123,3 +128,54 @@ def test_the_module_names_the_run_behind_each_measured_default():
     mine = {"sm_90": {"tile_m": 64, "tile_n": 64, "occupancy": 2}}
     text = render(make_plan(validate_spec({**QWEN2, "targets": mine})), "specs/qwen2.yaml").text
     assert "measured defaults" not in text
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_decode_rows_of_other_head_dims_match_the_reference_emulated(kv_dtype, head_dim):
+    """A decode at D64 (key tiles of 256) or D256 written without targets, its sm_90
+    config from the table, run in the emulator against fp64: lengths that end inside
+    a key tile, one shorter than a tile, several splits."""
+    import torch
+
+    from specgen.check import emulate
+    from specgen.check.runner import Case, run_case
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+
+    data = {"name": f"dec_rows_d{head_dim}_{kv_dtype or 'bf16'}", "family": "decode",
+            "dtype": "bfloat16", "head_dim": head_dim, "gqa_ratio": 8}
+    if kv_dtype:
+        data.update(kv_dtype=kv_dtype, v_cache_transposed=True)
+    spec = validate_spec(data)
+    assert spec.targets["sm_90"].tile_n == (256 if head_dim == 64 else 64)
+    plan = make_plan(spec)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py",
+                                 source=render(plan, "test").text, name=f"_dec_rows_{head_dim}_{kv_dtype}")
+    with emulate.emulating():
+        row = run_case(torch, module, Case(2, 1, 1, 0, decode_lens=(300, 1100)),
+                       torch.Generator().manual_seed(0), device="cpu")
+    assert row["ok"], row
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_float8_prefill_rows_match_the_reference_emulated(head_dim):
+    """A float8 prefill at D64 or D256 written without targets gets its 64x128 row on
+    sm_90; emulated against fp64 at lengths that end inside a tile."""
+    import torch
+
+    from specgen.check import emulate
+    from specgen.check.runner import Case, run_case
+    from specgen.emit.render import render
+    from specgen.plan.make import make_plan
+
+    spec = validate_spec({"name": f"fp8_rows_d{head_dim}", "dtype": "float8_e4m3fn",
+                          "head_dim": head_dim, "gqa_ratio": 2, "causal": True})
+    assert (spec.targets["sm_90"].tile_m, spec.targets["sm_90"].tile_n) == (64, 128)
+    plan = make_plan(spec)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py",
+                                 source=render(plan, "test").text, name=f"_fp8_rows_{head_dim}")
+    with emulate.emulating():
+        row = run_case(torch, module, Case(1, 1, 70, 150, 80), torch.Generator().manual_seed(0),
+                       device="cpu")
+    assert row["ok"], row

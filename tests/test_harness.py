@@ -157,3 +157,22 @@ def test_non_finite_gradients_fail_and_say_so():
     assert rule["grad_ratio"] != rule["grad_ratio"]  # NaN
     row = {"ok": False, "rel_err": 1e-3, **rule}
     assert case_verdict(row).endswith("(non-finite gradients)")
+
+
+def test_a_non_finite_input_dtype_reference_gives_no_allowance_there():
+    """sqrt(abs(log(score + 1.0))): in float16 score + 1 is 1 for a score below its half
+    ulp, and the input-dtype reference's slope there is inf * 0 = NaN where the fp64
+    one and the kernel are finite. The allowance comes from the other elements; the
+    ratio was NaN (a failed check of a correct kernel)."""
+    import torch
+
+    from specgen.check.runner import _fa_rule
+
+    got = [torch.tensor([0.01, 0.02])]
+    exact = [torch.tensor([0.0, 0.0], dtype=torch.float64)]
+    rough = [torch.tensor([0.1, float("nan")], dtype=torch.float64)]
+    rule = _fa_rule(torch, got, exact, rough)
+    assert rule["grad_ok"] and rule["grad_ratio"] == pytest.approx(0.02 / (0.2 + 1e-5), rel=1e-6)
+    # a NaN in the fp64 reference still fails
+    rule = _fa_rule(torch, got, [torch.tensor([0.0, float("nan")], dtype=torch.float64)], rough)
+    assert not rule["grad_ok"]

@@ -183,6 +183,11 @@ HOOK_GRADS = [
     "sqrt(abs(where(q_idx > kv_idx, 0.0 * q_idx, score))) + where(kv_idx > 5, score, 2.0 * score)",
     # one choice with a constant branch: refused before ("the derivative is not finite")
     "sqrt(abs(where(q_idx > kv_idx, 0.0, score))) + 0.5 * score",
+    # five sets of conditions, more than derive pulls to the top: the outer slope at
+    # the all-false pairs (1/sqrt(0)) times the choices' zero slope was NaN
+    "sqrt(abs(where(q_idx > kv_idx + 3, score, 0.0) + where(kv_idx % 3 == 0, 0.5 * score, 0.0)"
+    " + where(q_idx % 4 == 1, 0.2 * score, 0.0) + where(kv_idx > 12, 0.3 * score, 0.0)"
+    " + where(q_idx < 5, 0.1 * score, 0.0)))",
 ]
 
 
@@ -380,3 +385,26 @@ def test_gpu_prescaled_q_models_the_kernels_rounding(label, fields):
 def test_gpu_prescaled_q_gradients_pass_the_rule(label, fields):
     module, row = _prescaled_row(label, fields, "cuda")
     assert row["ok"] and row["grad_ok"], row
+
+
+@pytest.mark.parametrize("family", ["prefill", "decode"])
+def test_a_block_map_gathers_a_pair_subscript_before_the_subscript_it_indexes(family):
+    """relb[bucket[q_idx + kv_idx]]: bucket's subscript reads rows and keys (a pair
+    gather); relb's reads only bucket's local, so the map kernel took it for a keys
+    gather and printed it before bucket's (UnboundLocalError: bucket_0)."""
+    from specgen.check.runner import Case, run_case
+
+    data = {"name": f"hooksem_pair_index_{family}", "dtype": "float16", "head_dim": 16,
+            "gqa_ratio": 1, "mask_mod": "relb[bucket[q_idx + kv_idx]] > 0.3", "block_sparse": True,
+            "tensors": {"relb": {"dtype": "float32", "shape": [10]},
+                        "bucket": {"dtype": "int32", "shape": ["seq_k"]}},
+            "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
+    if family == "decode":
+        data["family"] = "decode"
+        case = Case(1, 1, 1, 0, decode_lens=(34,))
+    else:
+        case = Case(1, 1, 20, 37)
+    module = _emulated_module(f"pair_index_{family}", data)
+    with emulate.emulating():
+        row = run_case(torch, module, case, torch.Generator().manual_seed(0), device="cpu")
+    assert row["ok"], row

@@ -452,8 +452,15 @@ class Plan:
         """The mask_mod's operands as the map kernel loads them: once per CTA
         ("head"), by the query rows ("rows"), by the keys alone ("keys"), or by
         both ("pair": after both are known, in the loop either way round)."""
-        pair = [g for g in self.mask_mod.gathers
-                if g.where == "keys" and any(re.search(r"\brows\b", i) for i in g.indices)]
+        # A gather is a pair's where its indices read the rows, or the local of a pair
+        # gather (relb[bucket[q_idx, kv_idx]]: relb's index is bucket's local, which
+        # is known only once both are). Inner subscripts come first in the list.
+        pair, pair_names = [], ["rows"]
+        for g in self.mask_mod.gathers:
+            if g.where == "keys" and any(re.search(r"\b(" + "|".join(pair_names) + r")\b", i)
+                                         for i in g.indices):
+                pair.append(g)
+                pair_names.append(re.escape(g.local))
         if where == "pair":
             return tuple(pair)
         return tuple(g for g in self.mask_mod.gathers if g.where == where and g not in pair)

@@ -273,9 +273,48 @@ def _fold(derivative):
     sqrt(max(score, 0))'s chain rule below 0. sympy folds several choices into every
     combination of their branches (2**n, and slowly), so those stay as they are."""
     choices = {tuple(cond for _, cond in p.args) for p in derivative.atoms(sp.Piecewise)}
-    if len(choices) != 1:
+    if not choices:
         return derivative
+    if len(choices) != 1:
+        return _distribute(derivative)
     return sp.piecewise_fold(derivative)
+
+
+def _distribute(e):
+    """``e`` with each product pushed into the choices it multiplies, one choice at a
+    time: ``a * (where(c1, k1, 0) + where(c2, k2, 0))`` becomes ``where(c1, a * k1, 0)
+    + where(c2, a * k2, 0)``, as autograd routes a slope through a choice (the branch
+    not taken gets 0, whatever the slope outside). For derivatives with more choices
+    than _branch_first folds: the outer slope at a branch not taken (1/sqrt(0)) times
+    that branch's 0 was NaN in the kernel. Linear in the number of choices (a term
+    that multiplies several choices, or several sums of them, together is left as
+    it is: multiplied out, a product of sums grew the text 80-fold)."""
+    if not e.has(sp.Piecewise):
+        return e
+    if isinstance(e, sp.Add):
+        return sp.Add(*[_distribute(a) for a in e.args])
+    if isinstance(e, sp.Piecewise):
+        return sp.Piecewise(*[(_distribute(v), c) for v, c in e.args])
+    if not isinstance(e, sp.Mul):
+        return e
+    factors = list(e.args)
+
+    def sum_of_choices(f):
+        return isinstance(f, sp.Add) and any(isinstance(t, sp.Piecewise) or (
+            isinstance(t, sp.Mul) and any(isinstance(u, sp.Piecewise) for u in t.args))
+            for t in f.args)
+
+    sums = [f for f in factors if sum_of_choices(f)]
+    if len(sums) > 1:
+        return e  # a product of such sums would multiply out into every pair of terms
+    if sums:
+        rest = [f for f in factors if f is not sums[0]]
+        return sp.Add(*[_distribute(sp.Mul(*rest, t)) for t in sums[0].args])
+    choices = [f for f in factors if isinstance(f, sp.Piecewise)]
+    if len(choices) != 1:
+        return e
+    rest = sp.Mul(*[f for f in factors if f is not choices[0]])
+    return sp.Piecewise(*[(_distribute(rest * v), c) for v, c in choices[0].args])
 
 
 @contextlib.contextmanager

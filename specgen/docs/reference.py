@@ -131,7 +131,11 @@ DESCRIPTIONS: dict[str, str] = {
     "in registers, instead of scaling every S tile. Needs a 16-bit `dtype`. The scaled Q "
     "is rounded to the dtype, so each score carries a relative error of about 2^-9 "
     "(bf16): negligible at the default scale 1/sqrt(head_dim), but at scales near 1 and "
-    "above the scores (and gradients) lose accuracy; leave it off for such scales. With a "
+    "above the scores (and gradients) lose accuracy; leave it off for such scales. A "
+    "`score_mod` that branches on the score's value (`where(score > 0.25, ...)`) can take "
+    "the other branch for a score that lies within that error of the threshold, and a "
+    "steep one (`sqrt(score)`) magnifies the error; `specgen test`'s gradient rule counts "
+    "this rounding as part of the kernel's math. With a "
     "`softcap` Q is multiplied by scale / softcap, which float16 holds only for a softcap "
     "up to 1000 (a larger one is refused; bfloat16 has the range).",
     "q_subtiles": "`2` splits each CTA's `tile_m` query rows into two halves with their own "

@@ -1384,6 +1384,23 @@ def test_each_emulated_load_traces_its_own_op():
     assert launches == eager
 
 
+def test_no_two_emulated_loads_share_an_op():
+    """The op suffix was the module's name with \\W replaced and the sm: names that
+    differ only in punctuation shared one op, so did one name loaded again with other
+    text (a mutated kernel ran the first text's op), and a non-ASCII name failed in
+    torch's schema parser (UnicodeDecodeError)."""
+    path = ROOT / "generated" / "fmha_train_gqa_causal.py"
+    text = path.read_text(encoding="utf-8")
+    dashed = emulate.load_module(path, name="_test_op_x-y")
+    underscored = emulate.load_module(path, name="_test_op_x_y")
+    assert dashed.OP_NAME != underscored.OP_NAME and dashed._OP is not underscored._OP
+    first = emulate.load_module(path, name="_test_op_again")
+    mutated = emulate.load_module(path, name="_test_op_again", source=text + "\nMUTATED = True\n")
+    assert first.OP_NAME != mutated.OP_NAME and first._OP is not mutated._OP
+    accented = emulate.load_module(path, name="_test_op_mod\u00e9")
+    assert accented.OP_NAME.isascii() and accented._OP is not None
+
+
 def test_a_second_derivative_through_the_eager_backward_is_refused_not_dropped():
     """create_graph=True on the eager path gave first-order gradients with no graph: a
     loss on dq (a gradient penalty) was silently a constant (dv 96% off the true second

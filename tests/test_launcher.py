@@ -237,7 +237,23 @@ def test_varlen_under_compile_without_max_seqlen_names_the_argument():
         with pytest.raises(Exception, match="max_seqlen_q must be given under torch.compile"):
             torch.compile(call, fullgraph=True, backend="eager")(q, k, k, cu)
         compiled = torch.compile(call_with_max, fullgraph=True, backend="eager")(q, k, k, cu)
+        # Without fullgraph the refusal is a graph break: the call runs (docs/features.md).
+        broken = torch.compile(call, backend="eager")(q, k, k, cu)
         eager = call(q, k, k, cu)
-    got = compiled[0] if isinstance(compiled, tuple) else compiled
     want = eager[0] if isinstance(eager, tuple) else eager
-    assert torch.equal(got, want)
+    for result in (compiled, broken):
+        assert torch.equal(result[0] if isinstance(result, tuple) else result, want)
+
+
+def test_a_module_without_an_op_refuses_a_symbolic_position():
+    """Only a training module's custom op carries a tracer's SymInt into a graph; a
+    forward-only module would hand it to the kernel launch (a TypeError deep in the
+    launch), so it refuses it as it refuses any other non-int."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    module = generated_module("fmha_gqa_causal")
+    q = torch.randn(1, 4, 33, 128).half()
+    k = torch.randn(1, 1, 40, 128).half()
+    with pytest.raises(ValueError, match="q_offset must be an int"):
+        make_fx(lambda q, k, v, off: module.attention(q, k, v, q_offset=off),
+                tracing_mode="symbolic")(q, k, k, 7)

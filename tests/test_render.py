@@ -385,3 +385,28 @@ def test_a_hook_renders_the_same_however_it_is_spaced():
     texts = {render_spec_data({**base, "mask_mod": m})[1] for m in spellings}
     assert len(texts) == 1
     assert "doc[b, q_idx] == doc[b, kv_idx]" in texts.pop()
+
+
+def test_the_empty_row_comment_names_what_empties_a_row():
+    """The guard of l = 0 names why a row can see no key. A non-causal varlen spec
+    (a sequence without keys is its only cause) rendered "A row with no visible key ()"."""
+    base = {"name": "render_empty_rows", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 1,
+            "targets": {"default": {"tile_m": 64, "tile_n": 64}}}
+    for fields, causes in (({"causal": False, "varlen": True}, "a sequence without keys"),
+                           ({"causal": True, "varlen": True},
+                            "causal, before the first key; or a sequence without keys"),
+                           ({"causal": True}, "causal, before the first key")):
+        text = render(make_plan(validate_spec({**base, **fields})), "specs/x.yaml").text
+        assert f"# A row with no visible key ({causes})\n" in text, fields
+
+
+def test_a_single_token_decode_docstring_claims_every_key_only_without_a_mask():
+    """q's docstring said the new token "sees every key j < seq_len" for a decode spec
+    whose mask_mod (or window) hides some of them."""
+    base = {"name": "render_decode_keys", "family": "decode", "dtype": "bfloat16", "head_dim": 64,
+            "gqa_ratio": 4}
+    for fields, sees in (({}, "every key j < seq_len"),
+                         ({"mask_mod": "q_idx // 64 == kv_idx // 64"}, "the keys j < seq_len that the mask_mod allows"),
+                         ({"window": {"left": 127}}, "the keys j < seq_len inside its window")):
+        text = render(make_plan(validate_spec({**base, **fields})), "specs/x.yaml").text
+        assert f"each sequence (it sees {sees})." in text, fields

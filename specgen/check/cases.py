@@ -216,7 +216,7 @@ def prescaled_q(spec: dict, q, scale=None):
     f32 = float(torch.tensor(scale, dtype=torch.float32))
     if spec.get("softcap") is not None:
         pre = f32 / float(torch.tensor(spec["softcap"], dtype=torch.float32))
-    elif (spec.get("fast_math") or {}).get("exp2") and not spec.get("score_mod"):
+    elif (spec.get("fast_math") or {}).get("exp2", True) and not spec.get("score_mod"):
         pre = f32 * float(torch.tensor(1.0 / math.log(2.0), dtype=torch.float32))
     else:
         pre = f32

@@ -589,7 +589,7 @@ class _NoDevice(ast.NodeTransformer):
     """The emulated device is the CPU: ``x.is_cuda`` reads True and the device
     name "cuda" reads "cpu" (the launchers' device checks and defaults); custom
     ops register under specgen_emulated::, their names followed by ``op_suffix``
-    (load_module's: the module's name and compute capability)."""
+    (load_module's: the module's name, its compute capability and the load's number)."""
 
     def __init__(self, op_suffix: str = ""):
         super().__init__()
@@ -634,8 +634,8 @@ class _NoDevice(ast.NodeTransformer):
             # Its custom ops in a namespace of their own: the module's real ops,
             # if loaded in this process, keep theirs.
             # The suffix keeps each load's ops its own: a module loaded again (another
-            # sm, or another name) registered nothing and traced, compiled or
-            # opchecked the first load's functions (its launch configs, its patches).
+            # sm, another name, or other text) registered nothing and traced, compiled
+            # or opchecked the first load's functions (its launch configs, its patches).
             renamed = "specgen_emulated::" + node.value[len("specgen::"):] + self.op_suffix
             return ast.copy_location(ast.Constant(renamed), node)
         return node
@@ -659,6 +659,9 @@ def emulating():
                 setattr(torch.Tensor, name, method)
 
 
+_LOADS = itertools.count()  # load_module's calls, numbered for their ops' names
+
+
 def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
                 source: str | None = None) -> types.ModuleType:
     """Import a generated module with its kernels emulated (call them inside
@@ -667,7 +670,11 @@ def load_module(path, sm: tuple[int, int] = (9, 0), name: str | None = None,
     path = Path(path)
     text = path.read_text(encoding="utf-8") if source is None else source
     module_name = name or f"emulated_{path.stem}"
-    op_suffix = "_" + re.sub(r"\W", "_", module_name) + f"_sm{sm[0]}{sm[1]}"
+    # The op names take the module's name in ASCII (torch's schema parser reads no
+    # other text: "modé" failed with a UnicodeDecodeError) and the load's number, so
+    # two loads never share an op: not names that differ only in punctuation ("x-y",
+    # "x_y"), nor one name loaded again with other text (a mutated kernel).
+    op_suffix = "_" + re.sub(r"[^0-9A-Za-z_]", "_", module_name) + f"_sm{sm[0]}{sm[1]}_{next(_LOADS)}"
     tree = _NoDevice(op_suffix).visit(ast.parse(text, str(path)))
     ast.fix_missing_locations(tree)
     shim = _TileShim("cuda.tile")

@@ -290,6 +290,13 @@ class Plan:
         return self.map_kernel_name.replace("fmha_decode_map", "fmha_decode_map_list", 1)
 
     @property
+    def int_types(self) -> str:
+        """What an int argument's check accepts: a tracer's SymInt too in a training
+        module, whose custom op takes it into a traced graph; a module without one
+        would hand the SymInt to a kernel launch, so it takes Python ints only."""
+        return "(int, torch.SymInt)" if self.backward else "int"
+
+    @property
     def bwd_prescale(self) -> str | None:
         """What the forward multiplies Q by before rounding it (prescale_q), as the
         kernels write it from qk_scale; None without prescale_q. The backward takes
@@ -443,6 +450,35 @@ class Plan:
         return (self.window_left is not None or self.window_right is not None
                 or self.mask_mod is not None or self.varlen or self.causal
                 or self.score_mod is not None)
+
+    @property
+    def key_limits(self) -> str:
+        """What narrows the keys a query sees below the causal bound, for the
+        launcher's docstring: "" (every key up to its position), else the window's
+        and the mask_mod's clauses."""
+        limits = []
+        if self.window_left is not None or self.window_right is not None:
+            limits.append("inside its window")
+        if self.mask_mod is not None:
+            limits.append("that the mask_mod allows")
+        return (" " + " and ".join(limits)) if limits else ""
+
+    @property
+    def empty_row_causes(self) -> tuple[str, ...]:
+        """What can leave a row with no visible key (rows_may_be_empty), as the
+        comment on the guard of its division names it."""
+        causes = []
+        if self.window_left is not None or self.window_right is not None:
+            causes.append("outside its window")
+        elif self.causal:
+            causes.append("causal, before the first key")
+        if self.varlen:
+            causes.append("a sequence without keys")
+        if self.mask_mod is not None:
+            causes.append("masked out")
+        if self.score_mod is not None:
+            causes.append("every score -inf")
+        return tuple(causes)
 
     @property
     def hooks(self) -> tuple[Hook, ...]:

@@ -82,14 +82,10 @@ def run_file(f: Path, torch, do_bench, deadline: float, tmp: Path) -> dict:
     from specgen.bench.flops import forward_flops, mask_mod_flops
     from specgen.check.cases import (TOLERANCES, call_kernel, compare, feature_inputs, poisoned_out,
                                      random_qkv, shape_dims, smoke_case)
-    from specgen.check.gpu import import_module_file
+    from specgen.commands.explore import import_variants
 
     config, plans, sources = load(f)
-    modules = {}
-    for i, (label, source) in enumerate(sources.items()):
-        file = tmp / f"{f.stem}_{i}.py"
-        file.write_text(source, encoding="utf-8")
-        modules[label] = import_module_file(file)
+    modules = import_variants(sources, tmp, f.stem)
     first = next(iter(plans.values()))
     spec = first.spec_dict
     gen = torch.Generator(device="cuda").manual_seed(0)

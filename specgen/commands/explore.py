@@ -218,6 +218,18 @@ def format_markdown(result: VariantsResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def import_variants(sources: dict[str, str], folder: Path, stem: str = "variant") -> dict:
+    """Each variant's rendered source written to ``folder`` and imported: {label: module}."""
+    from specgen.check.gpu import import_module_file
+
+    modules = {}
+    for i, (label, source) in enumerate(sources.items()):
+        file = folder / f"{stem}_{i}.py"
+        file.write_text(source, encoding="utf-8")
+        modules[label] = import_module_file(file)
+    return modules
+
+
 def run_variants(
     path: Path,
     out_dir: Path,
@@ -228,7 +240,7 @@ def run_variants(
     from specgen.bench.core import graph_time_ms, median_ms, tflops, write_report
     from specgen.bench.flops import attention_flops
     from specgen.check.cases import TOLERANCES, call_kernel, compare, poisoned_out, random_qkv, smoke_case
-    from specgen.check.gpu import device_info, device_slug, import_module_file, require_cuda, require_do_bench
+    from specgen.check.gpu import device_info, device_slug, require_cuda, require_do_bench
 
     late = [n for n in baselines if REGISTRY[n].late]
     if late:
@@ -245,12 +257,7 @@ def run_variants(
 
     device = device_info()
     log(f"device: {device['name']} ({device['sm']}); {len(plans)} variants of {config.spec}")
-    tmp = Path(tempfile.mkdtemp(prefix="specgen-variants-"))
-    modules = {}
-    for i, (label, source) in enumerate(sources.items()):
-        file = tmp / f"variant_{i}.py"
-        file.write_text(source, encoding="utf-8")
-        modules[label] = import_module_file(file)
+    modules = import_variants(sources, Path(tempfile.mkdtemp(prefix="specgen-variants-")))
 
     first = next(iter(plans.values()))
     cudnn = REGISTRY["cudnn"].make(torch, "prefill", first)

@@ -290,6 +290,11 @@ class Plan:
         return self.map_kernel_name.replace("fmha_decode_map", "fmha_decode_map_list", 1)
 
     @property
+    def hq_of_hkv(self) -> str:
+        """Hq in terms of Hkv, as the docstrings state it: "8 * Hkv", or "Hkv"."""
+        return f"{self.group_size} * Hkv" if self.group_size > 1 else "Hkv"
+
+    @property
     def int_types(self) -> str:
         """What an int argument's check accepts: a tracer's SymInt too in a training
         module, whose custom op takes it into a traced graph; a module without one

@@ -6,7 +6,7 @@ from specgen.errors import SpecError
 from specgen.spec import defaults
 from specgen.spec import TargetConfig, decode_rows, spec_to_dict, validate_spec
 
-from .helpers import ROOT
+from .helpers import ROOT, render_spec_data
 
 QWEN2 = {"name": "qwen2", "dtype": "bfloat16", "head_dim": 128, "gqa_ratio": 7, "causal": True}
 KEY_FIELDS = {"family", "target", "dtype", "head_dim", "masked", "extras"}
@@ -140,18 +140,15 @@ def test_decode_rows_of_other_head_dims_match_the_reference_emulated(kv_dtype, h
 
     from specgen.check import emulate
     from specgen.check.runner import Case, run_case
-    from specgen.emit.render import render
-    from specgen.plan.make import make_plan
 
     data = {"name": f"dec_rows_d{head_dim}_{kv_dtype or 'bf16'}", "family": "decode",
             "dtype": "bfloat16", "head_dim": head_dim, "gqa_ratio": 8}
     if kv_dtype:
         data.update(kv_dtype=kv_dtype, v_cache_transposed=True)
-    spec = validate_spec(data)
-    assert spec.targets["sm_90"].tile_n == (256 if head_dim == 64 else 64)
-    plan = make_plan(spec)
-    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py",
-                                 source=render(plan, "test").text, name=f"_dec_rows_{head_dim}_{kv_dtype}")
+    plan, source = render_spec_data(data)
+    assert plan.spec.targets["sm_90"].tile_n == (256 if head_dim == 64 else 64)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name=f"_dec_rows_{head_dim}_{kv_dtype}")
     with emulate.emulating():
         row = run_case(torch, module, Case(2, 1, 1, 0, decode_lens=(300, 1100)),
                        torch.Generator().manual_seed(0), device="cpu")
@@ -166,15 +163,12 @@ def test_float8_prefill_rows_match_the_reference_emulated(head_dim):
 
     from specgen.check import emulate
     from specgen.check.runner import Case, run_case
-    from specgen.emit.render import render
-    from specgen.plan.make import make_plan
 
-    spec = validate_spec({"name": f"fp8_rows_d{head_dim}", "dtype": "float8_e4m3fn",
-                          "head_dim": head_dim, "gqa_ratio": 2, "causal": True})
-    assert (spec.targets["sm_90"].tile_m, spec.targets["sm_90"].tile_n) == (64, 128)
-    plan = make_plan(spec)
-    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py",
-                                 source=render(plan, "test").text, name=f"_fp8_rows_{head_dim}")
+    plan, source = render_spec_data({"name": f"fp8_rows_d{head_dim}", "dtype": "float8_e4m3fn",
+                                     "head_dim": head_dim, "gqa_ratio": 2, "causal": True})
+    assert (plan.spec.targets["sm_90"].tile_m, plan.spec.targets["sm_90"].tile_n) == (64, 128)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name=f"_fp8_rows_{head_dim}")
     with emulate.emulating():
         row = run_case(torch, module, Case(1, 1, 70, 150, 80), torch.Generator().manual_seed(0),
                        device="cpu")

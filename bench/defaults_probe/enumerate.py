@@ -38,10 +38,7 @@ EXTRAS = {
 
 def matched(key: dict, target: str):
     """(try index, entry) as defaults.lookup walks its tries; (None, None) if none."""
-    tries = [dict(key), {**key, "extras": False}, {**key, "extras": False, "masked": not key["masked"]}]
-    if key.get("split"):
-        tries += [{k: v for k, v in w.items() if k != "split"} for w in tries]
-    for i, want in enumerate(tries):
+    for i, want in enumerate(D.lookup_tries(key)):
         for j, entry in enumerate(D.table()):
             if entry["key"] == {**want, "target": target}:
                 return i, j, entry

@@ -313,6 +313,16 @@ class Plan:
         return "qk_scale / SOFTCAP" if self.softcap is not None else self.scale_expr
 
     @property
+    def prescale_bound(self) -> str:
+        """What a prescale_q caller's q must keep inside the dtype's range: q times
+        the factor bwd_prescale names (the kernels round Q * that factor)."""
+        if self.softcap is not None:
+            return f"q * scale / {self.softcap}"
+        if self.scale_expr == "qk_scale * INV_LN2":
+            return "q * scale / ln 2 (q * scale * 1.4427)"
+        return "q * scale"
+
+    @property
     def bwd_prescale_host(self) -> str | None:
         """bwd_prescale as the backward's launcher computes it from ``scale`` on the
         host: in float32 arithmetic, through the module's ``_float32``; None without

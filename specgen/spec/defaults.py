@@ -73,8 +73,8 @@ def key_of(data: dict[str, Any]) -> dict[str, Any]:
     return key
 
 
-def lookup(key: dict[str, Any], target: str) -> dict | None:
-    """The best entry for ``key`` on ``target`` (see the module docstring), or None."""
+def lookup_tries(key: dict[str, Any]) -> list[dict[str, Any]]:
+    """The keys lookup tries for ``key``, in order (see the module docstring)."""
     tries = [
         dict(key),
         {**key, "extras": False},
@@ -82,7 +82,12 @@ def lookup(key: dict[str, Any], target: str) -> dict | None:
     ]
     if key.get("split"):  # then the padded bucket's entries
         tries += [{k: v for k, v in want.items() if k != "split"} for want in tries]
-    for want in tries:
+    return tries
+
+
+def lookup(key: dict[str, Any], target: str) -> dict | None:
+    """The best entry for ``key`` on ``target`` (see the module docstring), or None."""
+    for want in lookup_tries(key):
         for entry in table():
             if entry["key"] == {**want, "target": target}:
                 return entry

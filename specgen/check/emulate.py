@@ -548,13 +548,17 @@ def _device(*args, **kwargs) -> torch.device:
 
 
 class _FakeC(types.ModuleType):
-    """torch._C, with the raw current stream of the one emulated device."""
+    """torch._C, with the raw current stream and the index of the one emulated device."""
 
     def __init__(self):
         super().__init__("torch._C")
 
     @staticmethod
     def _cuda_getCurrentRawStream(index):
+        return 0
+
+    @staticmethod
+    def _cuda_getDevice():
         return 0
 
     def __getattr__(self, name):

@@ -117,8 +117,8 @@ def case_matrix(quick: bool = False, spec: dict | None = None) -> list[Case]:
 
 
 def _synchronize(torch, device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
 
 
 def run_packed_case(torch, module, case: Case, generator, device: str = "cuda") -> dict:

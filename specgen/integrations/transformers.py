@@ -368,7 +368,9 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                 # it off the same way).
                 key, value = key[:, :, :q_len], value[:, :, :q_len]
         if needs_grad(query, key, value, extra.get("sinks")):
-            # Autograd owns the kernel's output: transformers' layout is a copy of it.
+            # Autograd owns the kernel's output. A generated module lays it out in
+            # query's order of axes (transformers' [B, Sq, Hq, Dv] here), so this
+            # .contiguous() is a view, not a copy.
             out = kernel(query, key, value, scale=scale, q_offset=q_offset, **extra)
             if return_lse:  # (out, lse): the layer has no use for the LSE
                 out = out[0]

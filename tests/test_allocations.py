@@ -1,0 +1,157 @@
+"""The memory a call allocates around its kernels (emulated on the CPU): a prefill
+output lies in memory in q's order of axes, so a caller with transformers' layout
+([B, Sq, Hq, D] seen transposed) reads it back as [B, Sq, Hq * D] without a copy;
+the training op's fake output has the real one's strides; and the launchers copy no
+input of the layouts users pass (transposed, fused QKV, cache slices)."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specgen.check import emulate
+from specgen.check.cases import compare, reference_for
+
+from .helpers import ROOT
+
+B, HKV, S = 1, 2, 40
+
+
+def _module(name):
+    return emulate.load_module(ROOT / "generated" / f"{name}.py", name=f"_layout_{name}")
+
+
+def _qkv(module, layout, requires_grad=False):
+    """q, k, v of ``module``'s spec in ``layout``, N(0, 1)."""
+    spec = module.SPEC
+    dtype, d, hq = getattr(torch, spec["dtype"]), spec["head_dim"], HKV * spec["gqa_ratio"]
+    dv = spec.get("v_head_dim") or d
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=g).to(dtype).requires_grad_(requires_grad)
+
+    if layout == "contiguous":
+        return rand(B, hq, S, d), rand(B, HKV, S, d), rand(B, HKV, S, dv)
+    if layout == "transposed":  # [B, S, H, D] projections seen as [B, H, S, D]
+        return tuple(rand(B, S, h, w).transpose(1, 2) for h, w in ((hq, d), (HKV, d), (HKV, dv)))
+    # fused: one [B, S, Hq + 2 Hkv, D] projection split into q, k and v (MLA: q and
+    # k, v on its own)
+    fused = [hq, HKV, HKV] if dv == d else [hq, HKV]
+    parts = rand(B, S, sum(fused), d).split(fused, dim=2)
+    if dv != d:
+        parts += (rand(B, S, HKV, dv),)
+    return tuple(t.transpose(1, 2) for t in parts)
+
+
+class _Allocations(TorchDispatchMode):
+    """The tensors the launcher makes (not the emulated kernels' tiles): the ops
+    outside ct.launch whose output shares no storage with their inputs."""
+
+    VIEWS = {"view", "transpose", "permute", "slice", "select", "as_strided", "alias",
+             "detach", "unsqueeze", "squeeze", "expand", "split", "split_with_sizes",
+             "unbind", "narrow", "_unsafe_view"}
+
+    def __init__(self, module):
+        super().__init__()
+        self.made, self.in_kernel = [], False
+        launch = module.ct.launch
+
+        def quiet_launch(*args, **kwargs):
+            self.in_kernel = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                self.in_kernel = False
+
+        module.ct.launch = quiet_launch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if self.in_kernel or name in self.VIEWS or name.endswith("_"):
+            return out
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in inputs:
+                self.made.append((name, tuple(o.shape)))
+        return out
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_train_gqa_causal", "fmha_mla_d192"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused"])
+def test_the_output_lies_in_qs_order_of_axes_and_is_right(name, layout):
+    module = _module(name)
+    q, k, v = _qkv(module, layout)
+    with emulate.emulating(), torch.no_grad():
+        result = module.attention(q, k, v)
+    out = result[0] if isinstance(result, tuple) else result
+    if layout == "contiguous":
+        assert out.is_contiguous()
+    else:
+        # transformers' layout, read back without a copy (was: a contiguous
+        # [B, Hq, Sq, D] out, and the caller's reshape copied it whole)
+        assert out.transpose(1, 2).is_contiguous(), out.stride()
+        flat = out.transpose(1, 2).reshape(B, S, -1)
+        assert flat.data_ptr() == out.data_ptr()
+    ref, _ = reference_for(module.SPEC, q, k, v, {})
+    assert compare(out, ref, module.SPEC["dtype"]).ok
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused"])
+def test_the_training_ops_fake_output_has_the_real_strides(layout):
+    module = _module("fmha_train_gqa_causal")
+    q, k, v = _qkv(module, layout)
+    with emulate.emulating(), torch.no_grad():
+        real = module._op_forward(q, k, v, 0.125, 0)
+    fake = module._op_fake(q, k, v, 0.125, 0)
+    for r, f in zip(real, fake):
+        assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
+
+
+@pytest.mark.parametrize("layout", ["transposed", "fused"])
+def test_training_in_transformers_layout_copies_no_output(layout):
+    """Forward and backward of the eager training path with q, k and v from
+    [B, S, H, D] projections, the output reshaped for o_proj as transformers does:
+    the launchers make only the output, its LSE, D, the gradients and the scaled Q;
+    no copy of q, k, v, out or dout."""
+    module = _module("fmha_train_gqa_causal")
+    q, k, v = _qkv(module, layout, requires_grad=True)
+    log = _Allocations(module)
+    # The eager path (the dispatch mode would otherwise send the call through the op).
+    module.torch._C._len_torch_dispatch_stack = lambda: 0
+    with emulate.emulating(), log:
+        out = module.attention(q, k, v)
+        forward = list(log.made)
+        merged = out.transpose(1, 2).reshape(B, S, -1)  # the layer's input to o_proj
+        assert merged.data_ptr() == out.data_ptr()  # a view: no copy of the output
+        merged.backward(torch.ones_like(merged))
+    hq, d = q.shape[1], q.shape[3]
+    assert forward == [("empty", (B, S, hq, d)), ("empty", (B, hq, S))], forward
+    launcher = [m for m in log.made[len(forward):] if m[0] in ("empty", "empty_like", "clone", "contiguous")]
+    assert launcher == [("empty", (B, hq, S)), ("empty_like", (B, hq, S, d)),
+                        ("empty_like", (B, HKV, S, d)), ("empty_like", (B, HKV, S, d)),
+                        ("empty_like", (B, hq, S, d))], launcher
+
+
+def test_decode_workspaces_of_many_batch_sizes_share_their_buffers():
+    """A server that decodes batches of every size from 1 to 24 keeps, for each split
+    count, workspaces of under four times the largest one it used (buffers of 1, 2,
+    4, ... 32 rows; was: one per batch size, 12.5 times the largest), and every call
+    stays right."""
+    from specgen.check.runner import Case, run_case
+
+    module = _module("fmha_decode_gqa8_bf16")
+    generator = torch.Generator().manual_seed(0)
+    with emulate.emulating():
+        for batch in list(range(1, 25)) + [3, 17]:
+            case = Case(batch, 1, 1, 0, decode_lens=tuple(range(40, 40 + 7 * batch, 7)))
+            row = run_case(torch, module, case, generator, device="cpu")
+            assert row["ok"], row
+    largest, held = {}, {}
+    for (_, _, _, _, splits), (o_part, lse_part) in module._WORKSPACES.items():
+        used = (o_part.numel() + lse_part.numel()) * 4
+        largest[splits] = max(largest.get(splits, 0), used)
+        for t in (o_part, lse_part):
+            held.setdefault(splits, {})[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    for splits, storages in held.items():
+        assert sum(storages.values()) < 4 * largest[splits], (splits, storages, largest[splits])

@@ -136,12 +136,15 @@ def _validated(data: dict) -> Spec | None:
         return None
 
 
-ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "os", "struct", "torch", "cuda.tile"}
+ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "os", "struct", "sys", "threading", "types",
+                   "torch", "cuda.tile"}
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
 ALLOWED_TOP_CALLS = {"_register_op", "math.log", "math.sqrt", "_AotStore",
                      "os.path.join", "os.path.dirname", "os.path.abspath",
-                     "getattr"}
+                     "getattr", "threading.RLock",
+                     # the op registry's process-wide lock (backward: true)
+                     "sys.modules.setdefault", "types.ModuleType", "_REGISTRY.__dict__.setdefault"}
 ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention"}
 
 
@@ -149,8 +152,8 @@ def _check_module_text(text: str, spec_dict: dict) -> None:
     """The injection property, on the generated source itself: the top level is
     only imports of the standard library modules above, torch and cuda.tile,
     assignments, kernels, functions and the AOT runtime's two classes; the only calls
-    run at import are math.log/sqrt, the AOT folder's path and store, and the op
-    registration; SPEC reads back as a literal
+    run at import are math.log/sqrt, the AOT folder's path and store, the locks and the
+    op registration; SPEC reads back as a literal
     equal to the validated spec (every spec string went through repr)."""
     tree = ast.parse(text)
     for node in tree.body:

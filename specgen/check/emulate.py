@@ -28,6 +28,7 @@ import itertools
 import math
 import re
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -105,8 +106,10 @@ def _uint32(x: torch.Tensor) -> torch.Tensor:
     return (x.to(torch.int64) & 0xFFFFFFFF).as_subclass(_U32)
 
 
-class _Grid:
-    """The CTA being run: its block ids and the grid's size."""
+class _Grid(threading.local):
+    """The CTA being run: its block ids and the grid's size, each thread's own (two
+    threads emulating launches at once read their own CTA's ids, not the last one
+    either of them set)."""
 
     bid = (0, 0, 0)
     size = (1, 1, 1)
@@ -645,22 +648,38 @@ class _NoDevice(ast.NodeTransformer):
         return node
 
 
+_METHODS = {"astype": _tile_astype, "slice": _array_slice}
+# emulating()'s contexts open in any thread: the methods go on with the first and
+# come off with the last (one thread's exit took them from another's launch, and
+# two overlapping contexts put back each other's patch for good).
+_PATCH_LOCK = threading.Lock()
+_PATCH_DEPTH = 0
+_PATCH_PREVIOUS = {}
+
+
 @contextlib.contextmanager
 def emulating():
     """Tiles and arrays (torch tensors) get cuTile's ``.astype`` and ``.slice``
-    for the duration."""
-    methods = {"astype": _tile_astype, "slice": _array_slice}
-    previous = {name: torch.Tensor.__dict__.get(name) for name in methods}
-    for name, method in methods.items():
-        setattr(torch.Tensor, name, method)
+    for the duration (of the outermost of the contexts open in any thread)."""
+    global _PATCH_DEPTH
+    with _PATCH_LOCK:
+        if _PATCH_DEPTH == 0:
+            _PATCH_PREVIOUS.update({name: torch.Tensor.__dict__.get(name) for name in _METHODS})
+            for name, method in _METHODS.items():
+                setattr(torch.Tensor, name, method)
+        _PATCH_DEPTH += 1
     try:
         yield
     finally:
-        for name, method in previous.items():
-            if method is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, method)
+        with _PATCH_LOCK:
+            _PATCH_DEPTH -= 1
+            if _PATCH_DEPTH == 0:
+                for name, method in _PATCH_PREVIOUS.items():
+                    if method is None:
+                        delattr(torch.Tensor, name)
+                    else:
+                        setattr(torch.Tensor, name, method)
+                _PATCH_PREVIOUS.clear()
 
 
 _LOADS = itertools.count()  # load_module's calls, numbered for their ops' names

@@ -186,6 +186,7 @@ ONE_LINE = [
     ({"name": "sitecustomize"}, "name: must not be the name"),
     ({"name": "distutils"}, "name: must not be the name of a Python standard-library module"),
     ({"name": "tomllib"}, "name: must not be the name of a Python standard-library module"),
+    ({"name": "binhex"}, "name: must not be the name of a Python standard-library module"),  # 3.10 only
     ({"name": "type"}, "name: must be a Python identifier that is not a keyword"),
     # bools and floats are not integers, in a choice of numbers too
     ({"q_subtiles": True}, "q_subtiles: must be an integer, got true"),
@@ -511,6 +512,25 @@ def test_cli_misuse_is_one_line_and_exit_2(project, capsys, args, expected):
     code, _, err = _run(capsys, *args)
     assert code == 2 and len(err) == 1 and err[0].startswith(expected), err
     assert sorted(p.relative_to(project) for p in project.rglob("*")) == before  # nothing written
+
+
+def test_a_symlink_loop_is_named_on_every_python(project, capsys, monkeypatch):
+    """Python 3.13's Path.resolve(strict=True) raises OSError(ELOOP) for a loop where
+    3.10-3.12 raise RuntimeError: both are one line naming the loop."""
+    import errno
+    import os
+    from pathlib import Path
+
+    real = Path.resolve
+
+    def resolve(self, strict=False):
+        if strict and self.parent.name == "loop":
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), str(self))
+        return real(self, strict)
+
+    monkeypatch.setattr(Path, "resolve", resolve)
+    code, _, err = _run(capsys, "build", "loop", "--no-compile")
+    assert code == 2 and err == ["loop/a.yaml: a symlink loop"], err
 
 
 def test_schema_file_replaces_a_regular_file(project, capsys):

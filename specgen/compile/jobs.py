@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -75,9 +76,11 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
     for p in found:
         try:
             resolved.append(p.resolve(strict=True))
-        except RuntimeError:  # Python 3.11-3.12 report a symlink loop so
+        except RuntimeError:  # Python 3.10-3.12 report a symlink loop so
             raise UsageError(f"{p}: a symlink loop") from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # and Python 3.13 so
+                raise UsageError(f"{p}: a symlink loop") from None
             if p.is_symlink() and not p.exists():
                 raise UsageError(f"{p}: a symbolic link to {os.readlink(p)}, which does not exist") from None
             raise UsageError(f"{p}: {exc.strerror or exc}") from None

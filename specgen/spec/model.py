@@ -66,7 +66,7 @@ OTHER_STDLIB = frozenset({
     "tomllib", "annotationlib", "compression", "distutils", "imp", "asynchat", "asyncore",
     "smtpd", "aifc", "audioop", "cgi", "cgitb", "chunk", "crypt", "imghdr", "mailcap",
     "msilib", "nis", "nntplib", "ossaudiodev", "pipes", "sndhdr", "spwd", "sunau",
-    "telnetlib", "uu", "xdrlib", "lib2to3",
+    "telnetlib", "uu", "xdrlib", "lib2to3", "binhex",
 })
 SOFT_KEYWORDS = frozenset({"_", "case", "match", "type"})
 # False while a spec written without targets is validated with the configs filled in

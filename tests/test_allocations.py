@@ -126,7 +126,7 @@ def test_training_in_transformers_layout_copies_no_output(layout):
         assert merged.data_ptr() == out.data_ptr()  # a view: no copy of the output
         merged.backward(torch.ones_like(merged))
     hq, d = q.shape[1], q.shape[3]
-    assert forward == [("empty", (B, S, hq, d)), ("empty", (B, hq, S))], forward
+    assert forward == [("empty_permuted", (B, hq, S, d)), ("empty", (B, hq, S))], forward
     launcher = [m for m in log.made[len(forward):] if m[0] in ("empty", "empty_like", "clone", "contiguous")]
     assert launcher == [("empty", (B, hq, S)), ("empty_like", (B, hq, S, d)),
                         ("empty_like", (B, HKV, S, d)), ("empty_like", (B, HKV, S, d)),

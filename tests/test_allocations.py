@@ -137,15 +137,20 @@ def test_decode_workspaces_of_many_batch_sizes_share_their_buffers():
     """A server that decodes batches of every size from 1 to 24 keeps, for each split
     count, workspaces of under four times the largest one it used (buffers of 1, 2,
     4, ... 32 rows; was: one per batch size, 12.5 times the largest), and every call
-    stays right."""
+    stays right with more than one split (a single split writes no partials), the
+    shared buffers NaN-poisoned before each call (a call reads only rows it wrote)."""
     from specgen.check.runner import Case, run_case
 
     module = _module("fmha_decode_gqa8_bf16")
     generator = torch.Generator().manual_seed(0)
     with emulate.emulating():
         for batch in list(range(1, 25)) + [3, 17]:
-            case = Case(batch, 1, 1, 0, decode_lens=tuple(range(40, 40 + 7 * batch, 7)))
-            row = run_case(torch, module, case, generator, device="cpu")
+            lens = tuple(range(600, 600 + 7 * batch, 7))
+            assert module.launch_plan(batch, 1, max(lens), torch.device("cpu"))[1] > 1
+            for buffers in module._WORKSPACE_BUFFERS.values():
+                for t in buffers:
+                    t.fill_(float("nan"))
+            row = run_case(torch, module, Case(batch, 1, 1, 0, decode_lens=lens), generator, device="cpu")
             assert row["ok"], row
     largest, held = {}, {}
     for (_, _, _, _, splits), (o_part, lse_part) in module._WORKSPACES.items():

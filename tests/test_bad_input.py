@@ -186,7 +186,8 @@ ONE_LINE = [
     ({"name": "sitecustomize"}, "name: must not be the name"),
     ({"name": "distutils"}, "name: must not be the name of a Python standard-library module"),
     ({"name": "tomllib"}, "name: must not be the name of a Python standard-library module"),
-    ({"name": "binhex"}, "name: must not be the name of a Python standard-library module"),  # 3.10 only
+    # binhex: a standard module up to 3.10 only; refused on every version
+    ({"name": "binhex"}, "name: must not be the name of a Python standard-library module"),
     ({"name": "type"}, "name: must be a Python identifier that is not a keyword"),
     # bools and floats are not integers, in a choice of numbers too
     ({"q_subtiles": True}, "q_subtiles: must be an integer, got true"),

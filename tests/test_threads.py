@@ -84,6 +84,43 @@ def test_decode_calls_from_threads_keep_their_own_partial_results():
     assert not wrong, f"threads {wrong} got another call's partial results"
 
 
+def test_a_decode_on_another_stream_does_not_wait_for_a_launch_in_progress(monkeypatch):
+    """Thread A's launch is still running (its first call JIT-compiles: seconds) when
+    thread B decodes on another stream, whose workspace A's call does not touch: B's
+    call completes meanwhile (one module-wide lock held B until A's launch returned)."""
+    mod = _emulated("fmha_decode_gqa8_bf16")
+    streams = {"A": 1, "B": 2}
+    monkeypatch.setattr(mod, "_stream", lambda device: streams[threading.current_thread().name])
+    launch, a_in_launch, b_done, a_saw = mod.ct.launch, threading.Event(), threading.Event(), []
+
+    def launch_a_waits_for_b(*args, **kwargs):
+        if threading.current_thread().name == "A" and not a_saw:
+            a_in_launch.set()
+            a_saw.append(b_done.wait(timeout=5))  # a compile that outlasts B's call
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(mod.ct, "launch", launch_a_waits_for_b)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 8, 128, generator=g).bfloat16()
+    k, v = (torch.randn(1, 600, 1, 128, generator=g).bfloat16() for _ in range(2))
+    lens = torch.full((1,), 600, dtype=torch.int32)
+
+    def call():
+        mod.attention(q, k, v, lens)
+        if threading.current_thread().name == "B":
+            b_done.set()
+
+    with emulate.emulating():
+        a = threading.Thread(target=call, name="A")
+        a.start()
+        assert a_in_launch.wait(timeout=60)
+        b = threading.Thread(target=call, name="B")
+        b.start()
+        a.join()
+        b.join()
+    assert a_saw == [True], "B's call on another stream waited for A's launch"
+
+
 class _Signature:
     """A stand-in for a cuTile kernel signature: one value, its own symbol-less form."""
 

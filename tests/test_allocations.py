@@ -108,6 +108,79 @@ def test_the_training_ops_fake_output_has_the_real_strides(layout):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
 
+def _transposed(shapes, batch_stride=None):
+    """bfloat16 [B, S, H, D] tensors of ``shapes`` ([B, H, S, D] each) seen as
+    [B, H, S, D]; ``batch_stride``: B's stride (B = 1: any), as a permute leaves it."""
+    g = torch.Generator().manual_seed(0)
+    made = []
+    for b, h, s, d in shapes:
+        t = torch.randn(b, s, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)
+        made.append(t if batch_stride is None else t.as_strided(t.shape, (batch_stride, *t.stride()[1:])))
+    return made
+
+
+def _real_and_fake(run, fake_run, args):
+    """``run(*args)`` and ``fake_run`` of the same arguments as FakeTensors (their
+    strides kept) under FakeTensorMode, as torch.compile runs an op's fake."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with emulate.emulating(), torch.no_grad():
+        real = run(*args)
+    mode = FakeTensorMode()
+    with mode:
+        fake = fake_run(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    return [(r.shape, r.dtype, r.stride()) for r in real], [(f.shape, f.dtype, f.stride()) for f in fake]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "fused", "one_row", "odd_batch_stride",
+                                    "empty_batch"])
+def test_the_training_ops_fakes_under_fake_tensors_give_the_real_strides(layout):
+    """The forward and backward ops' fakes, run under FakeTensorMode as torch.compile
+    runs them, give the real outputs' shapes, dtypes and strides. The backward's made
+    dq, dk and dv with torch.empty_like, as the real backward did, but FakeTensorMode's
+    empty_like renumbers strides that eager mode keeps: a size-1 axis's (Sq = 1 in
+    transformers' layout, an odd batch stride at B = 1) and every axis's of an empty
+    tensor (B = 0). Was: dq (1024, 128, 1024, 1) real, (1024, 128, 128, 1) fake at Sq = 1."""
+    module = _module("fmha_train_gqa_causal")
+    d, hq = module.SPEC["head_dim"], HKV * module.SPEC["gqa_ratio"]
+    if layout in ("contiguous", "transposed", "fused"):
+        q, k, v = _qkv(module, layout)
+    else:
+        batch, seq = {"one_row": (2, 1), "odd_batch_stride": (1, S), "empty_batch": (0, 10)}[layout]
+        q, k, v = _transposed([(batch, hq, seq, d), (batch, HKV, seq, d), (batch, HKV, seq, d)],
+                              7 if layout == "odd_batch_stride" else None)
+    real, fake = _real_and_fake(module._op_forward, module._op_fake, (q, k, v, 0.125, 0))
+    assert real == fake
+    with emulate.emulating(), torch.no_grad():
+        out, lse = module._op_forward(q, k, v, 0.125, 0)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    real, fake = _real_and_fake(module._op_grads, module._op_grads_fake, (q, k, v, out, lse, dout, 0.125, 0))
+    assert real == fake
+
+
+def test_the_backward_fake_gives_a_learnable_tables_gradient_its_real_strides():
+    """A learnable [heads, 256] table at one head, its head axis of an odd stride: its
+    gradient was torch.zeros_like of it (that stride kept), the fake's new_empty
+    row-major (FakeTensorMode: (256, 1), real: (3, 1))."""
+    from .helpers import render_spec_data
+
+    data = {"name": "fake_strides_one_head", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 1,
+            "causal": True, "backward": True,
+            "tensors": {"rel": {"dtype": "float32", "shape": ["heads", 256], "learnable": True}},
+            "score_mod": "score + rel[h, q_idx - kv_idx]"}
+    plan, source = render_spec_data(data)
+    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
+                                 name="_layout_fake_strides_one_head")
+    q, k, v = _transposed([(1, 1, S, 64)] * 3)
+    rel = torch.randn(256).as_strided((1, 256), (3, 1))
+    with emulate.emulating(), torch.no_grad():
+        out, lse = module._op_forward(q, k, v, 0.125, 0, rel)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    real, fake = _real_and_fake(module._op_grads, module._op_grads_fake,
+                                (q, k, v, out, lse, dout, 0.125, 0, rel))
+    assert real == fake
+
+
 @pytest.mark.parametrize("layout", ["transposed", "fused"])
 def test_training_in_transformers_layout_copies_no_output(layout):
     """Forward and backward of the eager training path with q, k and v from
@@ -127,9 +200,11 @@ def test_training_in_transformers_layout_copies_no_output(layout):
         merged.backward(torch.ones_like(merged))
     hq, d = q.shape[1], q.shape[3]
     assert forward == [("empty_permuted", (B, hq, S, d)), ("empty", (B, hq, S))], forward
-    launcher = [m for m in log.made[len(forward):] if m[0] in ("empty", "empty_like", "clone", "contiguous")]
-    assert launcher == [("empty", (B, hq, S)), ("empty_like", (B, hq, S, d)),
-                        ("empty_like", (B, HKV, S, d)), ("empty_like", (B, HKV, S, d)),
+    made = ("empty", "empty_permuted", "empty_like", "clone", "contiguous")
+    launcher = [m for m in log.made[len(forward):] if m[0] in made]
+    # delta, then dq, dk and dv in q, k and v's order of axes, then the scaled Q
+    assert launcher == [("empty", (B, hq, S)), ("empty_permuted", (B, hq, S, d)),
+                        ("empty_permuted", (B, HKV, S, d)), ("empty_permuted", (B, HKV, S, d)),
                         ("empty_like", (B, hq, S, d))], launcher
 
 

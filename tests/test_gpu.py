@@ -482,7 +482,8 @@ def test_decode_variants_match_reference(variant):
 
 def test_decode_replays_in_a_cuda_graph():
     """Captured once, replayed with new tokens and longer sequences written into
-    the same buffers: no host sync, no allocation inside the launcher."""
+    the same buffers: no host sync; the split workspace made during the capture, in
+    the graph's memory pool."""
     from specgen.check.cases import decode_reference, random_decode
 
     mod = generated_module("fmha_decode_paged_mtp")

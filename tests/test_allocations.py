@@ -240,24 +240,36 @@ def test_decode_workspaces_of_many_batch_sizes_share_their_buffers():
 
 def test_a_decode_capture_takes_a_workspace_of_its_own(monkeypatch):
     """Under CUDA graph capture a decode call makes its split workspace afresh (a
-    temporary of the graph's memory pool) and keeps none: graphs of two batch sizes
-    captured on one stream may replay at once on streams of their own, so they must
-    not share the eager calls' buffers, nor each other's."""
+    temporary of the graph's memory pool) and keeps none of it, nor touches the eager
+    calls' cached buffers: graphs of two batch sizes captured on one stream must not
+    share a workspace kept by the module."""
+    import gc
+    import weakref
+
     from specgen.check.runner import Case, run_case
 
     module = _module("fmha_decode_gqa8_bf16")
     generator = torch.Generator().manual_seed(1)
     made = []
     new_workspace = module._new_workspace
-    monkeypatch.setattr(module, "_new_workspace", lambda *a: made.append(new_workspace(*a)) or made[-1])
+
+    def recorded(*args):
+        workspace = new_workspace(*args)
+        made.append([weakref.ref(t) for t in workspace])
+        return workspace
+
+    monkeypatch.setattr(module, "_new_workspace", recorded)
     with emulate.emulating():
         eager = run_case(torch, module, Case(3, 1, 1, 0, decode_lens=(700, 650, 900)), generator, device="cpu")
         assert eager["ok"] and len(made) == 1  # the eager calls' shared buffer
-        cached = dict(module._WORKSPACES)
+        cached, buffers = dict(module._WORKSPACES), dict(module._WORKSPACE_BUFFERS)
         monkeypatch.setattr(module.torch.cuda, "is_current_stream_capturing", lambda: True, raising=False)
         for lens in ((700, 650, 900), (800, 620), (700, 650, 900)):
             row = run_case(torch, module, Case(len(lens), 1, 1, 0, decode_lens=lens), generator, device="cpu")
             assert row["ok"], row
-    assert module._WORKSPACES == cached  # nothing kept from the captures
-    storages = {t.untyped_storage().data_ptr() for workspace in made for t in workspace}
-    assert len(storages) == 2 * len(made) == 8  # four workspaces, none shared
+    gc.collect()
+    assert len(made) == 4  # one workspace made per captured call
+    assert all(ref() is not None for ref in made[0])  # the eager buffer, kept
+    assert all(ref() is None for refs in made[1:] for ref in refs)  # the captures', not kept
+    assert module._WORKSPACES == cached and all(
+        module._WORKSPACE_BUFFERS[key] is value for key, value in buffers.items())

@@ -77,6 +77,21 @@ def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
     return plan, render(plan, spec_path).text
 
 
+def emulated_module(name: str, tag: str, source: str | None = None):
+    """The generated module ``name`` (or ``source``, rendered in its place) with its
+    kernels emulated on the CPU, loaded afresh under the module name
+    ``_{tag}_{name}``."""
+    from specgen.check import emulate
+
+    return emulate.load_module(ROOT / "generated" / f"{name}.py", source=source, name=f"_{tag}_{name}")
+
+
+def emulated_spec_module(data: dict, tag: str):
+    """The module of a spec given as data, rendered and emulated (see emulated_module)."""
+    plan, source = render_spec_data(data)
+    return emulated_module(plan.module_name, tag, source)
+
+
 # The Qwen2-style models of the transformers tests, built from a config (no weights
 # downloaded). "tiny": the CPU tests (Hq4/Hkv2, head_dim 32, the stand-in module's
 # shape); "small": the GPU tests (Hq8/Hkv2, GQA 4:1, head_dim 128, the shipped

@@ -11,13 +11,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specgen.check import emulate
 from specgen.check.cases import compare, reference_for
 
-from .helpers import ROOT
+from .helpers import emulated_module, emulated_spec_module
 
 B, HKV, S = 1, 2, 40
 
 
 def _module(name):
-    return emulate.load_module(ROOT / "generated" / f"{name}.py", name=f"_layout_{name}")
+    return emulated_module(name, "layout")
 
 
 def _qkv(module, layout, requires_grad=False):
@@ -162,15 +162,11 @@ def test_the_backward_fake_gives_a_learnable_tables_gradient_its_real_strides():
     """A learnable [heads, 256] table at one head, its head axis of an odd stride: its
     gradient was torch.zeros_like of it (that stride kept), the fake's new_empty
     row-major (FakeTensorMode: (256, 1), real: (3, 1))."""
-    from .helpers import render_spec_data
-
     data = {"name": "fake_strides_one_head", "dtype": "bfloat16", "head_dim": 64, "gqa_ratio": 1,
             "causal": True, "backward": True,
             "tensors": {"rel": {"dtype": "float32", "shape": ["heads", 256], "learnable": True}},
             "score_mod": "score + rel[h, q_idx - kv_idx]"}
-    plan, source = render_spec_data(data)
-    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
-                                 name="_layout_fake_strides_one_head")
+    module = emulated_spec_module(data, "layout")
     q, k, v = _transposed([(1, 1, S, 64)] * 3)
     rel = torch.randn(256).as_strided((1, 256), (3, 1))
     with emulate.emulating(), torch.no_grad():

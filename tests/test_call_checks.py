@@ -14,7 +14,7 @@ import torch
 from specgen.check import emulate
 from specgen.check.cases import decode_reference, random_decode, random_packed, random_qkv
 
-from .helpers import ROOT
+from .helpers import emulated_module
 
 
 class Launched(Exception):
@@ -27,7 +27,7 @@ _MODULES = {}
 def _module(name):
     """The generated module ``name`` with its kernels emulated (loaded once per process)."""
     if name not in _MODULES:
-        _MODULES[name] = emulate.load_module(ROOT / "generated" / f"{name}.py", name=f"_call_checks_{name}")
+        _MODULES[name] = emulated_module(name, "call_checks")
     return _MODULES[name]
 
 

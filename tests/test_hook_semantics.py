@@ -11,7 +11,7 @@ from specgen.check import emulate
 from specgen.check.cases import compare, reference_for
 from specgen.spec.hooks import ExprError, compile_hook
 
-from .helpers import ROOT, render_spec_data
+from .helpers import emulated_spec_module, render_spec_data
 
 
 def _spec(label, score_mod):
@@ -22,9 +22,7 @@ def _spec(label, score_mod):
 
 def _emulated_vs_reference(label, score_mod, batch=2, heads=4, seq_q=37, seq_k=53):
     data = _spec(label, score_mod)
-    plan, source = render_spec_data(data)
-    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
-                                 name=f"_test_hooksem_{label}")
+    module = emulated_spec_module(data, f"test_hooksem_{label}")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seq_q, 32, generator=g).half()
     k, v = (torch.randn(batch, heads, seq_k, 32, generator=g).half() for _ in range(2))
@@ -152,9 +150,7 @@ def test_gpu_hooks_match_the_reference(label, score_mod):
 
 
 def _emulated_module(label, data):
-    plan, source = render_spec_data(data)
-    return emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
-                               name=f"_test_hooksem_{label}")
+    return emulated_spec_module(data, f"test_hooksem_{label}")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -295,9 +291,7 @@ def test_gradient_check_of_an_lse_no_input_reaches():
             "causal": False, "backward": True, "return_lse": True,
             "score_mod": "where(score > 0.0, 1.0, 0.0)",
             "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
-    plan, source = render_spec_data(data)
-    module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
-                                 name="_test_hooksem_const_lse")
+    module = emulated_spec_module(data, "test_hooksem")
     with emulate.emulating():
         row = run_case(torch, module, Case(1, 1, 5, 9, 0), torch.Generator().manual_seed(0),
                        device="cpu")

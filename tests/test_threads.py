@@ -15,7 +15,7 @@ import torch
 
 from specgen.check import emulate
 
-from .helpers import ROOT
+from .helpers import ROOT, emulated_module
 
 
 def _in_threads(fn, n=8):
@@ -38,7 +38,7 @@ def _in_threads(fn, n=8):
 
 
 def _emulated(stem):
-    return emulate.load_module(ROOT / "generated" / f"{stem}.py", name=f"_test_threads_{stem}")
+    return emulated_module(stem, "test_threads")
 
 
 def test_emulated_launches_in_threads_match_one_thread():

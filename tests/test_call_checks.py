@@ -513,10 +513,10 @@ def test_float8_decode_descale_numbers_must_be_float32_normal(bad):
     mod = _module("fmha_decode_gqa8_fp8kv")
     with pytest.raises(ValueError, match="k_descale must be a positive float in float32's normal range "
                                          "or a one-element float32 tensor"):
-        mod._descale("k_descale", bad, torch.device("cpu"))
-    assert mod._descale("k_descale", 0.5, torch.device("cpu")).tolist() == [0.5]
+        mod._descale("k_descale", bad, torch.device("cpu"), True)
+    assert mod._descale("k_descale", 0.5, torch.device("cpu"), True).tolist() == [0.5]
     # NumPy's scalars are numbers too (np.float32 was refused as out of range)
-    assert mod._descale("k_descale", np.float32(1.25), torch.device("cpu")).tolist() == [1.25]
+    assert mod._descale("k_descale", np.float32(1.25), torch.device("cpu"), True).tolist() == [1.25]
 
 
 @pytest.mark.parametrize("name", ["fmha_mha_bf16", "fmha_decode_gqa8_bf16", "fmha_train_gqa_causal",

@@ -666,20 +666,20 @@ def test_float8_prefill_descales_are_made_once_and_applied():
     q = torch.randn(1, 8, 70, 128, generator=gen).to(torch.float8_e4m3fn)
     k, v = (torch.randn(1, 1, 90, 128, generator=gen).to(torch.float8_e4m3fn) for _ in range(2))
     device = torch.device("cpu")
-    first = module._descales(device, q_descale=0.5, k_descale=1.0, v_descale=2.0)
-    assert first is module._descales(device, q_descale=0.5, k_descale=1.0, v_descale=2.0)
+    first = module._descales(device, True, q_descale=0.5, k_descale=1.0, v_descale=2.0)
+    assert first is module._descales(device, True, q_descale=0.5, k_descale=1.0, v_descale=2.0)
     assert first.tolist() == [0.5, 1.0, 2.0] and first.dtype == torch.float32
-    mixed = module._descales(device, q_descale=torch.tensor([0.5], dtype=torch.bfloat16), k_descale=1.0,
+    mixed = module._descales(device, True, q_descale=torch.tensor([0.5], dtype=torch.bfloat16), k_descale=1.0,
                              v_descale=torch.tensor(2.0))
     assert mixed.tolist() == [0.5, 1.0, 2.0] and mixed is not first
     with pytest.raises(ValueError, match="k_descale must be a positive float"):
-        module._descales(device, q_descale=1.0, k_descale=-1.0, v_descale=1.0)
+        module._descales(device, True, q_descale=1.0, k_descale=-1.0, v_descale=1.0)
     # 0 and inf in float32: NaN out, or a RuntimeError from the fill
     for bad in (1e-50, 1e39):
         with pytest.raises(ValueError, match="q_descale must be a positive float in float32's normal range"):
-            module._descales(device, q_descale=bad, k_descale=1.0, v_descale=1.0)
+            module._descales(device, True, q_descale=bad, k_descale=1.0, v_descale=1.0)
     with pytest.raises(ValueError, match="v_descale must be a positive float or a one-element float tensor on"):
-        module._descales(device, q_descale=1.0, k_descale=1.0, v_descale=torch.ones(2))
+        module._descales(device, True, q_descale=1.0, k_descale=1.0, v_descale=torch.ones(2))
     with emulate.emulating():
         base = module.attention(q, k, v).float()
         scaled = module.attention(q, k, v, q_descale=0.5, k_descale=1.0, v_descale=2.0).float()

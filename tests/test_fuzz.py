@@ -140,10 +140,10 @@ ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "os", "s
                    "torch", "cuda.tile"}
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
-ALLOWED_TOP_CALLS = {"_register_op", "math.log", "math.sqrt", "_AotStore",
+ALLOWED_TOP_CALLS = {"_register", "_lookup", "math.log", "math.sqrt", "_AotStore",
                      "os.path.join", "os.path.dirname", "os.path.abspath",
                      "getattr", "threading.RLock",
-                     # the op registry's process-wide lock (backward: true)
+                     # the op registry's process-wide lock
                      "sys.modules.setdefault", "types.ModuleType", "_REGISTRY.__dict__.setdefault"}
 ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention"}
 

@@ -217,12 +217,13 @@ def load_module_from_source(name: str, source: str, origin: str):
 
 
 def rename_op(source: str, suffix: str, origin: str = "<source>", required: bool = False) -> str:
-    """A generated module's source with its custom op named ``specgen::<op>_<suffix>``:
-    a module names its op after its spec, so a second module of the same spec in one
-    process (an older build, a variant) would otherwise reuse the first one's op, and
-    with it the first one's kernels. A module without an op (no backward) is returned
-    as it is unless ``required``; one that registers an op without an OP_NAME line
-    is refused."""
+    """A generated module's source with its custom ops named ``specgen::<op>_<suffix>``
+    (and OP_NAME's other ops after it): a module names its ops after its spec, so a
+    second module of the same spec in one process (an older build, a variant) would
+    otherwise reuse the first one's ops, and with them the first one's kernels under
+    a tracer. A source without an OP_NAME line (a module of an older specgen, whose
+    forward-only modules had no op) is returned as it is unless ``required``; one
+    that registers an op without an OP_NAME line is refused."""
     renamed, count = re.subn(r'^OP_NAME = "specgen::(\w+)"$', rf'OP_NAME = "specgen::\1_{suffix}"',
                              source, count=1, flags=re.M)
     if not count and (required or "torch.library.custom_op" in source):
@@ -231,8 +232,8 @@ def rename_op(source: str, suffix: str, origin: str = "<source>", required: bool
 
 
 def load_module_renamed(path: Path | str, suffix: str, required: bool = True):
-    """A generated module from its file, its custom op renamed by rename_op
-    (``required``: refuse a module without an op, as an inference module is)."""
+    """A generated module from its file, its custom ops renamed by rename_op
+    (``required``: refuse a source without an OP_NAME line)."""
     path = Path(path).resolve()
     source = rename_op(path.read_text(), suffix, str(path), required=required)
     return load_module_from_source(f"{path.stem}_{suffix}", source, str(path))

@@ -88,9 +88,9 @@ class SpecKernel:
         return 1.0 / math.sqrt(self.head_dim)
 
     def forward(self, q, k, v, scale: float, q_offset: int):
-        if self.has_backward:
-            return self.module._forward(q, k, v, scale=scale, q_offset=q_offset)
-        return self.module.attention(q, k, v, scale=scale, q_offset=q_offset)
+        # _forward: the module's eager call (its checks and launch), without the test
+        # of whether a tracer needs the custom op (the ring calls it eagerly).
+        return self.module._forward(q, k, v, scale=scale, q_offset=q_offset)
 
     def backward(self, q, k, v, out, lse, dout, scale: float, q_offset: int, *, whole: bool = False):
         """(dq, dk, dv) of one block: q against these keys, with ``out`` and ``lse``
@@ -102,9 +102,9 @@ class SpecKernel:
 
     def forward_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, q_shift, scale):
         """(out [T, Hq, Dv], lse [Hq, T]) of a packed batch, queries moved by q_shift."""
-        call = self.module._forward if self.has_backward else self.module.attention
-        return call(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                    max_seqlen_k=max_k, q_shift=q_shift, scale=scale)
+        return self.module._forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                    max_seqlen_q=max_q, max_seqlen_k=max_k, q_shift=q_shift,
+                                    scale=scale)
 
     def backward_varlen(self, q, k, v, out, lse, dout, cu_q, cu_k, max_q, max_k, q_shift, scale, *,
                         whole: bool = False):

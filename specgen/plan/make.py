@@ -296,10 +296,10 @@ class Plan:
 
     @property
     def int_types(self) -> str:
-        """What an int argument's check accepts: a tracer's SymInt too in a training
-        module, whose custom op takes it into a traced graph; a module without one
-        would hand the SymInt to a kernel launch, so it takes Python ints only."""
-        return "(int, torch.SymInt)" if self.backward else "int"
+        """What a prefill int argument's check accepts: a tracer's SymInt too, which
+        attention() hands to its custom op (a dynamic int input of make_fx or
+        torch.export's non-strict tracing) and so into the traced graph."""
+        return "(int, torch.SymInt)"
 
     @property
     def bwd_prescale(self) -> str | None:

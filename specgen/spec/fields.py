@@ -245,10 +245,12 @@ LAUNCHER_ARGUMENTS = frozenset({
     "q", "k", "v", "out", "scale", "q_offset", "sinks", "block_map",  # every prefill call
     "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "q_shift",  # varlen
     "q_descale", "k_descale", "v_descale",  # float8
+    "q_descale_t", "k_descale_t", "v_descale_t",  # float8, as the custom ops take them
+    "cached",  # decode and float8: whether a call keeps its buffers
     "dropout_p", "seed",  # dropout
     "k_cache", "v_cache", "seq_lens", "page_table", "max_seq_len",  # decode
     "lse", "dout", "exact_delta",  # backward
-    "map_counts", "map_indices", "dq_counts", "dq_indices", "kv_counts", "kv_indices", "counts",
+    "map_counts", "map_indices", "map_sizes", "dq_counts", "dq_indices", "kv_counts", "kv_indices", "counts",
     "indices",
     "batch", "num_heads", "seq_q", "seq_k", "device", "backward", "max_len", "q_len",  # maps
 })

@@ -1,0 +1,77 @@
+"""Where the host time of a compiled call goes, one process: loops of 1000 calls,
+five rounds, medians in µs per call, of
+- torch.compile of x * 2 (the compiled-code floor of this torch and host);
+- a trivial torch.library custom op (one torch.empty_like) called eagerly and compiled;
+- the decode module's call eagerly, compiled, and compiled with mode="reduce-overhead";
+then cProfile of 500 compiled decode calls (functions by own time) and torch's log of
+CUDA graph decisions for the reduce-overhead call.
+
+Usage: TORCH_LOGS=cudagraphs python bench/op_overhead.py [MODULE_PATH]
+(default generated/fmha_decode_gqa8_bf16.py)
+"""
+
+import cProfile
+import importlib.util
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+path = sys.argv[1] if len(sys.argv) > 1 else "generated/fmha_decode_gqa8_bf16.py"
+spec = importlib.util.spec_from_file_location("decode_under_test", path)
+mod = importlib.util.module_from_spec(spec)
+sys.modules["decode_under_test"] = mod
+spec.loader.exec_module(mod)
+
+
+@torch.library.custom_op("specgen_bench::trivial", mutates_args=())
+def trivial(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+trivial.register_fake(lambda x: torch.empty_like(x))
+
+torch.manual_seed(0)
+q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
+vc = torch.randn_like(kc)
+lens = torch.tensor([4096], dtype=torch.int32, device="cuda")
+
+double = torch.compile(lambda x: x * 2.0, fullgraph=True)
+trivial_compiled = torch.compile(lambda x: trivial(x), fullgraph=True)
+step = torch.compile(lambda q, k, v, n: mod.attention(q, k, v, n), fullgraph=True)
+graphs = torch.compile(lambda q, k, v, n: mod.attention(q, k, v, n), fullgraph=True,
+                       mode="reduce-overhead")
+calls = {
+    "compiled x*2": lambda: double(q),
+    "trivial op eager": lambda: trivial(q),
+    "trivial op compiled": lambda: trivial_compiled(q),
+    "decode eager": lambda: mod.attention(q, kc, vc, lens),
+    "decode op eager": lambda: mod._OP(q, kc, vc, lens, None, 1.0 / 128**0.5),
+    "decode compiled": lambda: step(q, kc, vc, lens),
+    "decode reduce-overhead": lambda: graphs(q, kc, vc, lens),
+}
+for call in calls.values():
+    for _ in range(3):
+        call()
+times = {label: [] for label in calls}
+for _ in range(5):
+    for label, call in calls.items():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(1000):
+            call()
+        torch.cuda.synchronize()
+        times[label].append((time.perf_counter() - start) / 1000 * 1e6)
+for label, t in times.items():
+    print(f"{label:>24}: {statistics.median(t):8.2f} us per call", flush=True)
+
+profile = cProfile.Profile()
+profile.enable()
+for _ in range(500):
+    step(q, kc, vc, lens)
+torch.cuda.synchronize()
+profile.disable()
+pstats.Stats(profile).sort_stats("tottime").print_stats(25)

@@ -442,3 +442,5 @@ def test_rename_op_refuses_an_op_without_an_op_name_line():
     assert rename_op("x = 1\n", "v") == "x = 1\n"
     with pytest.raises(ValueError, match=r"<x>: no OP_NAME line to rename"):
         rename_op("import torch\ntorch.library.custom_op('a::b', f)\n", "v", "<x>")
+    with pytest.raises(ValueError, match=r"<x>: no OP_NAME line to rename"):
+        rename_op("import torch\nlib = torch.library.Library('a', 'FRAGMENT')\n", "v", "<x>")

@@ -253,3 +253,93 @@ def test_calls_through_the_ops_keep_no_buffers(name, monkeypatch):
         assert not any(caches), caches
         eager = module.attention(*args, **kwargs)
     assert any(caches) and _same(traced, eager)
+
+
+@pytest.mark.parametrize("name", ["fmha_document_mask", "fmha_decode_chunked_local"])
+def test_a_compiled_call_refuses_a_map_whose_sources_were_written(name):
+    """A block map carries its sources (the tensors it was built from) through the
+    ops: a compiled call with a map built before its tensors were written in place
+    is refused when the compiled code runs, as an eager call is (the op's arguments
+    held only the map's tensors and sizes, so a stale map gave wrong outputs)."""
+    module = _module(name)
+    args, kwargs = _inputs(module, torch.Generator().manual_seed(12))
+    _with_map(module, args, kwargs)
+    source = args[3] if module.SPEC["family"] == "decode" else kwargs["doc"]
+
+    def call(*args):
+        return module.attention(*args, **kwargs)
+
+    torch._dynamo.reset()
+    with emulate.emulating():
+        compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+        assert _same(compiled(*args), module._forward(*args, **kwargs))
+        source.add_(0)  # written in place: the map may list the wrong tiles
+        with pytest.raises(ValueError, match="was written after block_map was built"):
+            module.attention(*args, **kwargs)
+        with pytest.raises(ValueError, match="was written after block_map was built"):
+            compiled(*args)
+
+
+def test_a_traced_varlen_call_without_max_seqlen_is_refused():
+    """make_fx on real tensors read the longest lengths from cu_seqlens and kept them
+    in the graph as constants: the graph then ran a batch with a longer sequence on
+    too few query tiles (rows left unwritten). Under any tracer the lengths must be
+    given."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    module = _module("fmha_varlen_llama")
+    (q, k, v), kwargs = _inputs(module, torch.Generator().manual_seed(13))
+    cu_q, cu_k = kwargs["cu_seqlens_q"], kwargs["cu_seqlens_k"]
+
+    def call(q, k, v, cu_q, cu_k):
+        return module.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+    for mode in ("real", "fake"):
+        with emulate.emulating(), pytest.raises(ValueError, match="max_seqlen_q must be given"):
+            make_fx(call, tracing_mode=mode)(q, k, v, cu_q, cu_k)
+
+
+def test_a_block_map_under_fake_tracers_is_recorded():
+    """make_fx (fake, symbolic) and a FakeTensorMode record a call with a block map:
+    the traced branch does not read the fake tensors' data pointers (make_fx raised
+    "Cannot access data pointer", a FakeTensorMode a false "built from another doc
+    tensor"); the graph gives the eager bits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    module = _module("fmha_document_mask")
+    args, kwargs = _inputs(module, torch.Generator().manual_seed(12))
+    _with_map(module, args, kwargs)
+    with emulate.emulating():
+        eager = module.attention(*args, **kwargs)
+        for mode in ("fake", "symbolic"):
+            graph = make_fx(lambda *a: module.attention(*a, **kwargs), tracing_mode=mode,
+                            _allow_non_fake_inputs=True)(*args)
+            assert _same(graph(*args), eager)
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            fakes = [fake.from_tensor(t) for t in args]
+            doc = fake.from_tensor(kwargs["doc"])
+            out = module.attention(*fakes, **dict(kwargs, doc=doc))
+        assert out.shape == eager.shape and out.stride() == eager.stride()
+    decode = _module("fmha_decode_chunked_local")
+    args, kwargs = _inputs(decode, torch.Generator().manual_seed(13))
+    _with_map(decode, args, kwargs)
+    with emulate.emulating():
+        graph = make_fx(lambda *a: decode.attention(*a, **kwargs), tracing_mode="fake",
+                        _allow_non_fake_inputs=True)(*args)
+        assert _same(graph(*args), decode.attention(*args, **kwargs))
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_decode_gqa8_bf16"])
+def test_vmap_takes_the_op(name):
+    """torch.func.vmap's tensors hold no memory of their own: the call takes the op,
+    which vmap runs once per batch entry (the launcher was handed them and failed)."""
+    module = _module(name)
+    generator = torch.Generator().manual_seed(16)
+    calls = [_inputs(module, generator) for _ in range(2)]
+    kwargs = calls[0][1]
+    stacked = [torch.stack(ts) for ts in zip(*(args for args, _ in calls), strict=True)]
+    with emulate.emulating():
+        batched = torch.func.vmap(lambda *a: module.attention(*a, **kwargs))(*stacked)
+        for i, (args, _) in enumerate(calls):
+            assert torch.equal(batched[i], module.attention(*args, **kwargs))

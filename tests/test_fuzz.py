@@ -144,7 +144,11 @@ ALLOWED_TOP_CALLS = {"_register", "_lookup", "math.log", "math.sqrt", "_AotStore
                      "os.path.join", "os.path.dirname", "os.path.abspath",
                      "getattr", "threading.RLock",
                      # the op registry's process-wide lock
-                     "sys.modules.setdefault", "types.ModuleType", "_REGISTRY.__dict__.setdefault"}
+                     "sys.modules.setdefault", "types.ModuleType", "_REGISTRY.__dict__.setdefault",
+                     # _eager's plain tensor types
+                     "frozenset",
+                     # a block map's sources by its counts, for the custom ops
+                     "torch.utils.weak.WeakIdKeyDictionary"}
 ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention"}
 
 

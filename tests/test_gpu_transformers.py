@@ -93,3 +93,19 @@ def test_transformers_training_step_gradients_match_sdpa():
         assert ours_err <= max(1.5 * sdpa_err, 1e-2), (name, ours_err, sdpa_err)
         worst = max(worst, (ours_err, sdpa_err, name))
     print(f"worst relative gradient error against float32: specgen {worst[0]:.2e}, sdpa {worst[1]:.2e} ({worst[2]})")
+
+
+def test_transformers_model_compiles_with_the_kernel():
+    """torch.compile of the whole model (inductor): the generated module's attention
+    is its custom op in the compiled graphs, and the logits are the eager model's."""
+    register("generated.fmha_gqa_causal", name="specgen-e2e-compile")
+    ours = qwen2("specgen-e2e-compile", torch.float16).eval()
+    ids = torch.randint(0, 2048, (2, 200), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(ours)
+    with torch.no_grad():
+        eager = ours(ids).logits
+        got = compiled(ids).logits
+    ok, err, scale = logits_close(got, eager, torch.float16)
+    print(f"compiled logits: max abs diff {err:.3e}, logit scale {scale:.3e}")
+    assert ok, (err, scale)

@@ -226,7 +226,7 @@ def rename_op(source: str, suffix: str, origin: str = "<source>", required: bool
     that registers an op without an OP_NAME line is refused."""
     renamed, count = re.subn(r'^OP_NAME = "specgen::(\w+)"$', rf'OP_NAME = "specgen::\1_{suffix}"',
                              source, count=1, flags=re.M)
-    if not count and (required or "torch.library.custom_op" in source):
+    if not count and (required or re.search(r"torch\.library\.(custom_op|Library)\(", source)):
         raise ValueError(f"{origin}: no OP_NAME line to rename; is it a module specgen generated?")
     return renamed
 

@@ -343,3 +343,23 @@ def test_vmap_takes_the_op(name):
         batched = torch.func.vmap(lambda *a: module.attention(*a, **kwargs))(*stacked)
         for i, (args, _) in enumerate(calls):
             assert torch.equal(batched[i], module.attention(*args, **kwargs))
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_decode_gqa8_bf16"])
+def test_a_tensor_subclass_given_only_as_out_takes_the_op(name, monkeypatch):
+    """A subclass dispatches the op itself, wherever it is among the call's tensors:
+    out= too, not only q, k and v."""
+    module = _module(name)
+    out_op = _Counted(module._OUT_OP)
+    monkeypatch.setattr(module, "_OUT_OP", out_op)
+    args, kwargs = _inputs(module, torch.Generator().manual_seed(17))
+
+    class Marked(torch.Tensor):
+        pass
+
+    with emulate.emulating():
+        want = module.attention(*args, **kwargs)
+        assert out_op.calls == 0
+        out = torch.empty_like(want).as_subclass(Marked)
+        module.attention(*args, out=out, **kwargs)
+    assert out_op.calls == 1 and torch.equal(out.as_subclass(torch.Tensor), want)

@@ -363,3 +363,36 @@ def test_a_tensor_subclass_given_only_as_out_takes_the_op(name, monkeypatch):
         out = torch.empty_like(want).as_subclass(Marked)
         module.attention(*args, out=out, **kwargs)
     assert out_op.calls == 1 and torch.equal(out.as_subclass(torch.Tensor), want)
+
+
+@pytest.mark.parametrize("name", ["fmha_varlen_llama", "fmha_decode_gqa8_bf16", "fmha_vit_dropout"])
+def test_ints_computed_in_the_compiled_code_reach_the_op(name, monkeypatch):
+    """An int argument that the compiled code computes from a tensor (.item() with
+    capture_scalar_outputs: an unbacked SymInt, whose value a range check cannot
+    compare) goes to the op, which checks it when the code runs; the call gave
+    "Could not guard on data-dependent expression u0 < 0"."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    module = _module(name)
+    args, kwargs = _inputs(module, torch.Generator().manual_seed(18))
+    if name == "fmha_varlen_llama":
+        kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None)
+
+        def call(*args):
+            cu = kwargs["cu_seqlens_q"]
+            longest = (cu[1:] - cu[:-1]).max().item()
+            longest_k = (kwargs["cu_seqlens_k"][1:] - kwargs["cu_seqlens_k"][:-1]).max().item()
+            return module.attention(*args, **dict(kwargs, max_seqlen_q=longest, max_seqlen_k=longest_k))
+    elif name == "fmha_decode_gqa8_bf16":
+        def call(*args):
+            return module.attention(*args, max_seq_len=args[3].max().item(), **kwargs)
+    else:
+        seed = torch.tensor(kwargs.pop("seed"))
+
+        def call(*args):
+            return module.attention(*args, seed=seed.item(), **kwargs)
+
+    torch._dynamo.reset()
+    with emulate.emulating():
+        want = call(*args)
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(*args)
+    assert _same(got, want)

@@ -398,3 +398,40 @@ def test_a_model_of_sliding_and_full_layers_runs_a_kernel_for_each():
     single = tf_integration.make_attention_function(full)
     with pytest.raises(ValueError, match=re.escape("register([sliding_spec, full_spec])")):
         single(layer, q, kv, kv, None, sliding_window=8)
+
+
+def test_a_compiled_model_neither_recompiles_nor_breaks_on_the_adapters_counts():
+    """torch.compile(fullgraph=True) of a model on a generated module (emulated): the
+    adapter's stats read and written in the traced code were guarded on their values
+    (a recompile on every forward; the 9th raised FailOnRecompileLimitHit, and without
+    fullgraph the model ran eagerly from then on), and the first fallback's warning
+    was a graph break (Unsupported under fullgraph). Under Dynamo a call is counted
+    when traced, once per graph."""
+    from torch._dynamo.utils import counters
+
+    from specgen.check import emulate
+    from .helpers import emulated_spec_module, prefill_variant_data
+
+    data = prefill_variant_data("tf_compile", {"dtype": "bfloat16", "head_dim": 32, "gqa_ratio": 2})
+    module = emulated_spec_module(data, "tf_compile")
+    function = tf_integration.register(module, name="specgen-cpu-compile")
+    model = qwen2_model("specgen-cpu-compile", "tiny", torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad(), emulate.emulating(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eager = model(ids).logits
+        eager_padded = model(ids[1:], attention_mask=mask[1:]).logits
+        assert function.stats == {"kernel": 2, "fallback": 2}
+        function.stats.update(kernel=0, fallback=0)  # the first fallback warns again
+        for _ in range(10):
+            assert torch.equal(compiled(ids).logits, eager)
+        for _ in range(3):
+            assert torch.equal(compiled(ids[1:], attention_mask=mask[1:]).logits, eager_padded)
+    assert counters["stats"]["unique_graphs"] == 2  # with a mask and without
+    assert function.stats == {"kernel": 2, "fallback": 2}  # each layer's call, traced once
+    assert sum("runs transformers' sdpa instead" in str(w.message) for w in caught) == 2

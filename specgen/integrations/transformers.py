@@ -18,7 +18,10 @@ fallback is transformers' own sdpa function, or, for a spec with a soft-cap or
 sinks (which sdpa cannot apply), attention written in float32 torch operations
 with the mask, the soft-cap and the sinks, as transformers' eager layers compute
 it. ``stats`` on the returned function counts both kinds of call, and the first
-fallback warns once.
+fallback warns once. Under torch.compile a call is counted (and warned about) when
+it is traced, once per compiled graph, not each time the compiled code runs: the
+counts are never read or written in the traced code, where Dynamo guarded on them
+(a recompile per forward) and the warning broke the graph.
 
 What the layer asks for is checked against the spec before any launch, with a
 ValueError that names both sides: causal or not, the GQA ratio, a sliding window
@@ -235,6 +238,21 @@ def _dispatching_function(modules: list) -> Callable:
     return attention_function
 
 
+def _when_traced(at_trace: Callable, count: Callable[[], None]) -> None:
+    """Count a call (``stats``, the first fallback's warning) from code that a tracer
+    runs. torch.compile's Dynamo calls ``at_trace`` (``count`` taking comptime's
+    context) while it traces, so a call is counted once per traced graph, not each
+    time the compiled code runs: read or written in the traced code, the counts were
+    guarded (a recompile on every call, the model run eagerly past the recompile
+    limit, FailOnRecompileLimitHit under fullgraph=True) and the warning was a graph
+    break. Other tracers (torch.export's non-strict mode) run Python: ``count`` runs.
+    ``at_trace`` is made before tracing (comptime refuses a function that the traced
+    code makes with free variables)."""
+    from torch._dynamo.comptime import comptime
+
+    comptime(at_trace, count)
+
+
 def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> Callable:
     """One kernel's attention function; ``stats`` counts its calls. ``in_list``: one of
     several registered together (its refusals do not suggest registering a list)."""
@@ -334,21 +352,34 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
             )
         return extra
 
+    def count_kernel() -> None:
+        stats["kernel"] += 1
+
+    def count_fallback() -> None:
+        stats["fallback"] += 1
+        if stats["fallback"] == 1:
+            warnings.warn(
+                f"specgen {name}: a call with an attention mask (padding, or a "
+                "filled cache under chunked prefill) runs "
+                + ("float32 torch attention (soft-cap, sinks)" if torch_fallback
+                   else "transformers' sdpa")
+                + " instead; see specgen.integrations.transformers",
+                stacklevel=3,
+            )
+
+    # count_kernel and count_fallback as comptime calls them under torch.compile.
+    kernel_at_trace = lambda ctx: count_kernel()  # noqa: E731
+    fallback_at_trace = lambda ctx: count_fallback()  # noqa: E731
+
     def attention_function(layer, query, key, value, attention_mask, scaling=None,
                            dropout=0.0, **kwargs):
         extra = check(layer, query, key, value, float(dropout or 0.0), kwargs)
         scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if attention_mask is not None:
-            stats["fallback"] += 1
-            if stats["fallback"] == 1:
-                warnings.warn(
-                    f"specgen {name}: a call with an attention mask (padding, or a "
-                    "filled cache under chunked prefill) runs "
-                    + ("float32 torch attention (soft-cap, sinks)" if torch_fallback
-                       else "transformers' sdpa")
-                    + " instead; see specgen.integrations.transformers",
-                    stacklevel=2,
-                )
+            if torch.compiler.is_compiling():
+                _when_traced(fallback_at_trace, count_fallback)
+            else:
+                count_fallback()
             if torch_fallback:
                 return masked_attention(query, key, value, attention_mask, scale=scale,
                                         softcap=spec.get("softcap"), sinks=extra.get("sinks"),
@@ -380,7 +411,10 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
             # transposed view of it: no copy of the output follows.
             out = query.new_empty((query.shape[0], q_len, query.shape[1], v_head_dim))
             kernel(query, key, value, scale=scale, q_offset=q_offset, out=out.transpose(1, 2), **extra)
-        stats["kernel"] += 1
+        if torch.compiler.is_compiling():
+            _when_traced(kernel_at_trace, count_kernel)
+        else:
+            count_kernel()
         return out, None
 
     attention_function.stats = stats

@@ -77,6 +77,16 @@ def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
     return plan, render(plan, spec_path).text
 
 
+def same_tensors(a, b) -> bool:
+    """Whether two outputs (a tensor, or a tuple of them) agree bit for bit, in shape
+    and in strides."""
+    import torch
+
+    if isinstance(a, tuple):
+        return all(same_tensors(x, y) for x, y in zip(a, b, strict=True))
+    return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+
+
 def emulated_module(name: str, tag: str, source: str | None = None):
     """The generated module ``name`` (or ``source``, rendered in its place) with its
     kernels emulated on the CPU, loaded afresh under the module name

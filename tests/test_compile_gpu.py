@@ -16,7 +16,7 @@ from specgen.check.cases import (
     shape_dims,
 )
 
-from .helpers import generated_module
+from .helpers import generated_module, same_tensors
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,12 +46,6 @@ def _inputs(mod, gen):
     return (q, k, v), dict(q_offset=667, **extra)
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, tuple):
-        return all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
-
-
 @pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_fp8_llama", "fmha_varlen_llama",
                                   "fmha_document_mask", "fmha_gptoss_sinks",
                                   "fmha_decode_gqa8_bf16", "fmha_decode_gqa8_fp8kv",
@@ -73,7 +67,7 @@ def test_inductor_compiles_forward_only_modules_without_a_graph_break(name):
     torch._dynamo.reset()
     eager = mod.attention(*args, **kwargs)
     compiled = torch.compile(layer, fullgraph=True)(*args)
-    assert _same(compiled, eager)
+    assert same_tensors(compiled, eager)
     first = eager[0] if isinstance(eager, tuple) else eager
     out = torch.full_like(first, float("nan"))
     written = torch.compile(layer_out, fullgraph=True)(out, *args)

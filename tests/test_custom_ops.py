@@ -15,7 +15,7 @@ from specgen.check.cases import (
 )
 from specgen.check.runner import Case, run_case
 
-from .helpers import ROOT, emulated_module
+from .helpers import ROOT, emulated_module, same_tensors
 
 SPEC_NAMES = sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
 INFERENCE_NAMES = [n for n in SPEC_NAMES if not n.startswith("fmha_train")]
@@ -83,12 +83,6 @@ def _with_map(module, args, kwargs) -> None:
                                                         device="cpu", **tensors)
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, tuple):
-        return all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
-
-
 @pytest.mark.parametrize("name", INFERENCE_NAMES)
 def test_every_forward_only_module_runs_through_its_ops(name, monkeypatch):
     """A call that takes the ops (as under a tracer) checks out against the fp64
@@ -108,7 +102,7 @@ def test_every_forward_only_module_runs_through_its_ops(name, monkeypatch):
         traced = module.attention(*args, **kwargs)
         assert (op.calls, out_op.calls) == (1, 1)
         eager = module._forward(*args, **kwargs)
-    assert _same(traced, eager)
+    assert same_tensors(traced, eager)
 
 
 # One module of each kind of argument the ops carry: positions, float8 descales
@@ -190,7 +184,7 @@ def test_forward_only_modules_compile_without_a_graph_break(name):
         first = eager[0] if isinstance(eager, tuple) else eager
         out = torch.full_like(first, float("nan"))
         written = torch.compile(call_out, fullgraph=True, backend="aot_eager")(out, *args)
-    assert _same(compiled, eager)
+    assert same_tensors(compiled, eager)
     assert torch.equal(out, first) and written.data_ptr() == out.data_ptr()
 
 
@@ -252,7 +246,7 @@ def test_calls_through_the_ops_keep_no_buffers(name, monkeypatch):
             traced = module.attention(*args, **kwargs)
         assert not any(caches), caches
         eager = module.attention(*args, **kwargs)
-    assert any(caches) and _same(traced, eager)
+    assert any(caches) and same_tensors(traced, eager)
 
 
 @pytest.mark.parametrize("name", ["fmha_document_mask", "fmha_decode_chunked_local"])
@@ -272,7 +266,7 @@ def test_a_compiled_call_refuses_a_map_whose_sources_were_written(name):
     torch._dynamo.reset()
     with emulate.emulating():
         compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
-        assert _same(compiled(*args), module._forward(*args, **kwargs))
+        assert same_tensors(compiled(*args), module._forward(*args, **kwargs))
         source.add_(0)  # written in place: the map may list the wrong tiles
         with pytest.raises(ValueError, match="was written after block_map was built"):
             module.attention(*args, **kwargs)
@@ -315,7 +309,7 @@ def test_a_block_map_under_fake_tracers_is_recorded():
         for mode in ("fake", "symbolic"):
             graph = make_fx(lambda *a: module.attention(*a, **kwargs), tracing_mode=mode,
                             _allow_non_fake_inputs=True)(*args)
-            assert _same(graph(*args), eager)
+            assert same_tensors(graph(*args), eager)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             fakes = [fake.from_tensor(t) for t in args]
             doc = fake.from_tensor(kwargs["doc"])
@@ -327,7 +321,7 @@ def test_a_block_map_under_fake_tracers_is_recorded():
     with emulate.emulating():
         graph = make_fx(lambda *a: decode.attention(*a, **kwargs), tracing_mode="fake",
                         _allow_non_fake_inputs=True)(*args)
-        assert _same(graph(*args), decode.attention(*args, **kwargs))
+        assert same_tensors(graph(*args), decode.attention(*args, **kwargs))
 
 
 @pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_decode_gqa8_bf16"])
@@ -395,4 +389,4 @@ def test_ints_computed_in_the_compiled_code_reach_the_op(name, monkeypatch):
     with emulate.emulating():
         want = call(*args)
         got = torch.compile(call, fullgraph=True, backend="aot_eager")(*args)
-    assert _same(got, want)
+    assert same_tensors(got, want)

@@ -459,8 +459,9 @@ def launch(stream, grid, kernel, args, **options):
     """Run every CTA of the grid, x fastest, each to its end before the next starts
     (a schedule every launch option, programmatic dependent launch included, allows)."""
     fn = getattr(kernel, "_pyfunc", kernel)
-    # A GPU kernel is invisible to autograd: so is its emulation.
-    with torch.no_grad():
+    # A GPU kernel is invisible to autograd and to autocast: so is its emulation
+    # (under CPU autocast, its torch operations would run in the autocast's dtype).
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
         _run_grid(fn, grid, args)
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import random
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -270,6 +269,18 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
     dtype, head_dim = getattr(torch, spec["dtype"]), spec["head_dim"]
     v_head_dim = spec.get("v_head_dim") or head_dim
 
+    def autocast(*tensors):
+        """Inside torch.autocast whose lower precision is the spec's dtype, the layer's
+        float32 (or other half-precision) query, key and value in that dtype, as sdpa
+        takes them: mixed-precision training keeps float32 weights, and rotary
+        embeddings in float32 make the query and key float32 while the value is not."""
+        device = tensors[0].device.type
+        if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != dtype:
+            return tensors
+        # float64 (and float8) stay as given, and are refused: autocast leaves float64 alone.
+        castable = (torch.float32, torch.float16, torch.bfloat16)
+        return tuple(t.to(dtype) if t.dtype in castable else t for t in tensors)
+
     def needs_grad(*tensors) -> bool:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in tensors)
@@ -343,8 +354,11 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                     f"specgen {name}: the layer asks for attention dropout {dropout} and "
                     "the spec has dropout: false"
                 )
-            # A fresh seed per call from Python's RNG: no device sync.
-            extra.update(dropout_p=dropout, seed=random.randrange(2**31 - 1))
+            # A fresh seed per call from torch's CPU generator (no device sync), so
+            # that torch.manual_seed reproduces a run and activation checkpointing,
+            # which restores torch's RNG state before it recomputes a layer, draws
+            # the forward's seed again: the backward then drops the same weights.
+            extra.update(dropout_p=dropout, seed=int(torch.randint(2**31 - 1, ())))
         if needs_grad(query, key, value, sinks) and not spec.get("backward"):
             raise ValueError(
                 f"specgen {name}: gradients are required and the spec has no backward "
@@ -373,6 +387,7 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
 
     def attention_function(layer, query, key, value, attention_mask, scaling=None,
                            dropout=0.0, **kwargs):
+        query, key, value = autocast(query, key, value)
         extra = check(layer, query, key, value, float(dropout or 0.0), kwargs)
         scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if attention_mask is not None:

@@ -184,3 +184,24 @@ def test_the_adapters_dropout_compiles_whole_with_the_eager_seed():
         first.float().sum().backward()
     assert torch.equal(first, eager) and not torch.equal(first, second)
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in (q, k, v))
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_decode_gqa8_bf16"])
+def test_forward_only_modules_refuse_forward_mode_ad(name):
+    """torch.func.jvp through a forward-only module gave an all-zero tangent, and a
+    dual tensor's tangent was dropped: both are a ValueError before any launch."""
+    import torch.autograd.forward_ad as fwAD
+
+    module = emulated_module(name, "fwad")
+    if module.SPEC["family"] == "decode":
+        batch = random_decode(module.SPEC, [17, 30], 2, 1, GEN().manual_seed(4), device="cpu")
+        q, *rest = batch.args()[:4]
+    else:
+        (q, *rest), _ = _prefill_inputs(module)
+    with emulate.emulating():
+        with pytest.raises(ValueError, match="no forward-mode derivative"):
+            torch.func.jvp(lambda q: module.attention(q, *rest), (q,), (torch.ones_like(q),))
+        with fwAD.dual_level(), pytest.raises(ValueError, match="no forward-mode derivative"):
+            module.attention(fwAD.make_dual(q, torch.ones_like(q)), *rest)
+        with fwAD.dual_level():  # a dual level without dual inputs is an ordinary call
+            module.attention(q, *rest)

@@ -249,3 +249,18 @@ def test_prescale_is_float32_arithmetic_on_the_host(extra):
         assert eval(plan.bwd_prescale_host, namespace, {"scale": scale}) == want, scale
     inference = render_spec_data({**data, "backward": False})[1]
     assert "import struct" not in inference  # only a backward needs it
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gemma2", "fmha_train_document",
+                                  "fmha_train_gptoss_sinks"])
+def test_attention_documents_what_it_returns(name):
+    """A training module's attention() returns (out, lse) only where the spec has
+    return_lse; its docstring said (out, lse) for every training module (the
+    launcher's, which returns the LSE for the backward)."""
+    tree = ast.parse(_text(name))
+    doc = next(ast.get_docstring(n) for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "attention")
+    returns = doc[doc.index("Returns:"):doc.index("Raises:")]
+    if "\nreturn_lse: true" in (ROOT / "specs" / f"{name}.yaml").read_text():
+        assert "(out, lse)" in returns
+    else:
+        assert "(out, lse)" not in returns and "The output, [B, Hq, Sq," in returns

@@ -1421,6 +1421,62 @@ def test_a_second_derivative_through_the_eager_backward_is_refused_not_dropped()
             torch.autograd.grad(dq.float().square().sum(), v)
 
 
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks", "fmha_train_document"])
+def test_torch_func_grad_and_vjp_give_the_backward_gradients(name):
+    """torch.func.grad and torch.func.vjp through a training module's attention were
+    refused in torch's words ("it must override the setup_context staticmethod": the
+    op's autograd is an autograd.Function torch.func cannot transform). Under Grad
+    transforms only, the call takes _EagerAttention, run on the unwrapped tensors:
+    the same bits as loss.backward(); a second derivative is refused."""
+    module = _module(name)
+    g = torch.Generator().manual_seed(12)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(1, hq, 40, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 40, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    extra = [torch.randn(hq, generator=g)] if module.SPEC.get("sinks") else []
+    doc = {"doc": torch.tensor([[0] * 15 + [1] * 25], dtype=torch.int32)} if name.endswith("document") else {}
+
+    def call(q, k, v, *sinks):
+        out = module.attention(q, k, v, **doc, **({"sinks": sinks[0]} if sinks else {}))
+        return out if isinstance(out, tuple) else (out,)
+
+    def loss(*inputs):
+        return sum(t.float().square().sum() for t in call(*inputs))
+
+    argnums = tuple(range(3 + len(extra)))
+    with emulate.emulating():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, *extra)]
+        want = torch.autograd.grad(loss(*leaves), leaves)
+        got = torch.func.grad(loss, argnums=argnums)(q, k, v, *extra)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        outs, vjp = torch.func.vjp(call, q, k, v, *extra)
+        cotangents = tuple(2 * t.float().to(t.dtype) for t in outs)
+        assert all(torch.equal(a, b) for a, b in zip(vjp(cotangents), want))
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.func.grad(lambda q: torch.func.grad(loss)(q, k, v, *extra).float().sum())(q)
+
+
+@pytest.mark.parametrize("mode", ["func_jvp", "jacfwd", "forward_ad"])
+def test_forward_mode_ad_is_refused_not_a_zero_tangent(mode):
+    """The ops have no forward derivative and torch does not refuse one:
+    torch.func.jvp gave an all-zero tangent (the true one's norm ~35), and a dual
+    tensor's tangent was dropped by the kernels' plain output. Both are a ValueError."""
+    import torch.autograd.forward_ad as fwAD
+
+    module = _module("fmha_train_gqa_causal")
+    g = torch.Generator().manual_seed(13)
+    q = torch.randn(1, 4, 20, 128, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 20, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    with emulate.emulating(), pytest.raises(ValueError, match="no forward-mode derivative"):
+        if mode == "func_jvp":
+            torch.func.jvp(lambda q: module.attention(q, k, v), (q,), (torch.ones_like(q),))
+        elif mode == "jacfwd":
+            torch.func.jacfwd(lambda q: module.attention(q, k, v).float().sum())(q)
+        else:
+            with fwAD.dual_level():
+                module.attention(fwAD.make_dual(q, torch.ones_like(q)), k, v)
+
+
 def test_a_sparse_or_broadcast_output_gradient():
     """A sparse output gradient reached .contiguous() and failed in torch's words; it is
     a ValueError naming the layout. A broadcast one (stride 0 outside D) is copied

@@ -149,7 +149,7 @@ ALLOWED_TOP_CALLS = {"_register", "_lookup", "math.log", "math.sqrt", "_AotStore
                      "frozenset",
                      # a block map's sources by its counts, for the custom ops
                      "torch.utils.weak.WeakIdKeyDictionary"}
-ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention", "_FuncGrads"}
+ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention", "_FuncAttention", "_FuncGrads"}
 
 
 def _check_module_text(text: str, spec_dict: dict) -> None:

@@ -745,6 +745,72 @@ def test_the_v_transpose_kernel_copies_v_exactly(label):
             module.transposed_v(torch.zeros(1, 1, width, 4).to(dtype).transpose(2, 3))
 
 
+@pytest.mark.parametrize("label", ["float8", "float16_by_seq_k"])
+def test_a_v_made_by_transposed_v_is_read_as_it_is(label):
+    """attention(..., v_transposed=True) takes transposed_v's [B, Hkv, Dv, Skv] (made
+    once where a cache is written) and launches no copy: the same bits as V as given,
+    eagerly and through the op. A config that reads V as given (float16 here, keys up
+    to 64) copies it back. A V of another layout, or rows not 16-byte aligned, is a
+    ValueError."""
+    if label == "float8":
+        module = _module("fmha_fp8_llama")
+        dtype, width, kv_heads = torch.float8_e4m3fn, 128, 1
+    else:
+        data = prefill_variant_data("v_pre", {
+            "head_dim": 96, "v_head_dim": 80, "prescale_q": False, "gqa_ratio": 2,
+            "targets": {"default": {"tile_m": 64, "tile_n": 64, "v_transposed": True,
+                                    "by_seq_k": [{"max_seq_k": 64, "tile_m": 64, "tile_n": 64,
+                                                  "v_transposed": False}]}}})
+        module = _emulated(data, "v_pre")
+        dtype, width, kv_heads = torch.float16, 80, 2
+    hq, d = kv_heads * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    gen = torch.Generator().manual_seed(8)
+    launches, run = [], module.ct.launch
+
+    def record(stream, grid, kernel, args, **options):
+        launches.append(getattr(kernel, "__name__", str(kernel)))
+        run(stream, grid, kernel, args, **options)
+
+    for keys in (40, 131):  # the float16 variant reads V as given up to 64 keys
+        q = torch.randn(1, hq, 50, d, generator=gen).to(dtype)
+        k = torch.randn(1, kv_heads, keys, d, generator=gen).to(dtype)
+        v = torch.randn(1, kv_heads, keys, width, generator=gen).to(dtype)
+        with emulate.emulating():
+            v_t = module.transposed_v(v)
+            module.ct.launch = record
+            try:
+                want = module.attention(q, k, v)
+                as_given = len(launches)
+                got = module.attention(q, k, v_t, v_transposed=True)
+            finally:
+                module.ct.launch = run
+            assert torch.equal(got, want), keys
+            # V as given: the copy and the attention where the config reads V
+            # transposed; the V that transposed_v made: the attention alone.
+            reads_vt = module._launch_config(q.device, keys)[0].get("v_transposed")
+            assert (as_given, len(launches) - as_given) == (2 if reads_vt else 1, 1), (keys, launches)
+            launches.clear()
+            original = module._eager
+            module._eager = lambda values: False
+            try:
+                assert torch.equal(module.attention(q, k, v_t, v_transposed=True), want)
+            finally:
+                module._eager = original
+    with emulate.emulating():
+        with pytest.raises(ValueError, match="v_transposed must be True or False"):
+            module.attention(q, k, v_t, v_transposed=1)
+        with pytest.raises(ValueError, match=r"v with v_transposed=True must be transposed_v\(v\)'s"):
+            module.attention(q, k, v, v_transposed=True)  # V as given
+        with pytest.raises(ValueError, match="v seen as"):  # another key count
+            module.attention(q, k, v_t[..., :-1], v_transposed=True)
+        unaligned = torch.zeros(1, kv_heads, width, keys + 1).to(dtype)[..., 1:]
+        with pytest.raises(ValueError, match="16-byte aligned, as transposed_v"):
+            module.attention(q, k, unaligned, v_transposed=True)
+        odd_rows = torch.zeros(1, kv_heads, width, keys).to(dtype)  # 131 keys a row
+        with pytest.raises(ValueError, match="16-byte aligned, as transposed_v"):
+            module.attention(q, k, odd_rows, v_transposed=True)
+
+
 # --- backward: true on every shipped prefill spec ------------------------------------
 
 

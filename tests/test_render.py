@@ -314,7 +314,9 @@ def test_float8_attention_waits_for_the_v_transpose_before_reading_v():
     assert "if V_TRANSPOSED:\n        # V comes from transposed_v's kernel" in kernel
     transpose = kernel_source(text, "fmha_transpose_v_")
     assert transpose.split('"""')[2].strip().splitlines()[2].strip() == "ct.grid_dependency_control_launch_dependents()"
-    assert "programmatic_dependent_launch=pdl" in text and "pdl = bool(v_transposed and V_PDL) and _device_configs(q.device)[1] >= 9" in text
+    # Only after a copy: a V that transposed_v made (v_transposed=True) launches no kernel before.
+    assert "programmatic_dependent_launch=pdl" in text and "pdl = bool(copy_v and V_PDL) and _device_configs(q.device)[1] >= 9" in text
+    assert "copy_v = read_vt and not v_transposed" in text
 
 
 def test_an_opt_level_left_out_is_the_compilers_3_in_a_by_target():

@@ -80,6 +80,6 @@ def prefill_params(plan) -> tuple[Param, ...]:
         params.append(Param("TILES_OUTER", "constant", "tiles_outer", annotation="ConstBool",
                             role="tiles_outer"))
     if plan.v_layout_param:
-        params.append(Param("V_TRANSPOSED", "constant", "v_transposed", annotation="ConstBool",
+        params.append(Param("V_TRANSPOSED", "constant", "read_vt", annotation="ConstBool",
                             role="v_transposed"))
     return tuple(params)

@@ -248,6 +248,7 @@ LAUNCHER_ARGUMENTS = frozenset({
     "q_descale_t", "k_descale_t", "v_descale_t",  # float8, as the custom ops take them
     "cached",  # decode and float8: whether a call keeps its buffers
     "dropout_p", "seed",  # dropout
+    "v_transposed",  # a V that transposed_v made
     "k_cache", "v_cache", "seq_lens", "page_table", "max_seq_len",  # decode
     "lse", "dout", "exact_delta",  # backward
     "map_counts", "map_indices", "map_sizes", "dq_counts", "dq_indices", "kv_counts", "kv_indices", "counts",
@@ -291,7 +292,7 @@ RESERVED_NAMES = LAUNCHER_ARGUMENTS | frozenset({
     "score", "b", "h", "q_idx", "kv_idx", "num_kv_heads", "name", "t", "want",
     "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
     "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
-    "expected", "dims", "tensors", "got", "dtype",
+    "expected", "dims", "tensors", "got", "dtype", "v_rows", "read_vt", "copy_v", "v_arg",
 })
 
 

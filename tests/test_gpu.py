@@ -392,6 +392,34 @@ def test_fp8_descales_are_checked_and_applied():
     assert torch.allclose(doubled.float(), 2 * base.float(), rtol=1e-2, atol=1e-2)
 
 
+
+@pytest.mark.parametrize("seq_k", [100, 3000])  # both sm_90 configs (64x128 up to 2k keys, 128x256)
+def test_fp8_prefill_takes_a_v_that_transposed_v_made(seq_k):
+    """attention(..., v_transposed=True) on transposed_v's V: bit for bit the call
+    with V as given (which copies V every call), eagerly and in a CUDA graph."""
+    mod = generated_module("fmha_fp8_llama")
+    gen = torch.Generator(device="cuda").manual_seed(seq_k)
+    q = torch.randn(2, 16, 333, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+    k, v = (torch.randn(2, 2, seq_k, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+            for _ in range(2))
+    want = mod.attention(q, k, v, q_descale=0.5, v_descale=0.25)
+    v_t = mod.transposed_v(v)
+    got = mod.attention(q, k, v_t, q_descale=0.5, v_descale=0.25, v_transposed=True)
+    assert torch.equal(got, want)
+    out = torch.empty_like(want)
+    graph = torch.cuda.CUDAGraph()
+    mod.attention(q, k, v_t, out=out, q_descale=0.5, v_descale=0.25, v_transposed=True)  # warm
+    with torch.cuda.graph(graph):
+        mod.attention(q, k, v_t, out=out, q_descale=0.5, v_descale=0.25, v_transposed=True)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        mod.attention(q, k, torch.empty(2, 2, 128, seq_k + 1, device="cuda").to(torch.float8_e4m3fn)[..., 1:],
+                      v_transposed=True)
+
+
 # --- decode family -------------------------------------------------------------
 
 DECODE_VARIANTS = {

@@ -205,3 +205,104 @@ def test_forward_only_modules_refuse_forward_mode_ad(name):
             module.attention(fwAD.make_dual(q, torch.ones_like(q)), *rest)
         with fwAD.dual_level():  # a dual level without dual inputs is an ordinary call
             module.attention(q, *rest)
+
+
+def test_the_adapters_masked_fallback_stays_float32_under_autocast():
+    """A sinks spec's masked call runs masked_attention, float32 torch attention: inside
+    autocast its matmuls ran in bfloat16 (7x the error against a float64 reference:
+    0.052 against 0.0078), unlike the same call outside autocast."""
+    pytest.importorskip("transformers")
+    from specgen.integrations.transformers import make_attention_function
+
+    module = emulated_module("fmha_gptoss_sinks", "autocast_masked")
+    function = make_attention_function(module)
+    q, k, v = random_qkv(module.SPEC, 1, 2, 64, 64, generator=GEN().manual_seed(0), device="cpu")
+    q = q * 4
+    sinks = torch.randn(q.shape[1], generator=GEN().manual_seed(1))
+    mask = torch.ones(1, 1, 64, 64, dtype=torch.bool).tril()
+    mask[..., :3] = False
+    kwargs = dict(s_aux=sinks, scaling=0.125)
+    if module.SPEC.get("window"):
+        kwargs["sliding_window"] = module.SPEC["window"]["left"] + 1
+    with emulate.emulating(), torch.no_grad(), pytest.warns(UserWarning):
+        expected, _ = function(_layer(module), q, k, v, mask, **kwargs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, _ = function(_layer(module), q.float(), k.float(), v, mask, **kwargs)
+    assert torch.equal(got, expected)
+
+
+def test_the_adapter_on_meta_tensors_reads_no_meta_autocast_state():
+    """A model on the meta device: torch.is_autocast_enabled('meta') is a RuntimeError,
+    so the adapter asks it nothing there; its own checks and the sdpa fallback run."""
+    pytest.importorskip("transformers")
+    from specgen.integrations.transformers import make_attention_function
+
+    module = emulated_module("fmha_gqa8_bf16", "autocast_meta")
+    function = make_attention_function(module)
+    d, ratio = module.SPEC["head_dim"], module.SPEC["gqa_ratio"]
+    q = torch.empty(1, ratio, 16, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 1, 16, d, dtype=torch.bfloat16, device="meta")
+    mask = torch.ones(1, 1, 16, 16, dtype=torch.bool, device="meta")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="float32 with head_dim"):
+            function(_layer(module), q.float(), k, k, None)
+        with pytest.warns(UserWarning):
+            out, _ = function(_layer(module), q, k, k, mask)
+    assert out.device.type == "meta" and out.shape == (1, 16, ratio, d)
+
+
+@pytest.mark.parametrize("tracer", ["make_fx", "export"])
+def test_the_adapters_dropout_seed_is_a_constant_of_a_non_dynamo_trace(tracer):
+    """make_fx and torch.export's non-strict mode trace the adapter's dropout call: the
+    seed is drawn from torch's CPU generator at trace time (a traced draw's int() is
+    data-dependent, which they refuse), as Python's random draw was."""
+    pytest.importorskip("transformers")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from specgen.integrations.transformers import make_attention_function
+
+    module = emulated_spec_module(trained_spec_data("fmha_vit_dropout"), "seed_trace")
+    function, owner = make_attention_function(module), _layer(module)
+    q, k, v = (t.requires_grad_() for t in random_qkv(
+        module.SPEC, 1, 2, 40, 40, generator=GEN().manual_seed(0), device="cpu"))
+
+    def layer(q, k, v):
+        return function(owner, q, k, v, None, dropout=0.3)[0]
+
+    class Layer(torch.nn.Module):
+        def forward(self, q, k, v):
+            return layer(q, k, v)
+
+    with emulate.emulating():
+        if tracer == "make_fx":
+            make_fx(layer, tracing_mode="fake")(q, k, v)
+        else:
+            torch.export.export(Layer(), (q, k, v), strict=False)
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_train_gqa_causal", "fmha_decode_gqa8_bf16"])
+def test_jvp_through_a_function_whose_attention_inputs_are_constants_runs(name):
+    """Inside torch.func.jvp (and jacfwd), a call on tensors the function closes over
+    (not derived from jvp's primals) has a zero tangent, rightly: the forward-mode
+    refusal asked only whether jvp was on the stack, and refused it."""
+    module = emulated_module(name, "jvp_const")
+    if module.SPEC["family"] == "decode":
+        batch = random_decode(module.SPEC, [17, 30], 2, 1, GEN().manual_seed(4), device="cpu")
+        args = batch.args()[:4]
+    else:
+        args, _ = _prefill_inputs(module)
+    x = torch.randn(3, generator=GEN().manual_seed(5))
+
+    def f(x):
+        out = module.attention(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        return x * 2 + out.float().mean()
+
+    with emulate.emulating():
+        expected = f(x)
+        primal, tangent = torch.func.jvp(f, (x,), (torch.ones(3),))
+        jacobian = torch.func.jacfwd(f)(x)
+        with pytest.raises(ValueError, match="no forward-mode derivative"):
+            torch.func.jvp(lambda q: module.attention(q, *args[1:]), (args[0],), (torch.ones_like(args[0]),))
+    assert torch.equal(primal, expected) and torch.equal(tangent, torch.full((3,), 2.0))
+    assert torch.equal(jacobian, 2 * torch.eye(3))

@@ -138,6 +138,11 @@ def _module_from_spec(path: Path) -> ModuleType:
     return load_module_from_source(plan.module_name, rendered.text, f"<specgen {path}>")
 
 
+# The devices whose autocast state the adapter reads (torch.is_autocast_enabled raises
+# for some others, such as meta).
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
 def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sinks=None,
                      dropout: float = 0.0):
     """Attention under a transformers mask, in float32 torch operations: the fallback
@@ -152,6 +157,20 @@ def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sin
     (one per query head) joins every row's normaliser. Returns [B, Sq, Hq, Dv] in the
     query's dtype.
     """
+    import torch
+
+    # Inside torch.autocast (mixed-precision training) the matmuls would run in its
+    # lower precision: the scores and the weighted sum in bfloat16, not float32.
+    device = query.device.type
+    if torch._C._is_any_autocast_enabled() and device in _AUTOCAST_DEVICES:
+        with torch.autocast(device, enabled=False):
+            return _masked_attention(query, key, value, mask, scale=scale, softcap=softcap,
+                                     sinks=sinks, dropout=dropout)
+    return _masked_attention(query, key, value, mask, scale=scale, softcap=softcap,
+                             sinks=sinks, dropout=dropout)
+
+
+def _masked_attention(query, key, value, mask, *, scale, softcap, sinks, dropout):
     import torch
 
     groups = query.shape[1] // key.shape[1]
@@ -274,12 +293,30 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
         float32 (or other half-precision) query, key and value in that dtype, as sdpa
         takes them: mixed-precision training keeps float32 weights, and rotary
         embeddings in float32 make the query and key float32 while the value is not."""
+        if not torch._C._is_any_autocast_enabled():
+            return tensors
         device = tensors[0].device.type
-        if not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) != dtype:
+        if (device not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(device)
+                or torch.get_autocast_dtype(device) != dtype):
             return tensors
         # float64 (and float8) stay as given, and are refused: autocast leaves float64 alone.
         castable = (torch.float32, torch.float16, torch.bfloat16)
         return tuple(t.to(dtype) if t.dtype in castable else t for t in tensors)
+
+    def draw_seed() -> int:
+        """A dropout seed from torch's CPU generator. Under a tracer of torch modes
+        (make_fx, torch.export's non-strict mode) the draw is a real one, outside the
+        modes, and the trace holds it as a constant as it held Python's random draw:
+        a traced draw is a data-dependent int there, which those tracers refuse. The
+        device is named: under ``with torch.device("cuda")`` the draw was a CUDA
+        tensor, its int() a device sync per layer."""
+        if not torch.compiler.is_dynamo_compiling() and (
+                torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                return int(torch.randint(2**31 - 1, (), device="cpu"))
+        return int(torch.randint(2**31 - 1, (), device="cpu"))
 
     def needs_grad(*tensors) -> bool:
         return torch.is_grad_enabled() and any(
@@ -358,7 +395,7 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
             # that torch.manual_seed reproduces a run and activation checkpointing,
             # which restores torch's RNG state before it recomputes a layer, draws
             # the forward's seed again: the backward then drops the same weights.
-            extra.update(dropout_p=dropout, seed=int(torch.randint(2**31 - 1, ())))
+            extra.update(dropout_p=dropout, seed=draw_seed())
         if needs_grad(query, key, value, sinks) and not spec.get("backward"):
             raise ValueError(
                 f"specgen {name}: gradients are required and the spec has no backward "

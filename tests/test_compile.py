@@ -254,7 +254,9 @@ def test_float8_prefill_reads_v_transposed_by_default():
     assert plan.v_layout_param
     assert all(c.v_transposed for t in plan.targets for c in t.configs)
     assert '"v_transposed": True' in source and f"def {plan.v_transpose_kernel_name}(V, VT" in source
-    assert "v_arg = _transpose_v(v) if v_transposed else v" in source
+    # The copy in every call, unless the caller hands over transposed_v's V.
+    assert "copy_v = read_vt and not v_transposed" in source
+    assert "v_arg = _transpose_v(v) if copy_v else v" in source
     # 16-bit specs keep V as given, and their kernels have no V_TRANSPOSED argument.
     assert not make_plan(validate_spec(yaml.safe_load(SPECS[0].read_text()))).v_layout_param
 

@@ -124,6 +124,23 @@ def test_the_adapter_casts_a_mixed_precision_layers_inputs_under_autocast():
     assert torch.equal(got, expected)
 
 
+def _dropout_layer(tag):
+    """The adapter's function for the ViT dropout spec with a backward (emulated),
+    called as a layer with attention dropout 0.3, and its q, k, v (requiring grad)."""
+    pytest.importorskip("transformers")
+    from specgen.integrations.transformers import make_attention_function
+
+    module = emulated_spec_module(trained_spec_data("fmha_vit_dropout"), tag)
+    function, owner = make_attention_function(module), _layer(module)
+    qkv = tuple(t.requires_grad_() for t in random_qkv(
+        module.SPEC, 1, 2, 40, 40, generator=GEN().manual_seed(0), device="cpu"))
+
+    def layer(q, k, v):
+        return function(owner, q, k, v, None, dropout=0.3)[0]
+
+    return layer, qkv
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_the_adapters_dropout_survives_activation_checkpointing(reentrant):
     """The adapter draws each call's dropout seed from torch's CPU generator, which
@@ -131,16 +148,7 @@ def test_the_adapters_dropout_survives_activation_checkpointing(reentrant):
     drops the same weights, so the gradients are those of the run without
     checkpointing (with Python's random, the reentrant form's were off by up to 3.3
     against gradients of at most 8.8). torch.manual_seed reproduces a call."""
-    pytest.importorskip("transformers")
-    from specgen.integrations.transformers import make_attention_function
-
-    module = emulated_spec_module(trained_spec_data("fmha_vit_dropout"), "ckpt")
-    function = make_attention_function(module)
-    q, k, v = (t.requires_grad_() for t in random_qkv(
-        module.SPEC, 1, 2, 40, 40, generator=GEN().manual_seed(0), device="cpu"))
-
-    def layer(q, k, v):
-        return function(_layer(module), q, k, v, None, dropout=0.3)[0]
+    layer, (q, k, v) = _dropout_layer("ckpt")
 
     def run(wrapped):
         random.seed(1)
@@ -164,16 +172,7 @@ def test_the_adapters_dropout_compiles_whole_with_the_eager_seed():
     """Under torch.compile(fullgraph=True) the seed's draw is part of the graph (it
     broke the graph with Python's random): the compiled call draws what an eager call
     after the same torch.manual_seed draws, and a fresh seed each call."""
-    pytest.importorskip("transformers")
-    from specgen.integrations.transformers import make_attention_function
-
-    module = emulated_spec_module(trained_spec_data("fmha_vit_dropout"), "ckpt_compile")
-    function, owner = make_attention_function(module), _layer(module)
-    q, k, v = (t.requires_grad_() for t in random_qkv(
-        module.SPEC, 1, 2, 40, 40, generator=GEN().manual_seed(0), device="cpu"))
-
-    def layer(q, k, v):
-        return function(owner, q, k, v, None, dropout=0.3)[0]
+    layer, (q, k, v) = _dropout_layer("ckpt_compile")
 
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     with emulate.emulating():
@@ -259,15 +258,7 @@ def test_the_adapters_dropout_seed_is_a_constant_of_a_non_dynamo_trace(tracer):
     pytest.importorskip("transformers")
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from specgen.integrations.transformers import make_attention_function
-
-    module = emulated_spec_module(trained_spec_data("fmha_vit_dropout"), "seed_trace")
-    function, owner = make_attention_function(module), _layer(module)
-    q, k, v = (t.requires_grad_() for t in random_qkv(
-        module.SPEC, 1, 2, 40, 40, generator=GEN().manual_seed(0), device="cpu"))
-
-    def layer(q, k, v):
-        return function(owner, q, k, v, None, dropout=0.3)[0]
+    layer, (q, k, v) = _dropout_layer("seed_trace")
 
     class Layer(torch.nn.Module):
         def forward(self, q, k, v):
@@ -275,9 +266,12 @@ def test_the_adapters_dropout_seed_is_a_constant_of_a_non_dynamo_trace(tracer):
 
     with emulate.emulating():
         if tracer == "make_fx":
-            make_fx(layer, tracing_mode="fake")(q, k, v)
+            traced = make_fx(layer, tracing_mode="fake")(q, k, v)
         else:
-            torch.export.export(Layer(), (q, k, v), strict=False)
+            traced = torch.export.export(Layer(), (q, k, v), strict=False).module()
+        # The seed is the trace's constant: every run drops the same weights.
+        first, second = traced(q, k, v), traced(q, k, v)
+    assert first.shape == q.transpose(1, 2).shape and torch.equal(first, second)  # [B, S, H, D]
 
 
 @pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_train_gqa_causal", "fmha_decode_gqa8_bf16"])

@@ -1522,6 +1522,39 @@ def test_torch_func_grad_and_vjp_give_the_backward_gradients(name):
             torch.func.grad(lambda q: torch.func.grad(loss)(q, k, v, *extra).float().sum())(q)
 
 
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks"])
+def test_per_sample_gradients_and_jacrev_run_the_kernels_once_per_entry(name):
+    """vmap over grad (per-sample gradients) and jacrev (vmap over vjp) were refused
+    in torch's words (no setup_context; no vmap rule for the backward): each entry
+    now runs the kernels on its own slice, the same bits as a loop over the entries."""
+    module = _module(name)
+    g = torch.Generator().manual_seed(21)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(3, 1, hq, 24, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(3, 1, 2, 24, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    sinks = [torch.randn(hq, generator=g)] if module.SPEC.get("sinks") else []
+
+    def call(q, k, v, *sinks):  # the output alone where the spec returns the LSE too
+        out = module.attention(q, k, v, **({"sinks": sinks[0]} if sinks else {}))
+        return out[0] if isinstance(out, tuple) else out
+
+    def loss(q, k, v, *sinks):
+        return call(q, k, v, *sinks).float().square().sum()
+
+    argnums = tuple(range(3 + len(sinks)))
+    in_dims = (0, 0, 0) + (None,) * len(sinks)
+    with emulate.emulating():
+        per_sample = torch.func.vmap(torch.func.grad(loss, argnums=argnums), in_dims=in_dims)(q, k, v, *sinks)
+        loop = [torch.func.grad(loss, argnums=argnums)(q[i], k[i], v[i], *sinks) for i in range(3)]
+        for got, want in zip(per_sample, zip(*loop)):
+            assert torch.equal(got, torch.stack(want))
+        rows = torch.func.jacrev(lambda q: call(q, k[0], v[0], *sinks)[0, 0, 0, :4].float())(q[0])
+        _, vjp = torch.func.vjp(lambda q: call(q, k[0], v[0], *sinks)[0, 0, 0, :4].float(), q[0])
+        for i in range(4):
+            (want,) = vjp(torch.eye(4)[i])
+            assert torch.equal(rows[i], want)
+
+
 @pytest.mark.parametrize("mode", ["func_jvp", "jacfwd", "forward_ad"])
 def test_forward_mode_ad_is_refused_not_a_zero_tangent(mode):
     """The ops have no forward derivative and torch does not refuse one:

@@ -809,6 +809,18 @@ def test_a_v_made_by_transposed_v_is_read_as_it_is(label):
         odd_rows = torch.zeros(1, kv_heads, width, keys).to(dtype)  # 131 keys a row
         with pytest.raises(ValueError, match="16-byte aligned, as transposed_v"):
             module.attention(q, k, odd_rows, v_transposed=True)
+        # V as given (v_transposed=False) still needs a contiguous head_dim, as q and k:
+        # the copy (transposed_v refuses it) and the kernel read its rows whole.
+        strided = odd_rows.transpose(2, 3)  # [B, Hkv, Skv, Dv], head_dim stride Skv
+        with pytest.raises(ValueError, match="v must be contiguous in head_dim"):
+            module.attention(q, k, strided)
+        original = module._eager
+        module._eager = lambda values: False
+        try:
+            with pytest.raises(ValueError, match="v must be contiguous in head_dim"):
+                module.attention(q, k, strided)
+        finally:
+            module._eager = original
 
 
 # --- backward: true on every shipped prefill spec ------------------------------------

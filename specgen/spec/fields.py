@@ -380,7 +380,9 @@ class LaunchConfig(_Strict):
     v_transposed: Optional[bool] = Field(
         None,
         description="Prefill: the launcher hands the kernel V as [B, Hkv, D, Skv] (a "
-        "copy per call by the module's transpose kernel, counted in its time), so the "
+        "copy per call by the module's transpose kernel, counted in its time, unless a "
+        "forward-only module's caller passes one made once: attention(q, k, "
+        "transposed_v(v), v_transposed=True)), so the "
         "P @ V MMA reads its "
         "B operand K-major, the layout Hopper's float8 MMA needs (with V as given, "
         "the kernel transposes every V tile through shared memory byte by byte). "

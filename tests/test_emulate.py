@@ -1567,6 +1567,76 @@ def test_per_sample_gradients_and_jacrev_run_the_kernels_once_per_entry(name):
             assert torch.equal(rows[i], want)
 
 
+def test_grad_over_vmap_nested_vmap_and_empty_batches_of_the_vmap_rules():
+    """The vmap rules ran the kernels themselves, outside any transform around the
+    vmap: grad(vmap(f)) gave all-zero gradients (|dq| 0, the loop's 211), jacrev
+    over jacrev a zero Hessian rather than the refusal, vmap(vmap(grad)) failed in
+    torch's words (inplace arithmetic), and a batch of no entries failed to unpack.
+    Each entry now calls the autograd.Function itself."""
+    module = _module("fmha_train_gptoss_sinks")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 8, 16, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 1, 1, 16, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    sinks = torch.randn(8, generator=g)
+
+    def loss(q, k, v, sinks):
+        out, lse = module.attention(q, k, v, sinks=sinks)
+        return out.float().square().sum() + lse.sum()
+
+    grad = torch.func.grad(loss, argnums=(0, 1, 2, 3))
+    with emulate.emulating():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        want = torch.autograd.grad(sum(loss(*(t[i] for t in leaves[:3]), leaves[3]) for i in range(2)), leaves)
+        batched = torch.func.vmap(loss, in_dims=(0, 0, 0, None))
+        got = torch.func.grad(lambda *a: batched(*a).sum(), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        qs = torch.stack([q, q.flip(0)])
+        loop = [[grad(qs[j, i], k[i], v[i], sinks) for i in range(2)] for j in range(2)]
+        nested = torch.func.vmap(torch.func.vmap(grad, in_dims=(0, 0, 0, None)), in_dims=(0, None, None, None))(
+            qs, k, v, sinks)
+        for n, got in enumerate(nested):
+            assert torch.equal(got, torch.stack([torch.stack([r[n] for r in row]) for row in loop]))
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.func.jacrev(torch.func.jacrev(lambda s: loss(q[0], k[0], v[0], s)))(sinks)
+        empty = torch.func.vmap(grad, in_dims=(0, 0, 0, None))(q[:0], k[:0], v[:0], sinks)
+        assert [t.shape for t in empty] == [(0, *q.shape[1:]), (0, *k.shape[1:]), (0, *v.shape[1:]), (0, 8)]
+
+
+def test_block_map_and_varlen_lengths_under_grad_and_vmap():
+    """A hook tensor passed through torch.func.grad (doc, not differentiated) is
+    wrapped, with no data pointer: the block map's check of it failed in torch's
+    words ("Cannot access data pointer of Tensor that doesn't have storage"), as did
+    one that vmap batches, and cu_seqlens that vmap batches without max_seqlen. The
+    first is the tensor itself; the others are a ValueError saying what to pass."""
+    module = _module("fmha_train_document")
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 1, 4, 32, 128, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 1, 1, 32, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    doc = torch.tensor([[0] * 10 + [1] * 22], dtype=torch.int32)
+    block_map = module.make_block_map(1, 4, 32, 32, doc=doc, backward=True)
+
+    def loss(q, k, v, doc, block_map=None):
+        return module.attention(q, k, v, doc=doc, block_map=block_map).float().square().sum()
+
+    grad = torch.func.grad(loss, argnums=(0, 1, 2))
+    with emulate.emulating():
+        want = torch.func.vmap(grad, in_dims=(0, 0, 0, None))(q, k, v, doc)
+        got = torch.func.vmap(grad, in_dims=(0, 0, 0, None, None))(q, k, v, doc, block_map)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        with pytest.raises(ValueError, match="block_map cannot be used where torch.func.vmap batches doc"):
+            torch.func.vmap(grad, in_dims=(0, 0, 0, 0, None))(q, k, v, doc.expand(2, 1, 32), block_map)
+    varlen = _emulated(trained_spec_data("fmha_varlen_llama"), "vmapped_cu_seqlens")
+    q = torch.randn(2, 24, 4, 128, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 24, 1, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([[0, 10, 24], [0, 3, 24]], dtype=torch.int32)
+
+    def packed(q, k, v, cu):
+        return varlen.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu)[0].float().sum()
+
+    with emulate.emulating(), pytest.raises(ValueError, match="max_seqlen_q must be given when torch.func.vmap batches"):
+        torch.func.vmap(torch.func.grad(packed))(q, k, v, cu)
+
+
 @pytest.mark.parametrize("mode", ["func_jvp", "jacfwd", "forward_ad"])
 def test_forward_mode_ad_is_refused_not_a_zero_tangent(mode):
     """The ops have no forward derivative and torch does not refuse one:

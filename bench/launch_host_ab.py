@@ -8,56 +8,30 @@ Usage: python bench/launch_host_ab.py OLD_PREFILL NEW_PREFILL OLD_DECODE NEW_DEC
 version written out with git show REV:generated/...)
 """
 
-import importlib.util, time, statistics, sys, torch
+import sys
 
+import torch
 
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
-
+from host_loop import host_us, load, small_inputs
 
 pairs = {
     "prefill": (load(sys.argv[1], "p_old"), load(sys.argv[2], "p_new")),
     "prefill_bshd": (load(sys.argv[1], "t_old"), load(sys.argv[2], "t_new")),
     "decode": (load(sys.argv[3], "d_old"), load(sys.argv[4], "d_new")),
 }
-torch.manual_seed(0)
-q = torch.randn(1, 32, 128, 128, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(1, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
-v = torch.randn_like(k)
-qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
-vc = torch.randn_like(kc)
-lens = torch.tensor([4096], dtype=torch.int32, device="cuda")
-qt = torch.randn(1, 128, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-kt = torch.randn(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-vt = torch.randn_like(kt)
+x = small_inputs()
 
 
 def calls(kind, m):
     if kind == "prefill":
-        return lambda: m.attention(q, k, v)
+        return lambda: m.attention(x.q, x.k, x.v)
     if kind == "prefill_bshd":
-        return lambda: m.attention(qt, kt, vt)
-    return lambda: m.attention(qd, kc, vc, lens)
+        return lambda: m.attention(x.qt, x.kt, x.vt)
+    return lambda: m.attention(x.qd, x.kc, x.vc, x.lens)
 
 
 for kind, (old, new) in pairs.items():
     fo, fn = calls(kind, old), calls(kind, new)
     assert torch.equal(fo(), fn())
-    res = {"old": [], "new": []}
-    for r in range(7):
-        for label, f in (("old", fo), ("new", fn)):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(2000):
-                f()
-            torch.cuda.synchronize()
-            res[label].append((time.perf_counter() - t) / 2000 * 1e6)
-    print(
-        kind,
-        {k: round(statistics.median(v), 2) for k, v in res.items()},
-        "us per call (host-bound loop)",
-    )
+    medians = host_us({"old": fo, "new": fn}, rounds=7, per_round=2000)
+    print(kind, {k: round(t, 2) for k, t in medians.items()}, "us per call (host-bound loop)")

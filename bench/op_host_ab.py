@@ -19,35 +19,17 @@ Usage: python bench/op_host_ab.py OLD_PREFILL NEW_PREFILL OLD_DECODE NEW_DECODE
 git show REV:generated/...)
 """
 
-import importlib.util
-import statistics
 import sys
-import time
 
 import torch
 
-
-def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # torch.compile imports the module of a traced function
-    spec.loader.exec_module(module)
-    return module
-
+from host_loop import host_us, load, small_inputs
 
 old_p, new_p = load(sys.argv[1], "p_old"), load(sys.argv[2], "p_new")
 old_d, new_d = load(sys.argv[3], "d_old"), load(sys.argv[4], "d_new")
-torch.manual_seed(0)
-q = torch.randn(1, 32, 128, 128, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(1, 4, 128, 128, device="cuda", dtype=torch.bfloat16)
-v = torch.randn_like(k)
-qt = torch.randn(1, 128, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-kt = torch.randn(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-vt = torch.randn_like(kt)
-qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
-vc = torch.randn_like(kc)
-lens = torch.tensor([4096], dtype=torch.int32, device="cuda")
+x = small_inputs()
+q, k, v, qt, kt, vt = x.q, x.k, x.v, x.qt, x.kt, x.vt
+qd, kc, vc, lens = x.qd, x.kc, x.vc, x.lens
 for t in (kc, vc):
     torch._dynamo.mark_static_address(t)
 
@@ -77,14 +59,6 @@ for kind, calls in kinds.items():
         for _ in range(3):  # compile, warm up, record
             got = call()
         assert torch.equal(got, want), (kind, label)
-    times = {label: [] for label in calls}
-    for _ in range(25):
-        for label, call in calls.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(400):
-                call()
-            torch.cuda.synchronize()
-            times[label].append((time.perf_counter() - start) / 400 * 1e6)
-    print(kind, {label: round(statistics.median(t), 2) for label, t in times.items()},
+    medians = host_us(calls, rounds=25, per_round=400)
+    print(kind, {label: round(t, 2) for label, t in medians.items()},
           "us per call (host-bound loop)", flush=True)

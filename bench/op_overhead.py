@@ -11,19 +11,14 @@ Usage: TORCH_LOGS=cudagraphs python bench/op_overhead.py [MODULE_PATH]
 """
 
 import cProfile
-import importlib.util
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 
-path = sys.argv[1] if len(sys.argv) > 1 else "generated/fmha_decode_gqa8_bf16.py"
-spec = importlib.util.spec_from_file_location("decode_under_test", path)
-mod = importlib.util.module_from_spec(spec)
-sys.modules["decode_under_test"] = mod
-spec.loader.exec_module(mod)
+from host_loop import host_us, load, small_inputs
+
+mod = load(sys.argv[1] if len(sys.argv) > 1 else "generated/fmha_decode_gqa8_bf16.py", "decode_under_test")
 
 
 @torch.library.custom_op("specgen_bench::trivial", mutates_args=())
@@ -33,11 +28,8 @@ def trivial(x: torch.Tensor) -> torch.Tensor:
 
 trivial.register_fake(lambda x: torch.empty_like(x))
 
-torch.manual_seed(0)
-q = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-kc = torch.randn(1, 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
-vc = torch.randn_like(kc)
-lens = torch.tensor([4096], dtype=torch.int32, device="cuda")
+x = small_inputs()
+q, kc, vc, lens = x.qd, x.kc, x.vc, x.lens
 
 double = torch.compile(lambda x: x * 2.0, fullgraph=True)
 trivial_compiled = torch.compile(lambda x: trivial(x), fullgraph=True)
@@ -56,17 +48,8 @@ calls = {
 for call in calls.values():
     for _ in range(3):
         call()
-times = {label: [] for label in calls}
-for _ in range(5):
-    for label, call in calls.items():
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(1000):
-            call()
-        torch.cuda.synchronize()
-        times[label].append((time.perf_counter() - start) / 1000 * 1e6)
-for label, t in times.items():
-    print(f"{label:>24}: {statistics.median(t):8.2f} us per call", flush=True)
+for label, t in host_us(calls, rounds=5, per_round=1000).items():
+    print(f"{label:>24}: {t:8.2f} us per call", flush=True)
 
 profile = cProfile.Profile()
 profile.enable()

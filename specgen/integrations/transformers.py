@@ -35,6 +35,7 @@ checked by the generated ``attention`` itself.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import warnings
@@ -162,12 +163,12 @@ def masked_attention(query, key, value, mask, *, scale: float, softcap=None, sin
     # Inside torch.autocast (mixed-precision training) the matmuls would run in its
     # lower precision: the scores and the weighted sum in bfloat16, not float32.
     device = query.device.type
-    if torch._C._is_any_autocast_enabled() and device in _AUTOCAST_DEVICES:
-        with torch.autocast(device, enabled=False):
-            return _masked_attention(query, key, value, mask, scale=scale, softcap=softcap,
-                                     sinks=sinks, dropout=dropout)
-    return _masked_attention(query, key, value, mask, scale=scale, softcap=softcap,
-                             sinks=sinks, dropout=dropout)
+    autocast_off = (torch.autocast(device, enabled=False)
+                    if torch._C._is_any_autocast_enabled() and device in _AUTOCAST_DEVICES
+                    else contextlib.nullcontext())
+    with autocast_off:
+        return _masked_attention(query, key, value, mask, scale=scale, softcap=softcap,
+                                 sinks=sinks, dropout=dropout)
 
 
 def _masked_attention(query, key, value, mask, *, scale, softcap, sinks, dropout):
@@ -256,9 +257,9 @@ def _dispatching_function(modules: list) -> Callable:
     return attention_function
 
 
-def _when_traced(at_trace: Callable, count: Callable[[], None]) -> None:
-    """Count a call (``stats``, the first fallback's warning) from code that a tracer
-    runs. torch.compile's Dynamo calls ``at_trace`` (``count`` taking comptime's
+def _count(at_trace: Callable, count: Callable[[], None]) -> None:
+    """Count a call (``stats``, the first fallback's warning). Outside torch.compile
+    ``count`` runs. Under it, Dynamo calls ``at_trace`` (``count`` taking comptime's
     context) while it traces, so a call is counted once per traced graph, not each
     time the compiled code runs: read or written in the traced code, the counts were
     guarded (a recompile on every call, the model run eagerly past the recompile
@@ -266,6 +267,11 @@ def _when_traced(at_trace: Callable, count: Callable[[], None]) -> None:
     break. Other tracers (torch.export's non-strict mode) run Python: ``count`` runs.
     ``at_trace`` is made before tracing (comptime refuses a function that the traced
     code makes with free variables)."""
+    import torch
+
+    if not torch.compiler.is_compiling():
+        count()
+        return
     from torch._dynamo.comptime import comptime
 
     comptime(at_trace, count)
@@ -310,13 +316,14 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
         a traced draw is a data-dependent int there, which those tracers refuse. The
         device is named: under ``with torch.device("cuda")`` the draw was a CUDA
         tensor, its int() a device sync per layer."""
-        if not torch.compiler.is_dynamo_compiling() and (
-                torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
-            from torch.utils._python_dispatch import _disable_current_modes
+        with contextlib.ExitStack() as modes_off:
+            if not torch.compiler.is_dynamo_compiling() and (
+                    torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()):
+                from torch.utils._python_dispatch import _disable_current_modes
 
-            with _disable_current_modes(), torch._C.DisableTorchFunction():
-                return int(torch.randint(2**31 - 1, (), device="cpu"))
-        return int(torch.randint(2**31 - 1, (), device="cpu"))
+                modes_off.enter_context(_disable_current_modes())
+                modes_off.enter_context(torch._C.DisableTorchFunction())
+            return int(torch.randint(2**31 - 1, (), device="cpu"))
 
     def needs_grad(*tensors) -> bool:
         return torch.is_grad_enabled() and any(
@@ -428,10 +435,7 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
         extra = check(layer, query, key, value, float(dropout or 0.0), kwargs)
         scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if attention_mask is not None:
-            if torch.compiler.is_compiling():
-                _when_traced(fallback_at_trace, count_fallback)
-            else:
-                count_fallback()
+            _count(fallback_at_trace, count_fallback)
             if torch_fallback:
                 return masked_attention(query, key, value, attention_mask, scale=scale,
                                         softcap=spec.get("softcap"), sinks=extra.get("sinks"),
@@ -463,10 +467,7 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
             # transposed view of it: no copy of the output follows.
             out = query.new_empty((query.shape[0], q_len, query.shape[1], v_head_dim))
             kernel(query, key, value, scale=scale, q_offset=q_offset, out=out.transpose(1, 2), **extra)
-        if torch.compiler.is_compiling():
-            _when_traced(kernel_at_trace, count_kernel)
-        else:
-            count_kernel()
+        _count(kernel_at_trace, count_kernel)
         return out, None
 
     attention_function.stats = stats

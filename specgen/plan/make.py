@@ -295,13 +295,6 @@ class Plan:
         return f"{self.group_size} * Hkv" if self.group_size > 1 else "Hkv"
 
     @property
-    def int_types(self) -> str:
-        """What a prefill int argument's check accepts: a tracer's SymInt too, which
-        attention() hands to its custom op (a dynamic int input of make_fx or
-        torch.export's non-strict tracing) and so into the traced graph."""
-        return "(int, torch.SymInt)"
-
-    @property
     def bwd_prescale(self) -> str | None:
         """What the forward multiplies Q by before rounding it (prescale_q), as the
         kernels write it from qk_scale; None without prescale_q. The backward takes

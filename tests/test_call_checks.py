@@ -358,7 +358,7 @@ def test_forward_only_module_refuses_hook_tensors_that_require_grad(refused):
     ({"scale": True}, "scale must be a positive float or None, got True"),
     ({"q_offset": 1.5}, "q_offset must be an int, got 1.5"),
     ({"q_offset": True}, "q_offset must be an int, got True"),
-    ({"q_offset": np.int64(3)}, "q_offset must be an int, got"),
+    ({"q_offset": np.float64(3.0)}, "q_offset must be an int, got 3.0"),  # np.int64 is taken (test_scalar_args)
 ])
 def test_training_module_checks_scalars_before_its_op(kwargs, message, refused):
     mod = _module("fmha_train_gqa_causal")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import numbers
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -325,6 +326,16 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                 modes_off.enter_context(torch._C.DisableTorchFunction())
             return int(torch.randint(2**31 - 1, (), device="cpu"))
 
+    def real(what: str, number) -> float:
+        """The layer's ``scaling`` or ``dropout`` as a float: a real number, NumPy's
+        too, not a bool or a string (float() took True and "0.1"). .item() reads a
+        NumPy scalar, under torch.compile too, where dynamo shows it as an array."""
+        if type(number).__module__ == "numpy" and getattr(number, "ndim", None) == 0:
+            number = number.item()
+        if isinstance(number, bool) or not isinstance(number, numbers.Real):
+            raise ValueError(f"specgen {name}: the layer's {what} must be a float, got {number!r}")
+        return float(number)
+
     def needs_grad(*tensors) -> bool:
         return torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in tensors)
@@ -432,14 +443,15 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
     def attention_function(layer, query, key, value, attention_mask, scaling=None,
                            dropout=0.0, **kwargs):
         query, key, value = autocast(query, key, value)
-        extra = check(layer, query, key, value, float(dropout or 0.0), kwargs)
-        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        dropout = 0.0 if dropout is None else real("dropout", dropout)
+        extra = check(layer, query, key, value, dropout, kwargs)
+        scale = real("scaling", scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         if attention_mask is not None:
             _count(fallback_at_trace, count_fallback)
             if torch_fallback:
                 return masked_attention(query, key, value, attention_mask, scale=scale,
                                         softcap=spec.get("softcap"), sinks=extra.get("sinks"),
-                                        dropout=float(dropout or 0.0)), None
+                                        dropout=dropout), None
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(layer, query, key, value, attention_mask,

@@ -16,6 +16,8 @@ leaving the others waiting in a transfer that never comes.
 
 from __future__ import annotations
 
+import numbers
+import operator
 import struct
 import zlib
 
@@ -86,12 +88,26 @@ _WIDTH = sum(n for _, n in _SIGNATURE)
 
 def _scale_problem(scale) -> str | None:
     """The kernels' own test of the softmax scale: a positive float32 normal number."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    # Any real number (NumPy's floats too: np.float32 was refused), not a bool.
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         return f"scale must be a positive float or None, got {scale!r}"
     limits = torch.finfo(torch.float32)
     if not limits.tiny <= scale <= limits.max:
         return f"scale must be a positive finite float in float32's normal range, got {scale!r}"
     return None
+
+
+def _plain_int(value):
+    """``value`` as a plain int where operator.index takes it (Python's and NumPy's
+    integers: a length read from an array), bools and tensors aside; anything else as
+    it is, for the checks to refuse by name. The ranks' signature and the kernels then
+    see an int, never a NumPy type."""
+    if isinstance(value, (bool, torch.Tensor)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _crc(data: str | bytes) -> int:
@@ -225,6 +241,7 @@ class ContextParallelAttention:
                            "(scale, seq_len, cu_seqlens and max_seqlen are keywords)")
             elif unknown:
                 problem = f"unexpected keyword argument(s): {', '.join(sorted(unknown))}"
+            seq_len, max_seqlen = _plain_int(seq_len), _plain_int(max_seqlen)
             if problem is None and scale is not None:
                 problem = _scale_problem(scale)
             if problem is None:

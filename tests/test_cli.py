@@ -316,7 +316,10 @@ def test_schema_accepts_the_shipped_specs_and_knows_sizes_and_names():
 def test_python_m_and_console_script_agree(project):
     result = specgen_process("--version", cwd=project)
     assert result.returncode == 0 and result.stdout.startswith("specgen ")
-    script = shutil.which("specgen")
+    # The script of the environment running the tests: a venv's python run without
+    # activating it (`/path/venv/bin/python -m pytest`) found another install's
+    # `specgen` on PATH first, and failed with that one's ModuleNotFoundError.
+    script = shutil.which("specgen", path=os.path.dirname(sys.executable)) or shutil.which("specgen")
     if script is None:
         pytest.skip("specgen is not installed as a console script (pip install -e .)")
     installed = subprocess.run([script, "--version"], capture_output=True, text=True)

@@ -5,8 +5,11 @@ is compiling, and every validation error of a spec comes in one run."""
 import os
 import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from .helpers import ROOT
 from .test_cli import specgen
@@ -98,3 +101,65 @@ def test_a_renamed_spec_file_takes_over_its_module(project):
     module = project / "generated" / "fmha_gqa_causal.py"
     assert "from specs/renamed.yaml" in module.read_text().splitlines()[0]
     assert specgen("build", "--check", "--no-compile", "specs/renamed.yaml", cwd=project).returncode == 0
+
+
+@pytest.mark.parametrize("text,tag", [
+    ("name: x\ncausal: !!python/object:os.system [echo]\n", "!!python/object:os.system"),
+    ("name: !mine x\n", "!mine"),
+])
+def test_a_yaml_tag_is_named_in_one_line(project, text, tag):
+    """A tag PyYAML has no constructor for is refused in the words the other tags
+    get (it printed "could not determine a constructor for the tag
+    'tag:yaml.org,2002:python/object:os.system'")."""
+    (project / "tagged.yaml").write_text(text)
+    result = specgen("build", "tagged.yaml", "--no-compile", cwd=project)
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("tagged.yaml: invalid YAML: line ")
+    assert line.endswith(f": the tag {tag} is not allowed in a spec")
+    assert not (project / "generated").exists()
+
+
+@pytest.mark.parametrize("args", [[], ["specs/fmha_gqa_causal.yaml"]])
+def test_diff_with_too_few_paths_names_all_three_forms(project, args):
+    result = specgen("diff", *args, cwd=project)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "specgen diff: give two specs or modules (A B), one with --set key=value, or "
+        "--templates [SPEC...] to compare generated/ with the templates"]
+
+
+def test_the_context_parallel_example_says_what_it_needs_without_gpus(tmp_path):
+    """docs/examples/context_parallel.py run where torch sees no GPU: one line and exit 2
+    (it failed with an AttributeError from torch.cuda.set_device on a CPU build)."""
+    example = ROOT / "docs" / "examples" / "context_parallel.py"
+    result = subprocess.run([sys.executable, str(example)], cwd=tmp_path, capture_output=True,
+                            text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "context_parallel.py: needs CUDA GPUs (NCCL), and torch.cuda.is_available() is False "
+        f"(torch {torch.__version__}); without GPUs, tests/test_parallel.py runs the ring over "
+        "gloo on the CPU"]
+
+
+def test_a_missing_aot_folder_says_a_build_writes_it(tmp_path):
+    """`specgen build --check` (compiling) in a fresh checkout: git ignores the .aot
+    folders, so each module's is missing; the line says what makes it."""
+    from specgen.compile.aot import folder_problem
+
+    module = tmp_path / "generated" / "x.py"
+    assert folder_problem(module, "", []) == (
+        f"{tmp_path / 'generated' / 'x.aot'}: missing (no manifest.json); `specgen build` writes it "
+        "(git ignores the .aot folders, so a fresh checkout has none)")
+
+
+def test_docs_run_inside_a_checkout_names_the_checkout(project):
+    """`specgen docs` from a checkout's docs/ folder: the line says which --root to pass."""
+    (project / "bench" / "results").mkdir(parents=True)
+    (project / "docs").mkdir()
+    result = specgen("docs", "--check", cwd=project / "docs")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "specgen docs: . is not a checkout of specgen (it has no specs/ or bench/results/): "
+        "`specgen docs` regenerates specgen's own docs/ pages, not a page of your specs; "
+        "pass --root .., the checkout that holds it"]

@@ -179,6 +179,18 @@ def test_gather_scatter_and_slices():
     assert not hasattr(torch.Tensor, "astype") or torch.Tensor.astype is not emulate._tile_astype
 
 
+def test_a_launch_outside_emulating_says_where_it_runs():
+    """A module from load_module called outside emulating(): one clear error, where
+    the kernel's first .astype raised "'Tensor' object has no attribute 'astype'"."""
+    m = _module("fmha_gqa_causal")
+    q = torch.randn(1, 4, 16, 128, dtype=torch.float16)
+    k = v = torch.randn(1, 1, 16, 128, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=r"only inside specgen\.check\.emulate\.emulating\(\)"):
+        m.attention(q, k, v)
+    with emulate.emulating():
+        assert m.attention(q, k, v).shape == q.shape
+
+
 def test_uint32_tiles_wrap_as_the_gpu_does():
     from specgen.check.reference import _mul32
 

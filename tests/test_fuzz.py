@@ -136,7 +136,7 @@ def _validated(data: dict) -> Spec | None:
         return None
 
 
-ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "os", "struct", "sys", "threading", "types",
+ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "operator", "os", "struct", "sys", "threading", "types",
                    "torch", "cuda.tile"}
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}

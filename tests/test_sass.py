@@ -65,3 +65,39 @@ def test_loop_mix_counts_one_step_of_each_inner_loop():
 def test_cli_refuses_a_missing_cubin(tmp_path, capsys):
     assert sass.main([str(tmp_path / "none.cubin")]) == 2
     assert "none.cubin: no such cubin" in capsys.readouterr().err
+
+
+def test_cli_without_arguments_prints_its_usage_and_exits_2(capsys):
+    """It printed nothing and exited 0, as if it had read every cubin."""
+    assert sass.main([]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "specgen.compile.sass: usage: python -m specgen.compile.sass CUBIN_OR_FOLDER... "
+        "(e.g. generated/<name>.aot)"]
+
+
+def test_cli_refuses_a_file_that_is_no_cubin_in_one_line(tmp_path, capsys, monkeypatch):
+    """cuobjdump's failure on a file that is no cubin was a CalledProcessError traceback."""
+    import subprocess
+
+    def refuse(cubin):
+        raise subprocess.CalledProcessError(255, ["cuobjdump", "-sass", str(cubin)])
+
+    monkeypatch.setattr(sass, "cubin_loops", refuse)
+    (tmp_path / "notes.txt").write_text("not a cubin")
+    assert sass.main([str(tmp_path / "notes.txt")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"specgen.compile.sass: {tmp_path / 'notes.txt'}: not a cubin cuobjdump can read"]
+
+
+def test_cli_reads_the_cubins_of_a_folder(tmp_path, capsys, monkeypatch):
+    """A module's .aot folder stands for its cubins, in name order; an empty one is refused."""
+    read = []
+    monkeypatch.setattr(sass, "cubin_loops", lambda cubin: read.append(cubin.name) or {})
+    for name in ("sm_90-b.cubin", "sm_100-a.cubin", "manifest.json"):
+        (tmp_path / name).write_bytes(b"")
+    assert sass.main([str(tmp_path)]) == 0
+    assert read == ["sm_100-a.cubin", "sm_90-b.cubin"]
+    (tmp_path / "empty").mkdir()
+    assert sass.main([str(tmp_path / "empty")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"specgen.compile.sass: {tmp_path / 'empty'}: a folder with no *.cubin in it"]

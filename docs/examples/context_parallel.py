@@ -24,12 +24,26 @@ import generated.fmha_train_gqa_causal as kernels
 from specgen.parallel import ContextParallelAttention, gather, shard
 
 
+def _refuse(message):
+    print(f"context_parallel.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--mode", choices=("ring", "ulysses"), default="ring")
     parser.add_argument("--no-check", action="store_true")
     args = parser.parse_args()
+    # One line and exit 2, as specgen's commands do, rather than a traceback from deep
+    # inside torch.cuda or init_process_group.
+    if not torch.cuda.is_available():
+        _refuse("needs CUDA GPUs (NCCL), and torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}); without GPUs, tests/test_parallel.py runs the "
+                "ring over gloo on the CPU")
+    if "RANK" not in os.environ:
+        _refuse("run it under torchrun, one process per GPU: "
+                "torchrun --nproc-per-node 2 docs/examples/context_parallel.py")
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", 0))

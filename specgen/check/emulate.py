@@ -462,7 +462,17 @@ def launch(stream, grid, kernel, args, **options):
     # A GPU kernel is invisible to autograd and to autocast: so is its emulation
     # (under CPU autocast, its torch operations would run in the autocast's dtype).
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        _run_grid(fn, grid, args)
+        try:
+            _run_grid(fn, grid, args)
+        except AttributeError as exc:
+            # A kernel that takes a tile's .astype or an array's .slice outside
+            # emulating() failed with "'Tensor' object has no attribute 'astype'"
+            # (kernels that use neither, such as a block map's, run anywhere).
+            if _PATCH_DEPTH == 0 and exc.name in _METHODS:
+                raise RuntimeError(
+                    "an emulated kernel runs only inside specgen.check.emulate.emulating(): "
+                    "`with emulate.emulating(): out = m.attention(q, k, v)`") from None
+            raise
 
 
 def _run_grid(fn, grid, args):

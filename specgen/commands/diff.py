@@ -588,7 +588,8 @@ def run_diff(
         if sets and len(paths) != 1:
             raise UsageError("specgen diff: --set takes exactly one spec or module (A)")
         if not sets and len(paths) != 2:
-            raise UsageError("specgen diff: give two specs or modules (A B), or one with --set key=value")
+            raise UsageError("specgen diff: give two specs or modules (A B), one with --set key=value, "
+                             "or --templates [SPEC...] to compare generated/ with the templates")
         data_a, side_a = load_side(paths[0])
         side_b = variant_side(data_a, side_a, sets) if sets else load_side(paths[1])[1]
         if compiled and not as_json:

@@ -152,7 +152,9 @@ def folder_problem(module_path: Path, source: str, results: list[CompileResult])
         return blocked
     path = folder / "manifest.json"
     if not path.is_file() or path.is_symlink():
-        return f"{folder}: missing (no manifest.json)"
+        # The one drift a fresh checkout shows for every module: say where it comes from.
+        return (f"{folder}: missing (no manifest.json); `specgen build` writes it (git ignores "
+                "the .aot folders, so a fresh checkout has none)")
     expected, cubins = _expected(source, results)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))

@@ -204,19 +204,46 @@ def cubin_loops(cubin: Path) -> Optional[dict[str, list[dict]]]:
     return {name: _loops(body) for name, body in functions.items()}
 
 
+def _cubins(argv: list[str]) -> list[Path] | str:
+    """The cubins named, a folder (a module's ``<name>.aot/``) standing for the cubins
+    in it; or the one line that says why not."""
+    if not argv:
+        return "usage: python -m specgen.compile.sass CUBIN_OR_FOLDER... (e.g. generated/<name>.aot)"
+    cubins = []
+    for arg in argv:
+        path = Path(arg)
+        if path.is_dir():
+            found = sorted(path.glob("*.cubin"))
+            if not found:
+                return f"{arg}: a folder with no *.cubin in it"
+            cubins += found
+        elif path.is_file():
+            cubins.append(path)
+        else:
+            return f"{arg}: no such cubin"
+    return cubins
+
+
 def main(argv: list[str]) -> int:
-    for path in argv:
-        if not Path(path).is_file():
-            print(f"specgen.compile.sass: {path}: no such cubin", file=sys.stderr)
+    """Print each inner loop's schedule and mix; exit 0, or 2 for bad input (in one
+    line, as specgen's commands do: no arguments, a path that is no cubin)."""
+    cubins = _cubins(argv)
+    if isinstance(cubins, str):
+        print(f"specgen.compile.sass: {cubins}", file=sys.stderr)
+        return 2
+    for path in cubins:
+        try:
+            found = cubin_loops(path)
+        except subprocess.CalledProcessError:
+            print(f"specgen.compile.sass: {path}: not a cubin cuobjdump can read", file=sys.stderr)
             return 2
-        found = cubin_loops(Path(path))
         if found is None:
             print("cuobjdump/nvdisasm not found: pip install nvidia-cuda-cuobjdump "
                   "nvidia-cuda-nvdisasm", file=sys.stderr)
             return 2
         for name, loops in found.items():
             for i, loop in enumerate(loops):
-                print(f"{Path(path).name} {name} loop {i}: {loop['schedule']}  [{describe_mix(loop)}]")
+                print(f"{path.name} {name} loop {i}: {loop['schedule']}  [{describe_mix(loop)}]")
     return 0
 
 

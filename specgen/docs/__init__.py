@@ -7,6 +7,7 @@ committed (``performance``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .base import PERFORMANCE, REGENERATE, SPEC_REFERENCE, DocsError
@@ -41,8 +42,13 @@ def write_docs(root: Path, check: bool = False) -> list[str]:
     # without them is not a project, and gets no docs/.
     missing = [f"{rel}/" for rel in ("specs", "bench/results") if not (root / rel).is_dir()]
     if missing:
+        # Run from docs/ or specs/ of a checkout: name the checkout above.
+        above = next((parent for parent in root.resolve().parents
+                      if (parent / "specs").is_dir() and (parent / "bench" / "results").is_dir()), None)
+        hint = f"; pass --root {os.path.relpath(above)}, the checkout that holds it" if above else ""
         raise DocsError(f"{root} is not a checkout of specgen (it has no {' or '.join(missing)}): "
-                        "`specgen docs` regenerates specgen's own docs/ pages, not a page of your specs")
+                        "`specgen docs` regenerates specgen's own docs/ pages, not a page of your specs"
+                        + hint)
     from specgen.compile.export import atomic_write
 
     # Every page is made before any is written: a bad spec or result leaves all as they were.

@@ -142,6 +142,9 @@ _UniqueKeyLoader.add_constructor(_FLOAT_TAG, _construct_float)
 _UniqueKeyLoader.add_constructor(_BOOL_TAG, _construct_bool)
 for _tag in ("timestamp", "binary", "set", "omap", "pairs"):
     _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
+# Any other tag (`!!python/object:...`, a local `!foo`): the same line, instead of
+# PyYAML's "could not determine a constructor for the tag 'tag:yaml.org,2002:...'".
+_UniqueKeyLoader.add_constructor(None, _refuse_tag)
 
 
 def _show(value: Any) -> str:

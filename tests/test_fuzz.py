@@ -148,7 +148,9 @@ ALLOWED_TOP_CALLS = {"_register", "_lookup", "math.log", "math.sqrt", "_AotStore
                      # _eager's plain tensor types
                      "frozenset",
                      # a block map's sources by its counts, for the custom ops
-                     "torch.utils.weak.WeakIdKeyDictionary"}
+                     "torch.utils.weak.WeakIdKeyDictionary",
+                     # attention() as torch.compile leaves it to run eagerly
+                     "torch.compiler.disable"}
 ALLOWED_CLASSES = {"_AotStore", "AotKernel", "_EagerAttention", "_FuncAttention", "_FuncGrads"}
 
 

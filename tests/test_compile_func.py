@@ -171,3 +171,45 @@ def test_a_decode_module_under_compiled_grad_or_a_dual_tensor_is_refused():
         torch._dynamo.reset()
         with fwAD.dual_level(), pytest.raises(ValueError, match="no forward-mode derivative"):
             _compile(lambda q: module.attention(q, *rest))(fwAD.make_dual(q, torch.ones_like(q)))
+
+
+def test_compiled_grad_of_vmap_gives_the_eager_gradients():
+    """Per-sample losses summed, torch.compile(torch.func.grad(f)) with a vmap inside
+    f: the vmap's batched q made the call look like vmap alone, so it was traced and
+    failed in torch's words ("RuntimeError when making fake tensor call"). Any grad or
+    jvp under the vmap now sends the call to the eager one, whose bits it gives."""
+    module = emulated_module("fmha_train_gqa_causal", "compile_grad_vmap")
+    q, k, v = _inputs(module)
+    batched = torch.stack([q, q.flip(2)])
+    grad = torch.func.grad(lambda qb: torch.func.vmap(lambda q: module.attention(q, k, v))(qb).float().square().sum())
+    with emulate.emulating():
+        want = grad(batched)
+        assert want.abs().sum() > 0
+        assert torch.equal(_compile(grad)(batched), want)
+        torch._dynamo.reset()
+        with pytest.raises(torch._dynamo.exc.Unsupported, match=REFUSED):
+            _compile(grad, fullgraph=True)(batched)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("name", ["fmha_gqa_causal", "fmha_decode_gqa4_bf16"])
+def test_a_module_without_backward_under_grad_of_vmap_is_refused(name, compiled):
+    """torch.func.grad of a vmap of a forward-only or decode module: the vmap's
+    BatchedTensor says requires_grad False, so the "no backward" check passed and the
+    gradient came back as zeros, eagerly and compiled. It is the ValueError of grad
+    alone."""
+    from specgen.check.cases import random_decode
+
+    module = emulated_module(name, "grad_vmap_no_backward")
+    if "decode" in name:
+        q, *rest = random_decode(module.SPEC, [17, 5], 1, 1, torch.Generator().manual_seed(0), device="cpu").args()
+        message = "decode has no backward"
+    else:
+        q, *rest = _inputs(module)
+        message = "this module has no backward"
+    batched = torch.stack([q, q + 1])
+    grad = torch.func.grad(lambda qb: torch.func.vmap(lambda q: module.attention(q, *rest))(qb).float().sum())
+    with emulate.emulating(), pytest.raises(ValueError, match=message):
+        (_compile(grad) if compiled else grad)(batched)
+    with emulate.emulating():  # vmap alone runs
+        torch.func.vmap(lambda q: module.attention(q, *rest))(batched)

@@ -271,6 +271,22 @@ class Plan:
         return bool(self.sinks or self.extra_tensors or self.varlen or self.fp8 or self.block_sparse)
 
     @property
+    def folds_vmap(self) -> bool:
+        """Whether a training module's vmap rules may fold torch.func.vmap's batch
+        into the kernels' batch (one launch for the whole vmap, not one per entry).
+        Not for packed varlen inputs (no batch axis), dropout (its mask is drawn per
+        batch index, so a folded entry would get another entry's mask) or a hook
+        tensor with a batch axis (indexed by the kernels' batch, not the vmap's)."""
+        return not (self.varlen or self.dropout or any("batch" in dims for *_, dims in self.extra_tensors))
+
+    @property
+    def folds_vmap_grads(self) -> bool:
+        """Whether the backward's vmap rule folds too: not where it returns a
+        gradient summed over the batch (sinks, a learnable tensor), which a folded
+        call would sum over the vmap's entries as well."""
+        return self.folds_vmap and not (self.sinks or self.learnable)
+
+    @property
     def decode_map_rows(self) -> int:
         """Rows of a decode map kernel's query tile: the split kernel's packed rows
         where the mask_mod reads h, else one per query token (padded to a power of two)."""

@@ -1101,3 +1101,32 @@ def test_negative_q_offset_template_variants(variant):
     """Every structural variant (subtiles, no loop split, block remap, loads...) with
     the first rows before any key."""
     _check(_variant_module(variant, VARIANTS[variant]), 1, 2, 333, 200, -133, seed=7)
+
+
+def test_torch_func_gradients_match_eager_backward_on_the_gpu():
+    """torch.func on the GPU's kernels: per-sample gradients (vmap over grad, which
+    folds the vmap into the kernels' batch), grad over vmap, and torch.compile of
+    torch.func.grad give the bits of eager loss.backward() calls on each entry."""
+    mod = generated_module("fmha_train_gqa_causal")
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    entries = [random_qkv(mod.SPEC, 1, 2, 200, 200, generator=gen) for _ in range(3)]
+    q, k, v = (torch.stack(ts) for ts in zip(*entries))  # [N, B, H, S, D]
+
+    def loss(q, k, v):
+        return mod.attention(q, k, v, q_offset=0).float().square().sum()
+
+    want = []
+    for qi, ki, vi in entries:
+        leaves = [t.detach().clone().requires_grad_() for t in (qi, ki, vi)]
+        loss(*leaves).backward()
+        want.append([t.grad for t in leaves])
+    want = [torch.stack(ts) for ts in zip(*want)]
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    summed = torch.func.grad(lambda q, k, v: torch.func.vmap(loss)(q, k, v).sum(), argnums=(0, 1, 2))(q, k, v)
+    compiled = torch.compile(torch.func.grad(loss, argnums=(0, 1, 2)))(q[0], k[0], v[0])
+    for got, ref in zip(per_sample, want):
+        assert torch.equal(got, ref)
+    for got, ref in zip(summed, want):
+        assert torch.equal(got, ref)
+    for got, ref in zip(compiled, want):
+        assert torch.equal(got, ref[0])

@@ -172,3 +172,45 @@ def test_varlen_and_dropout_modules_loop(name, monkeypatch):
         per_sample = torch.func.vmap(grad)(q, k, v)
     assert len(launches) == 3 * per_entry
     assert all(torch.equal(got, torch.stack(want)) for got, want in zip(per_sample, zip(*loop)))
+
+
+@pytest.mark.parametrize("sinks_dtype", [torch.float32, torch.bfloat16])
+def test_grad_over_vmap_with_sinks_loops_the_forward(sinks_dtype, monkeypatch):
+    """grad over vmap differentiates the vmap rule's call itself: a folded forward's
+    backward summed dsinks over every entry in one kernel, where the loop sums each
+    entry's and autograd adds them (other bits). The forward runs per entry there."""
+    module = emulated_module("fmha_train_gptoss_sinks", "vmap_fold_sinks")
+    launches = _counted(module, monkeypatch)
+    q, k, v = (x[:, :1] for x in _gqa_inputs(module, 4))
+    sinks = torch.randn(q.shape[2], generator=torch.Generator().manual_seed(3)).to(sinks_dtype)
+
+    def loss(q, k, v, sinks):
+        out, lse = module.attention(q, k, v, sinks=sinks)
+        return out.float().square().sum() + lse.sum()
+
+    batched = lambda *a: torch.func.vmap(loss, in_dims=(0, 0, 0, None))(*a).sum()  # noqa: E731
+    fn = lambda: torch.func.grad(batched, argnums=(0, 1, 2, 3))(q, k, v, sinks)  # noqa: E731
+    folded, folded_launches = _run(module, monkeypatch, launches, fn, fold=True)
+    looped, looped_launches = _run(module, monkeypatch, launches, fn, fold=False)
+    assert _same(folded, looped)
+    assert folded_launches == looped_launches == 4 * 3
+
+
+def test_a_fold_past_the_grid_limit_splits(monkeypatch):
+    """Each entry of the loop meets the grid's y limit (batch * heads <= MAX_GRID_Y)
+    on its own; the folded batch need not (per-sample gradients of 16385 entries of
+    B1 Hq4 raised ValueError). The fold takes as many entries per call as fit: here
+    the limit is lowered to two entries' worth."""
+    module = emulated_module("fmha_train_gqa_causal", "vmap_fold")
+    launches = _counted(module, monkeypatch)
+    inputs = _gqa_inputs(module, 3)
+    monkeypatch.setattr(module, "MAX_GRID_Y", 2 * inputs[0].shape[1] * inputs[0].shape[2])
+
+    def loss(q, k, v):
+        return module.attention(q, k, v).float().square().sum()
+
+    fn = lambda: torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(*inputs)  # noqa: E731
+    folded, folded_launches = _run(module, monkeypatch, launches, fn, fold=True)
+    looped, looped_launches = _run(module, monkeypatch, launches, fn, fold=False)
+    assert _same(folded, looped)
+    assert (folded_launches, looped_launches) == (2 * 3, 3 * 3)

@@ -1,0 +1,172 @@
+"""Tensors past int32 on the GPU (marked `gpu`): more than 2**31 elements, and
+strides past int32 that the kernels' int64-indexed twins take.
+
+Each test needs several GiB of GPU memory and skips where the device lacks it.
+Only chosen entries (the last ones first) are compared with the fp64 reference:
+an element offset that wrapped in int32 shows there.
+"""
+
+import pytest
+import torch
+
+from specgen.check.cases import compare, reference_for
+
+from .helpers import generated_module, render_spec_data, trained_spec_data
+
+pytestmark = pytest.mark.gpu
+
+GIB = 2**30
+
+
+def _need(gib):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    free = torch.cuda.mem_get_info()[0]
+    if free < gib * GIB:
+        pytest.skip(f"needs {gib} GiB of free GPU memory, {free / GIB:.0f} GiB free")
+
+
+def _ok(mod, out, q, k, v, **kw):
+    ref, _ = reference_for(mod.SPEC, q.double(), k.double(), v.double(), {}, **kw)
+    result = compare(out, ref, mod.SPEC["dtype"])
+    assert result.ok, result
+
+
+def _varlen(total, rows, hq, hkv, gen):
+    q = torch.randn(total, hq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(total, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(total, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.arange(0, total + 1, rows, device="cuda", dtype=torch.int32)
+    return q, k, v, cu
+
+
+def _sequence(t, cu, b):
+    return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1)[None]
+
+
+def test_varlen_prefill_with_more_than_2_31_elements_packed():
+    """540,672 packed rows of 32 heads of 128: row 524,288 on starts past int32."""
+    _need(14)
+    mod = generated_module("fmha_varlen_llama")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = 2048
+    q, k, v, cu = _varlen(264 * rows, rows, 32, 8, gen)
+    assert q.numel() > 2**31
+    out = mod.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=rows, max_seqlen_k=rows)
+    out = out[0] if isinstance(out, tuple) else out  # return_lse: (out, lse)
+    for b in (263, 262, 255, 0):
+        _ok(mod, _sequence(out, cu, b), *(_sequence(t, cu, b) for t in (q, k, v)))
+
+
+def test_varlen_backward_with_more_than_2_31_elements_packed():
+    _need(30)
+    from specgen.compile.export import load_module_from_source
+
+    plan, source = render_spec_data(trained_spec_data("fmha_varlen_llama"))
+    mod = load_module_from_source(plan.module_name, source, "large_varlen_trained.py")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = 2048
+    q, k, v, cu = _varlen(264 * rows, rows, 32, 8, gen)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = mod.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=rows, max_seqlen_k=rows)
+    out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in (263, 0):
+        q64, k64, v64 = (_sequence(t.detach(), cu, b).double().requires_grad_() for t in (q, k, v))
+        ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
+        ref.backward(_sequence(dout, cu, b).double())
+        for name, got, want in (("out", out, ref), ("dq", dq, q64.grad), ("dk", dk, k64.grad),
+                                ("dv", dv, v64.grad)):
+            got = _sequence(got, cu, b)
+            err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+            assert torch.isfinite(got).all() and err <= 2e-2, (b, name, err)
+
+
+def _view_past_int32(shape, stride0, dtype, gen):
+    """A [B, S, H, D] tensor whose batch stride is ``stride0`` elements, as [B, H, S, D]."""
+    b, s, h, d = shape
+    base = torch.empty((b - 1) * stride0 + s * h * d, device="cuda", dtype=dtype)
+    t = base.as_strided(shape, (stride0, h * d, d, 1))
+    for i in range(b):
+        t[i].copy_(torch.randn(s, h, d, device="cuda", generator=gen).to(dtype))
+    return t
+
+
+def test_prefill_takes_a_batch_stride_past_int32():
+    """q and out views into a larger buffer, batch stride 2**31 + 2**20."""
+    _need(10)
+    mod = generated_module("fmha_gqa8_bf16")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    stride0 = 2**31 + 2**20
+    q = _view_past_int32((2, 1000, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
+    out = _view_past_int32((2, 1000, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
+    k, v = (torch.randn(2, 4, 1000, 128, device="cuda", generator=gen).to(torch.bfloat16) for _ in "kv")
+    assert max(q.stride()) > 2**31 - 1
+    got = mod.attention(q, k, v, out=out)
+    assert got is out
+    # The launcher took a twin (of the kernel or of the config's hint variant).
+    kernels = [mod.fmha_prefill_causal_gqa8_bf16_d128, *mod._KERNELS.values()]
+    assert any(k.__dict__.get("_int64_twin") is not None for k in kernels)
+    for b in (1, 0):
+        _ok(mod, out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1])
+
+
+def test_prefill_with_a_stride_past_int32_on_an_axis_of_one_keeps_the_int32_kernel():
+    """B=1 with a batch stride past int32 (as q [1, 2**19, 32, 128] has): the axis of
+    one takes another stride, no twin is made."""
+    mod = generated_module("fmha_gqa8_bf16")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def one(heads):
+        t = torch.randn(1, 777, heads, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        return t.as_strided(t.shape, (2**33, heads * 128, 128, 1)).transpose(1, 2)
+
+    q, k, v = one(32), one(4), one(4)
+    kernels = [mod.fmha_prefill_causal_gqa8_bf16_d128, *mod._KERNELS.values()]
+    twins = sum(k.__dict__.get("_int64_twin") is not None for k in kernels)
+    out = mod.attention(q, k, v, out=one(32))
+    assert sum(k.__dict__.get("_int64_twin") is not None for k in kernels) == twins
+    _ok(mod, out, q, k, v)
+
+
+def test_decode_takes_a_cache_batch_stride_past_int32():
+    _need(12)
+    mod = generated_module("fmha_decode_gqa8_bf16")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    stride0 = 2**31 + 2**12
+    kc = _view_past_int32((2, 3000, 8, 128), stride0, torch.bfloat16, gen)
+    vc = _view_past_int32((2, 3000, 8, 128), stride0, torch.bfloat16, gen)
+    q = torch.randn(2, 1, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([3000, 1777], device="cuda", dtype=torch.int32)
+    out = mod.attention(q, kc, vc, lens)
+    for b, n in ((1, 1777), (0, 3000)):
+        ref, _ = reference_for(mod.SPEC | {"causal": False}, q[b:b + 1].transpose(1, 2).double(),
+                               kc[b:b + 1, :n].transpose(1, 2).double(), vc[b:b + 1, :n].transpose(1, 2).double(),
+                               {})
+        result = compare(out[b:b + 1].transpose(1, 2), ref, "bfloat16")
+        assert result.ok, (b, result)
+
+
+def test_backward_takes_a_batch_stride_past_int32():
+    _need(12)
+    mod = generated_module("fmha_train_gqa_causal")
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    stride0 = 2**31 + 2**20
+    q = _view_past_int32((2, 700, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
+    q = q.detach().requires_grad_()
+    k, v = (torch.randn(2, 8, 700, 128, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in "kv")
+    out = mod.attention(q, k, v)
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in (1, 0):
+        q64, k64, v64 = (t[b:b + 1].detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
+        ref.backward(dout[b:b + 1].double())
+        for name, got, want in (("out", out, ref), ("dq", dq, q64.grad), ("dk", dk, k64.grad),
+                                ("dv", dv, v64.grad)):
+            got = got[b:b + 1]
+            err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+            assert torch.isfinite(got).all() and err <= 2e-2, (b, name, err)

@@ -1,0 +1,156 @@
+"""Tensors whose shapes or strides pass int32: the kernels' int64-indexed twins.
+
+cuTile passes an array's shapes and strides as int32 and refuses one past int32 at
+launch with an OverflowError ("stride is too big"), before it launches anything. The
+generated launcher then launches the kernel's twin whose array parameters are
+ct.IndexedWithInt64. These CPU tests check the twin, the fallback, and that the
+twins compile; tests/test_gpu_large.py runs them on the GPU.
+"""
+
+import dataclasses
+import io
+
+import cuda.tile as ct
+import pytest
+import torch
+import yaml
+
+from .helpers import ROOT, generated_module, render_spec_data
+
+
+def _kernel(mod_name, kernel_attr=None):
+    mod = generated_module(mod_name)
+    if kernel_attr is None:
+        kernel_attr = next(n for n, v in vars(mod).items() if isinstance(v, mod.AotKernel))
+    return mod, getattr(mod, kernel_attr)
+
+
+def test_twin_indexes_every_array_in_int64_and_keeps_the_rest():
+    mod, kernel = _kernel("fmha_gqa8_bf16", "fmha_prefill_causal_gqa8_bf16_d128")
+    twin = kernel.indexed_with_int64()
+    assert isinstance(twin, mod.AotKernel) and twin is not kernel
+    # Made once, and a twin's twin is itself.
+    assert kernel.indexed_with_int64() is twin and twin.indexed_with_int64() is twin
+    f, g = kernel._pyfunc, twin._pyfunc
+    assert g.__code__ is f.__code__ and g.__name__ == f.__name__
+    for name in ("Q", "K", "V", "Out"):
+        assert name not in f.__annotations__
+        assert g.__annotations__[name] is ct.IndexedWithInt64
+    for name, annotation in f.__annotations__.items():
+        assert g.__annotations__[name] is annotation  # scalars and constants as they were
+    assert twin._compiler_options == kernel._compiler_options
+    # cuTile reads the annotations: the twin's array parameters are int64-indexed.
+    arrays = [node.array for node in twin._annotated_function.parameter_annotations[:4]]
+    assert [a.index_dtype for a in arrays] == [ct.int64] * 4
+    plain = [node.array for node in kernel._annotated_function.parameter_annotations[:4]]
+    assert plain == [None] * 4
+    # A kernel with other hints has a twin of its own, with those hints.
+    other = kernel.replace_hints(occupancy=2)
+    assert other.indexed_with_int64() is not twin
+    assert other.indexed_with_int64()._compiler_options.occupancy == 2
+
+
+def _launches(monkeypatch, refuse):
+    """ct.launch recording (kernel, args), raising ``refuse`` for int32-indexed kernels."""
+    calls = []
+
+    def launch(stream, grid, kernel, args, **options):
+        calls.append((kernel, args, options))
+        int64 = kernel._annotated_function.parameter_annotations[0].array is not None
+        if refuse is not None and not int64:
+            raise refuse
+
+    monkeypatch.setattr(ct, "launch", launch)
+    return calls
+
+
+def test_launcher_takes_the_twin_where_cutile_refuses_an_int32_stride(monkeypatch):
+    mod, kernel = _kernel("fmha_gqa8_bf16", "fmha_prefill_causal_gqa8_bf16_d128")
+    calls = _launches(monkeypatch, OverflowError("stride is too big"))
+    args = ("q", "k", "v", "out", 0.1, 0, 64, 64, True, False)
+    mod._launch(torch.device("cuda"), (1, 1, 1), kernel, args, stream=0, extra=1)
+    assert [c[0] for c in calls] == [kernel, kernel.indexed_with_int64()]
+    assert calls[1][1] is args and calls[1][2] == {"extra": 1}
+
+
+@pytest.mark.parametrize("error", [OverflowError("Python int too large to convert to C long"),
+                                   ValueError("stride is too big")])
+def test_launcher_passes_other_errors_on(monkeypatch, error):
+    mod, kernel = _kernel("fmha_gqa8_bf16", "fmha_prefill_causal_gqa8_bf16_d128")
+    calls = _launches(monkeypatch, error)
+    with pytest.raises(type(error), match=str(error)):
+        mod._launch(torch.device("cuda"), (1, 1, 1), kernel, (), stream=0)
+    assert len(calls) == 1
+
+
+def test_launcher_raises_cutiles_error_for_a_kernel_without_a_twin(monkeypatch):
+    mod, _ = _kernel("fmha_gqa8_bf16")
+
+    @ct.kernel
+    def plain(X):
+        pass
+
+    calls = _launches(monkeypatch, OverflowError("shape is too big"))
+    with pytest.raises(OverflowError, match="shape is too big"):
+        mod._launch(torch.device("cuda"), (1,), plain, (), stream=0)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("spec, kernel_index", [("fmha_varlen_llama", 0), ("fmha_decode_gqa8_bf16", 1)],
+                         ids=["varlen-prefill", "decode-combine"])
+def test_twins_compile_for_sm_90(spec, kernel_index):
+    """The twin is a kernel cuTile compiles: int64 signatures of the module's own."""
+    from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kernel
+
+    from specgen.compile.export import kernel_builds, load_module_from_source, signatures, target_configs
+
+    plan, source = render_spec_data(yaml.safe_load((ROOT / "specs" / f"{spec}.yaml").read_text()),
+                                    f"specs/{spec}.yaml")
+    mod = load_module_from_source(plan.module_name, source, f"{ROOT}/generated/_twin_{spec}.py")
+    config = target_configs(plan, "sm_90")[0]
+    name, sigs = kernel_builds(plan, config, "sm_90")[kernel_index]
+    sigs = sigs or signatures(plan, "sm_90", config)
+
+    def wide(p):
+        return dataclasses.replace(p, index_dtype=ct.int64) if isinstance(p, ArrayConstraint) else p
+
+    buffer = io.BytesIO()
+    export_kernel(getattr(mod, name).indexed_with_int64(),
+                  [KernelSignature([wide(p) for p in s.parameters], s.calling_convention) for s in sigs],
+                  buffer, gpu_code="sm_90", output_format="cubin")
+    assert buffer.getvalue()[:4] == b"\x7fELF"
+
+
+def test_axes_of_one_take_a_stride_inside_int32():
+    mod = generated_module("fmha_gqa8_bf16")
+    big = 2**33
+    # [1, S, H, D] seen as [1, H, S, D], batch stride past int32: the span of the
+    # head dim (128) is the smallest stride that keeps the elements disjoint.
+    q = torch.zeros(7, 4, 128).as_strided((1, 4, 7, 128), (big, 128, 512, 1))
+    small = torch.zeros(2, 3)
+    (view, same, number) = mod._int32_views((q, small, 1.5))
+    assert view.stride() == (128, 128, 512, 1) and view.data_ptr() == q.data_ptr()
+    assert same is small and number == 1.5
+    # Every axis of one: stride 1 will do.
+    (view,) = mod._int32_views((torch.zeros(1).as_strided((1, 1), (big, big)),))
+    assert view.stride() == (1, 1)
+    # A longer axis past int32, or nothing to change: None (the twin's case).
+    wide = torch.empty_strided((2, 1), (big, 1), device="meta")  # metadata only
+    assert mod._int32_views((wide,)) is None
+    assert mod._int32_views((small, 3)) is None
+
+
+def test_launcher_tries_views_before_the_twin(monkeypatch):
+    mod, kernel = _kernel("fmha_gqa8_bf16", "fmha_prefill_causal_gqa8_bf16_d128")
+    calls = []
+
+    def launch(stream, grid, k, args, **options):
+        calls.append((k, args))
+        if max(args[0].stride()) > 2**31 - 1:
+            raise OverflowError("stride is too big")
+
+    monkeypatch.setattr(ct, "launch", launch)
+    q = torch.zeros(7, 4, 128).as_strided((1, 4, 7, 128), (2**33, 128, 512, 1))
+    mod._launch(torch.device("cuda"), (1,), kernel, (q, 2.0), stream=0)
+    assert [c[0] for c in calls] == [kernel, kernel] and calls[1][1][0].stride(0) == 128
+    assert calls[1][1][1] == 2.0

@@ -556,6 +556,34 @@ def test_decode_refuses_a_batch_beyond_the_grid_y_limit(name, refused):
         refused(lambda: mod.make_block_map(big_lens, q.shape[2], k_cache.shape[1]), "at most 65535")
 
 
+def test_work_item_grid_limits_follow_the_config(refused, launches, monkeypatch):
+    """A one-CTA-per-item config's 1-D grid takes at most MAX_GRID_X blocks (cuTile
+    refuses more than 2**24 - 1); a persistent config's wave loops over up to
+    MAX_WORK items. Both are ValueErrors before the launch (limits lowered here so
+    small calls reach them)."""
+    import yaml
+
+    from .helpers import ROOT, emulated_spec_module
+
+    data = yaml.safe_load((ROOT / "specs" / "fmha_gqa_causal.yaml").read_text())
+    data.update(name="work_items", targets={"default": {
+        "tile_m": 64, "tile_n": 64, "occupancy": 2, "persistent": True,
+        "by_seq_k": [{"max_seq_k": 100, "tile_m": 64, "tile_n": 64, "occupancy": 2}]}})
+    mod = _MODULES.setdefault("work_items", emulated_spec_module(data, "grid_limits"))  # _no_launch patches it
+    assert mod.MAX_GRID_X == 2**24 - 1 and mod.MAX_WORK == 2**31 - 1
+    short = random_qkv(mod.SPEC, 2, 1, 64, 64, generator=_gen(), device="cpu")  # one-per-item config
+    long = random_qkv(mod.SPEC, 2, 1, 64, 200, generator=_gen(), device="cpu")  # persistent config
+    work = 2 * short[0].shape[1]  # one query tile per (batch, head)
+    monkeypatch.setattr(mod, "MAX_GRID_X", work - 1)
+    refused(lambda: mod.attention(*short), f"query tiles * batch * heads must be at most {work - 1} with this "
+            f"config, got {work}")
+    launches(lambda: mod.attention(*long))
+    monkeypatch.setattr(mod, "MAX_WORK", work - 1)
+    refused(lambda: mod.attention(*long), f"must be at most {work - 1} with this config, got {work}")
+    monkeypatch.setattr(mod, "MAX_GRID_X", work)
+    launches(lambda: mod.attention(*short))
+
+
 def test_block_map_and_launch_plan_devices_and_sizes_are_value_errors(refused):
     """A device that is not one, or sizes past the kernels' int32 positions, are
     ValueErrors before any memory is asked for (they were RuntimeError, TypeError,

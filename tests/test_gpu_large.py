@@ -1,5 +1,6 @@
-"""Tensors past int32 on the GPU (marked `gpu`): more than 2**31 elements, and
-strides past int32 that the kernels' int64-indexed twins take.
+"""Sizes past int32 and past the grid on the GPU (marked `gpu`): tensors of more
+than 2**31 elements, strides past int32 that the kernels' int64-indexed twins take,
+and batch × heads past the grid's y limit, run as slices of the batch.
 
 Each test needs several GiB of GPU memory and skips where the device lacks it.
 Only chosen entries (the last ones first) are compared with the fp64 reference:
@@ -170,3 +171,38 @@ def test_backward_takes_a_batch_stride_past_int32():
             got = got[b:b + 1]
             err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
             assert torch.isfinite(got).all() and err <= 2e-2, (b, name, err)
+
+
+def test_vit_batch_past_the_grid_y_limit_runs_in_slices():
+    """B 4096 × 16 heads = 65536 (CTA rows on y, limit 65535): two slices of the batch."""
+    _need(8)
+    mod = generated_module("fmha_vit_dropout")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(4096, 197, 16, 64, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+               for _ in "qkv")
+    out = mod.attention(q, k, v, dropout_p=0.0)
+    for b in (4095, 4094, 0):
+        _ok(mod, out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1])
+
+
+def test_training_batch_past_the_grid_y_limit_runs_in_slices():
+    """B 2049 × 32 heads = 65568: forward and backward in two slices each."""
+    _need(8)
+    mod = generated_module("fmha_train_gqa_causal")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2049, 64, 32, 128, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(2049, 64, 8, 128, device="cuda", generator=gen).to(torch.bfloat16).transpose(1, 2)
+            for _ in "kv")
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = mod.attention(q, k, v)
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    for b in (2048, 2046, 0):
+        q64, k64, v64 = (t[b:b + 1].detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
+        ref.backward(dout[b:b + 1].double())
+        for name, got, want in (("out", out, ref), ("dq", dq, q64.grad), ("dk", dk, k64.grad),
+                                ("dv", dv, v64.grad)):
+            err = (got[b:b + 1].double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+            assert torch.isfinite(got[b:b + 1]).all() and err <= 2e-2, (b, name, err)

@@ -280,6 +280,21 @@ class Plan:
         return not (self.varlen or self.dropout or any("batch" in dims for *_, dims in self.extra_tensors))
 
     @property
+    def batch_slices(self) -> bool:
+        """Whether a batch whose batch × heads pass the grid's y limit (65535) runs
+        as slices of the batch, one launch each, rather than being refused. Not for
+        packed varlen inputs (no batch axis), block maps, float8 descales or hook
+        tensors with a batch axis (each would need its own slice), persistent work
+        loops (a 1-D grid), or the backward of sinks, learnable tensors or an LSE
+        gradient (gradients summed over the batch, or one more input to slice).
+        Dropout slices only without drops (its mask is drawn per batch index)."""
+        if self.varlen or self.block_sparse or self.fp8 or self.persistent_loop:
+            return False
+        if any("batch" in dims for *_, dims in self.extra_tensors):
+            return False
+        return not (self.backward and (self.sinks or self.learnable or self.spec.return_lse))
+
+    @property
     def folds_vmap_grads(self) -> bool:
         """Whether the backward's vmap rule folds too: not where it returns a
         gradient summed over the batch (sinks, a learnable tensor), which a folded

@@ -1,0 +1,101 @@
+"""A batch whose batch × heads pass the grid's y limit (65535) runs as slices of the
+batch, one launch each, with the bits of the whole call; what cannot be sliced is
+refused as before. Emulated on the CPU, with the limit lowered so small calls reach it."""
+
+import pytest
+import torch
+
+from specgen.check import emulate
+from specgen.check.cases import random_qkv
+
+from .helpers import emulated_module
+
+_MODULES = {}
+
+
+def _module(name):
+    if name not in _MODULES:
+        _MODULES[name] = emulated_module(name, "batch_slices")
+    return _MODULES[name]
+
+
+def _grids(mod, monkeypatch):
+    """Record each launch's grid, launching as before."""
+    grids, launch = [], mod._launch
+
+    def spy(device, grid, kernel, args, *rest, **options):
+        grids.append(grid)
+        return launch(device, grid, kernel, args, *rest, **options)
+
+    monkeypatch.setattr(mod, "_launch", spy)
+    return grids
+
+
+def _qkv(mod, batch, seed=0, requires_grad=False):
+    q, k, v = random_qkv(mod.SPEC, batch, 1, 40, 56, generator=torch.Generator().manual_seed(seed), device="cpu")
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("name, extra", [("fmha_gemma_softcap", {}), ("fmha_mistral_window", {}),
+                                         ("fmha_vit_dropout", {"dropout_p": 0.0}), ("fmha_alibi", "slope"),
+                                         ("fmha_gptoss_sinks", "sinks")])
+def test_forward_runs_in_batch_slices_with_the_bits_of_one_call(name, extra, monkeypatch):
+    mod = _module(name)
+    q, k, v = _qkv(mod, 5)
+    if isinstance(extra, str):  # a per-head tensor the kernel reads: passed to every slice
+        extra = {extra: torch.randn(q.shape[1], generator=torch.Generator().manual_seed(4))}
+    with emulate.emulating():
+        whole = mod.attention(q, k, v, **extra)
+        heads = q.shape[1]
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)  # two entries a slice
+        grids = _grids(mod, monkeypatch)
+        sliced = mod.attention(q, k, v, **extra)
+    assert [g[1] for g in grids] == [2 * heads, 2 * heads, heads]
+    for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (sliced, whole)), strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()  # out, and lse where returned
+
+
+def test_training_forward_and_backward_run_in_batch_slices(monkeypatch):
+    mod = _module("fmha_train_gqa_causal")
+
+    def run():
+        q, k, v = _qkv(mod, 5, seed=1, requires_grad=True)
+        out = mod.attention(q, k, v)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+        return out.detach(), q.grad, k.grad, v.grad
+
+    with emulate.emulating():
+        whole = run()
+        heads = whole[0].shape[1]
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
+        grids = _grids(mod, monkeypatch)
+        sliced = run()
+    # Forward: three slices; backward: dQ and dK/dV kernels for each of three slices.
+    assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
+    for a, b in zip(sliced, whole):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_a_tile_order_with_the_tiles_on_y_needs_no_slices(monkeypatch):
+    """fmha_gqa_causal's short-key config launches (batch × heads, tiles): its y axis
+    holds query tiles, so a lowered y limit slices nothing."""
+    mod = _module("fmha_gqa_causal")
+    q, k, v = _qkv(mod, 5)
+    monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * q.shape[1])
+    grids = _grids(mod, monkeypatch)
+    with emulate.emulating():
+        mod.attention(q, k, v)
+    assert grids == [(5 * q.shape[1], 1, 1)]
+
+
+def test_what_cannot_be_sliced_is_still_refused(monkeypatch):
+    dropout = _module("fmha_vit_dropout")
+    q, k, v = _qkv(dropout, 5)
+    monkeypatch.setattr(dropout, "MAX_GRID_Y", 2 * q.shape[1])
+    with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
+        dropout.attention(q, k, v, dropout_p=0.25, seed=3)  # its mask is drawn per batch index
+    sparse = _module("fmha_chunked_local")
+    q, k, v = _qkv(sparse, 5)
+    monkeypatch.setattr(sparse, "MAX_GRID_Y", 2 * q.shape[1])
+    with emulate.emulating(), pytest.raises(ValueError, match="at most"):
+        sparse.attention(q, k, v)  # its block map has a batch axis

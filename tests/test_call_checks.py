@@ -759,3 +759,49 @@ def test_an_empty_call_still_checks_its_block_map(refused):
     q, k, v = random_qkv(mod.SPEC, 1, 1, 16, 16, generator=_gen(), device="cpu")
     refused(lambda: mod.attention(q[:, :, :0], k, v, block_map="garbage"),
             "block_map must be a BlockMap (make_block_map) or None, got str")
+
+
+# --- the grid's x limit (2**24 - 1 blocks) --------------------------------------------
+
+
+def test_a_global_tile_order_grid_keeps_batch_times_heads_within_the_x_limit(refused, launches, monkeypatch):
+    """A tile_order: global config puts batch * heads on the grid's x axis: past
+    MAX_GRID_X it is a ValueError before the launch (cuTile refused it, "Grid[0]
+    exceeds 24-bit limit", for q [2**22, 4, 1, 128]). Limit lowered so that a small
+    call reaches it; seq_k 64 takes the spec's global-order config."""
+    mod = _module("fmha_gqa_causal")
+    q, k, v = random_qkv(mod.SPEC, 2, 1, 40, 64, generator=_gen(), device="cpu")  # batch * heads = 8
+    monkeypatch.setattr(mod, "MAX_GRID_X", 7)
+    refused(lambda: mod.attention(q, k, v), "the grid's x axis takes at most 7 blocks, got 2 * 4 batch * heads")
+    monkeypatch.setattr(mod, "MAX_GRID_X", 8)
+    launches(lambda: mod.attention(q, k, v))
+
+
+@pytest.mark.parametrize("name", ["fmha_mha_f16_d128", "fmha_seed_baseline", "fmha_chunked_local"])
+def test_query_tiles_stay_within_the_grid_x_limit(name, refused, launches, monkeypatch):
+    """A per-head grid has the query tiles on its x axis: seq_q past MAX_GRID_X tiles
+    is a ValueError before any launch, a block map's included (cuTile refused
+    seq_q = 2**30 at 64-row tiles)."""
+    mod = _module(name)
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 200, 64, generator=_gen(), device="cpu")  # 4 tiles of 64
+    monkeypatch.setattr(mod, "MAX_GRID_X", 3)
+    refused(lambda: mod.attention(q, k, v), "seq_q must be at most 192 with this config (3 query tiles of 64, "
+            "the grid's x limit), got 200")
+    monkeypatch.setattr(mod, "MAX_GRID_X", 4)
+    launches(lambda: mod.attention(q, k, v))
+
+
+def test_make_block_map_checks_every_direction_before_the_first_launch(refused, launches, monkeypatch):
+    """make_block_map launches one kernel per direction: a direction past the grid's
+    x limit (here the backward's by-key map) is refused before the forward's map is
+    launched (it was launched, then cuTile refused the next)."""
+    chunked = _module("fmha_chunked_local")
+    monkeypatch.setattr(chunked, "MAX_GRID_X", 3)
+    refused(lambda: chunked.make_block_map(1, 4, 200, 16), "seq_q must be at most 192 for the block map's tiles")
+    launches(lambda: chunked.make_block_map(1, 4, 192, 16))
+    mod = _module("fmha_train_document")
+    doc = torch.zeros(1, 200, dtype=torch.int32)
+    monkeypatch.setattr(mod, "MAX_GRID_X", 1)
+    refused(lambda: mod.make_block_map(1, 4, 16, 200, doc=doc, backward=True),
+            f"seq_k must be at most {mod.BWD_TILE_N} for the block map's tiles")
+    launches(lambda: mod.make_block_map(1, 4, 16, 200, doc=doc))

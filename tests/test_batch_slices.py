@@ -99,3 +99,44 @@ def test_what_cannot_be_sliced_is_still_refused(monkeypatch):
     monkeypatch.setattr(sparse, "MAX_GRID_Y", 2 * q.shape[1])
     with emulate.emulating(), pytest.raises(ValueError, match="at most"):
         sparse.attention(q, k, v)  # its block map has a batch axis
+
+
+@pytest.mark.parametrize("given_max", [True, False], ids=["max-seqlen-given", "read-on-host"])
+def test_packed_sequences_launch_in_slices_of_cu_seqlens(given_max, monkeypatch):
+    """Sequences × heads past the y limit: a launch per slice of the sequences, each
+    reading its slice of cu_seqlens, with the bits of one launch (out and lse)."""
+    from specgen.check.cases import random_packed
+
+    mod = _module("fmha_varlen_llama")
+    packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1), (17, 17), (0, 9)], 1,
+                           generator=torch.Generator().manual_seed(5), device="cpu")
+    q, k, v, cu_q, cu_k = packed.q, packed.k, packed.v, packed.cu_seqlens_q, packed.cu_seqlens_k
+    before = cu_q.clone(), cu_k.clone()
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    if given_max:
+        kw.update(max_seqlen_q=40, max_seqlen_k=60)
+    with emulate.emulating():
+        whole = mod.attention(q, k, v, **kw)
+        heads = q.shape[1]
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
+        grids = _grids(mod, monkeypatch)
+        sliced = mod.attention(q, k, v, **kw)
+    assert [g[1] for g in grids] == [2 * heads, 2 * heads, heads]
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(cu_q, before[0]) and torch.equal(cu_k, before[1])  # the caller's, untouched
+
+
+def test_a_packed_training_batch_past_the_y_limit_is_refused(monkeypatch):
+    """Training varlen modules do not slice (the backward's kernels would have to)."""
+    from specgen.check.cases import random_packed
+
+    from .helpers import emulated_spec_module, trained_spec_data
+
+    mod = emulated_spec_module(trained_spec_data("fmha_varlen_llama"), "batch_slices")
+    packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1)], 1, generator=torch.Generator().manual_seed(6),
+                           device="cpu")
+    monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * packed.q.shape[1])
+    with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
+        mod.attention(packed.q, packed.k, packed.v, cu_seqlens_q=packed.cu_seqlens_q,
+                      cu_seqlens_k=packed.cu_seqlens_k)

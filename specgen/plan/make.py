@@ -295,6 +295,16 @@ class Plan:
         return not (self.backward and (self.sinks or self.learnable or self.spec.return_lse))
 
     @property
+    def varlen_slices(self) -> bool:
+        """Whether a packed batch whose sequences × heads pass the grid's y limit
+        launches over slices of its sequences (each reads its slice of cu_seqlens;
+        the kernel takes rows at the offsets they give). Forward-only modules: the
+        backward's two kernels would need the same slices. Not with block maps,
+        float8 or hook tensors with a batch axis; dropout only without drops."""
+        return (self.varlen and not (self.backward or self.block_sparse or self.fp8 or self.persistent_loop)
+                and not any("batch" in dims for *_, dims in self.extra_tensors))
+
+    @property
     def folds_vmap_grads(self) -> bool:
         """Whether the backward's vmap rule folds too: not where it returns a
         gradient summed over the batch (sinks, a learnable tensor), which a folded

@@ -805,3 +805,110 @@ def test_make_block_map_checks_every_direction_before_the_first_launch(refused, 
     refused(lambda: mod.make_block_map(1, 4, 16, 200, doc=doc, backward=True),
             f"seq_k must be at most {mod.BWD_TILE_N} for the block map's tiles")
     launches(lambda: mod.make_block_map(1, 4, 16, 200, doc=doc))
+
+
+# --- the backward's grids -------------------------------------------------------------
+
+
+def test_the_backward_checks_its_grids_before_the_first_launch(refused, launches, monkeypatch):
+    """The backward launches dQ, then dK/dV: key tiles past the grid's x limit were
+    refused by cuTile after the dQ kernel had run (seq_k = 2**30 at 64-key tiles),
+    and heads past the y limit (the backward op called directly, or sinks' gradients
+    that are not sliced) reached the launch. Limits lowered so that small calls reach
+    them."""
+    mod = _module("fmha_train_gqa_causal")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 64, 200, generator=_gen(), device="cpu")  # 1 dQ tile, 4 key tiles
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
+
+    def grads(q=q, k=k, v=v, lse=lse):
+        return lambda: mod._op_grads(q, k, v, q, lse, q, 0.1, 0)
+
+    monkeypatch.setattr(mod, "MAX_GRID_X", 3)
+    refused(grads(), f"seq_k must be at most {3 * mod.BWD_TILE_N} for the backward (3 key tiles of "
+            f"{mod.BWD_TILE_N}, the grid's x limit), got 200")
+    monkeypatch.setattr(mod, "MAX_GRID_X", 4)
+    launches(grads())
+    k, v = k[:, :, :64], v[:, :, :64]
+    q = torch.cat([q] * 4, 2)  # 256 rows: 256 / BWD_DQ_TILE_M query tiles
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
+    dq_tiles = 256 // mod.BWD_DQ_TILE_M
+    monkeypatch.setattr(mod, "MAX_GRID_X", dq_tiles - 1)
+    refused(grads(q, k, v, lse), f"seq_q must be at most {(dq_tiles - 1) * mod.BWD_DQ_TILE_M} for the backward")
+    monkeypatch.setattr(mod, "MAX_GRID_X", dq_tiles)
+    launches(grads(q, k, v, lse))
+    monkeypatch.setattr(mod, "MAX_GRID_Y", 3)  # fewer than the 4 heads: no slice of the batch fits
+    refused(grads(q, k, v, lse), "batch * heads must be at most 3 (the grid's y limit), got 1 * 4")
+    sinks = _module("fmha_train_gptoss_sinks")  # sliced never (the sinks' gradient sums the batch)
+    q, k, v = random_qkv(sinks.SPEC, 2, 1, 16, 16, generator=_gen(), device="cpu")
+    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
+    heads = torch.zeros(q.shape[1])
+    monkeypatch.setattr(sinks, "MAX_GRID_Y", 2 * q.shape[1] - 1)
+    refused(lambda: sinks._op_grads(q, k, v, q, lse, q, None, 0.1, 0, heads),
+            f"batch * heads must be at most {2 * q.shape[1] - 1} (the grid's y limit), got 2 * {q.shape[1]}")
+    monkeypatch.setattr(sinks, "MAX_GRID_Y", 2 * q.shape[1])
+    launches(lambda: sinks._op_grads(q, k, v, q, lse, q, None, 0.1, 0, heads))
+
+
+def test_a_packed_backward_past_the_y_limit_runs_head_by_head(monkeypatch):
+    """The document-mask backward launches across heads, its tiles on y: past 65535
+    tiles (a million packed query rows at 16 positions a tile) cuTile refused it,
+    after the block maps had run. It then runs head by head, tiles on x, with the
+    same gradients (MAX_GRID_Y lowered so that a small call reaches it)."""
+    mod = _module("fmha_train_document")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 40, 40, generator=_gen(), device="cpu")
+    doc = torch.tensor([[0] * 25 + [1] * 15], dtype=torch.int32)
+    dout = torch.randn(q.shape, generator=_gen(3)).to(q.dtype)
+    grids = []
+
+    def gradients():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with emulate.emulating():
+            out = mod.attention(*leaves, doc=doc)
+            return torch.autograd.grad(out, leaves, dout)
+
+    def launch(stream, grid, kernel, args, **kw):
+        grids.append((getattr(kernel, "_pyfunc", kernel).__name__, grid))
+        return emulate.launch(stream, grid, kernel, args, **kw)
+
+    monkeypatch.setattr(mod.ct, "launch", launch)
+    across = gradients()
+    tiles = -(-40 // mod.BWD_DQ_TILE_P)
+    assert ("fmha_bwd_dq_causal_gqa4_bf16_d128", (1, tiles, 1)) in grids
+    grids.clear()
+    monkeypatch.setattr(mod, "MAX_GRID_Y", tiles - 1)
+    by_head = gradients()
+    assert ("fmha_bwd_dq_causal_gqa4_bf16_d128", (tiles, 1, 1)) in grids
+    assert all(torch.equal(a, b) for a, b in zip(across, by_head))
+
+
+def test_the_float8_v_transpose_keeps_its_key_blocks_within_the_x_limit(refused, launches, monkeypatch):
+    """transposed_v (and attention, which transposes V for a v_transposed config) has
+    V's key blocks on the grid's x axis: cuTile refused seq_k = 2**30 (2**24 blocks
+    of 64). Limit lowered so that a small call reaches it."""
+    mod = _module("fmha_fp8_llama")
+    q, k, v = random_qkv(mod.SPEC, 1, 1, 16, 200, generator=_gen(), device="cpu")
+    blocks = -(-200 // mod.V_TRANSPOSE_KEYS)
+    monkeypatch.setattr(mod, "MAX_GRID_X", blocks - 1)
+    message = f"seq_k must be at most {(blocks - 1) * mod.V_TRANSPOSE_KEYS} to transpose v"
+    refused(lambda: mod.transposed_v(v), message)
+    refused(lambda: mod.attention(q, k, v), message)  # its configs read V transposed
+    monkeypatch.setattr(mod, "MAX_GRID_X", blocks)
+    launches(lambda: mod.transposed_v(v))
+    launches(lambda: mod.attention(q, k, v))
+
+
+def test_context_parallel_refuses_a_sequence_past_the_kernels_positions_before_any_transfer():
+    """Each ring step calls the kernels at its own q_offset: a whole sequence past
+    2**30 positions was refused by the kernel call of one rank's step (zigzag: rank
+    0's, whose shard holds the last chunk), after the transfers had started, while
+    the other ranks went on. It is a problem of the call, found before the ranks
+    agree (the shard lengths are the same on every rank)."""
+    from specgen.parallel import ContextParallelAttention
+
+    attn = ContextParallelAttention(_module("fmha_train_gqa_causal"))
+    attn.world_size = 2  # shards of two ranks, checked on this one
+    q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16).expand(1, 4, 2**29 + 1, 128)
+    k = q[:, :1]
+    assert attn._shape_problem(q, k, None, None) == ("the sequence must be at most 1073741824 rows long (the "
+                                                     "kernels' int32 positions), got 2 shards of 536870913")
+    assert attn._shape_problem(q[:, :, 1:], k[:, :, 1:], None, None) is None

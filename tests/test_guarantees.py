@@ -106,19 +106,25 @@ def test_tune_validates_the_edited_text_before_it_replaces_the_file(tmp_path):
     assert path.read_text().startswith("# keep me\nname: tuned\n")
 
 
-@pytest.mark.parametrize("name", ["fmha_mha_bf16", "fmha_train_gqa_causal", "fmha_varlen_llama"])
-def test_prefill_refuses_a_grid_y_past_65535(name, monkeypatch):
-    """A grid axis past CUDA's limits (65535 blocks on y: batch x heads) is a
-    ValueError; test_call_checks holds it for decode only. Broken by raising
-    MAX_GRID_Y in a generated prefill module (the launch is reached)."""
+@pytest.mark.parametrize("name, sliced", [("fmha_mha_bf16", True), ("fmha_train_gqa_causal", True),
+                                          ("fmha_varlen_llama", True), ("fmha_train_gptoss_sinks", False),
+                                          ("fmha_train_document", False)])
+def test_prefill_never_launches_a_grid_y_past_65535(name, sliced, monkeypatch):
+    """batch × heads past 65535 blocks on y run as slices of the batch (of
+    cu_seqlens for varlen), or as one launch whose config puts the tiles on y, or are
+    a ValueError before any launch: no launch's y passes the limit. Broken by raising
+    MAX_GRID_Y in a generated prefill module (the launch is reached with a larger y)."""
     from specgen.check import emulate
 
     mod = emulate.load_module(ROOT / "generated" / f"{name}.py", name=f"_audit_{name}")
     ratio, dim = mod.SPEC["gqa_ratio"], mod.SPEC["head_dim"]
     batch = 65536 // ratio + 1
     launched = []
+    extra = {"sinks": torch.zeros(ratio)} if mod.SPEC.get("sinks") else {}
+    if mod.SPEC.get("mask_mod"):
+        extra["doc"] = torch.zeros(batch, 1, dtype=torch.int32)
     with monkeypatch.context() as patch, emulate.emulating():
-        patch.setattr(mod.ct, "launch", lambda *a, **k: launched.append(a))
+        patch.setattr(mod.ct, "launch", lambda stream, grid, *a, **k: launched.append(grid))
         if mod.SPEC.get("varlen"):
             cu = torch.arange(batch + 1, dtype=torch.int32)
             q = torch.zeros(batch, ratio, dim, dtype=torch.bfloat16)
@@ -127,10 +133,17 @@ def test_prefill_refuses_a_grid_y_past_65535(name, monkeypatch):
         else:
             q = torch.zeros(1, ratio, 1, dim, dtype=torch.bfloat16).expand(batch, -1, -1, -1)
             k = torch.zeros(1, 1, 1, dim, dtype=torch.bfloat16).expand(batch, -1, -1, -1)
-            call = lambda: mod.attention(q, k, k)  # noqa: E731
-        with pytest.raises(ValueError, match=r"batch \* heads must be at most 65535 \(the grid's y limit\)"):
+            call = lambda: mod.attention(q, k, k, **extra)  # noqa: E731
+        if sliced:
             call()
-    assert not launched
+            assert len(launched) >= 2 and sum(grid[1] for grid in launched) == batch * ratio
+        else:
+            # A config may put the tiles on y (tile_order: global) and launch as one.
+            try:
+                call()
+            except ValueError as exc:
+                assert "at most" in str(exc) and not launched
+    assert all(grid[1] <= 65535 for grid in launched)
 
 
 def test_the_header_spec_hash_is_the_canonical_specs():

@@ -31,6 +31,11 @@ from specgen.parallel import ulysses
 from specgen.parallel.kernels import ReferenceKernel, SpecKernel
 
 MODES = ("ring", "ulysses")
+# The kernels' positions are int32: a call's q_offset + seq_q at most 2**30. A longer
+# whole sequence was refused by a ring step's kernel call after the transfers had
+# started, at a step that differs by rank (each step has its own q_offset), so the
+# other ranks waited on a transfer that never came.
+MAX_POSITIONS = 2**30
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -319,6 +324,9 @@ class ContextParallelAttention:
                                            or not max(lengths) <= max_seqlen <= values[-1]):
                 return (f"max_seqlen must be None or an int from the longest sequence ({max(lengths)}) "
                         f"to the packed total ({values[-1]}), got {max_seqlen!r}")
+            if max(lengths) > MAX_POSITIONS:
+                return (f"every packed sequence must be at most {MAX_POSITIONS} rows long (the kernels' "
+                        f"int32 positions), got {max(lengths)}")
             return self._heads_problem(q, k)
         if cu_seqlens is not None:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
@@ -329,6 +337,9 @@ class ContextParallelAttention:
         if seq_len is not None and seq_len != q.shape[2] * world:
             return (f"seq_len {seq_len} needs shards of {seq_len / world:g} rows on {world} ranks, "
                     f"got {q.shape[2]}")
+        if q.shape[2] * world > MAX_POSITIONS:
+            return (f"the sequence must be at most {MAX_POSITIONS} rows long (the kernels' int32 positions), "
+                    f"got {world} shards of {q.shape[2]}")
         return self._heads_problem(q, k)
 
     def _ulysses(self, q, k, v, scale, cu_seqlens, max_seqlen):

@@ -15,6 +15,7 @@ Usage: python bench/large_tensors.py [--cases a,b,...] > log
 """
 
 import argparse
+import functools
 import importlib
 import math
 import sys
@@ -74,34 +75,20 @@ def run_case(name, fn):
         print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
-def prefill_many_entries():
-    """fmha_gqa8_bf16, q/out [1040, 32, 1024, 128]: 4.4e9 elements each."""
+def prefill_many_entries(unaligned=False):
+    """fmha_gqa8_bf16, q/out [1040, 32, 1024, 128]: 4.4e9 elements each. With
+    ``unaligned``, q starts one element into its buffer (a base address not 16-byte
+    aligned: no TMA for q's loads)."""
     m = module("fmha_gqa8_bf16")
     B, Hq, Hkv, S, D = 1040, 32, 4, 1024, 128
     g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    print(f"  q elements {q.numel():.3e}, strides {q.stride()}", flush=True)
-    out = m.attention(q, k, v)
-    torch.cuda.synchronize()
-    for b in (B - 1, B - 3, 600, 0):
-        report(f"entry {b}", out[b], reference(q[b], k[b], v[b], causal=True))
-
-
-def prefill_many_entries_unaligned():
-    """As prefill_many_entries, q from one element into its buffer (a base address
-    not 16-byte aligned: no TMA for q's loads)."""
-    m = module("fmha_gqa8_bf16")
-    B, Hq, Hkv, S, D = 1040, 32, 4, 1024, 128
-    g = torch.Generator(device="cuda").manual_seed(1)
-    n = B * S * Hq * D
-    q = torch.empty(n + 1, device="cuda", dtype=torch.bfloat16)[1:].view(B, S, Hq, D)
-    q.copy_(torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g))
+    q = torch.randn(B, S, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    if unaligned:
+        q = torch.empty(q.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(q.shape).copy_(q)
     q = q.transpose(1, 2)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-    print(f"  q elements {q.numel():.3e}, data_ptr % 16 = {q.data_ptr() % 16}", flush=True)
+    print(f"  q elements {q.numel():.3e}, strides {q.stride()}, data_ptr % 16 = {q.data_ptr() % 16}", flush=True)
     out = m.attention(q, k, v)
     torch.cuda.synchronize()
     for b in (B - 1, B - 3, 600, 0):
@@ -267,7 +254,7 @@ def backward_many_entries():
 
 CASES = {
     "prefill_many_entries": prefill_many_entries,
-    "prefill_many_entries_unaligned": prefill_many_entries_unaligned,
+    "prefill_many_entries_unaligned": functools.partial(prefill_many_entries, unaligned=True),
     "twin_cost": twin_cost,
     "prefill_stride_past_int32": prefill_stride_past_int32,
     "prefill_long_single_entry": prefill_long_single_entry,

@@ -33,6 +33,18 @@ def _ok(mod, out, q, k, v, **kw):
     assert result.ok, result
 
 
+def _grads_ok(mod, entry, take, q, k, v, out, dout, grads):
+    """Output and dq, dk, dv of one entry, ``take(t)`` cutting it from each tensor,
+    against fp64 autograd of the reference (FlashAttention's 2e-2 bfloat16 rule)."""
+    q64, k64, v64 = (take(t.detach()).double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
+    ref.backward(take(dout).double())
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, q64.grad, k64.grad, v64.grad)):
+        got = take(got)
+        err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+        assert torch.isfinite(got).all() and err <= 2e-2, (entry, name, err)
+
+
 def _varlen(total, rows, hq, hkv, gen):
     q = torch.randn(total, hq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(total, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -75,14 +87,7 @@ def test_varlen_backward_with_more_than_2_31_elements_packed():
     dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=gen)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     for b in (263, 0):
-        q64, k64, v64 = (_sequence(t.detach(), cu, b).double().requires_grad_() for t in (q, k, v))
-        ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
-        ref.backward(_sequence(dout, cu, b).double())
-        for name, got, want in (("out", out, ref), ("dq", dq, q64.grad), ("dk", dk, k64.grad),
-                                ("dv", dv, v64.grad)):
-            got = _sequence(got, cu, b)
-            err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
-            assert torch.isfinite(got).all() and err <= 2e-2, (b, name, err)
+        _grads_ok(mod, b, lambda t: _sequence(t, cu, b), q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
 
 
 def _view_past_int32(shape, stride0, dtype, gen):
@@ -163,14 +168,7 @@ def test_backward_takes_a_batch_stride_past_int32():
     dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     for b in (1, 0):
-        q64, k64, v64 = (t[b:b + 1].detach().double().requires_grad_() for t in (q, k, v))
-        ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
-        ref.backward(dout[b:b + 1].double())
-        for name, got, want in (("out", out, ref), ("dq", dq, q64.grad), ("dk", dk, k64.grad),
-                                ("dv", dv, v64.grad)):
-            got = got[b:b + 1]
-            err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
-            assert torch.isfinite(got).all() and err <= 2e-2, (b, name, err)
+        _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
 
 
 def test_vit_batch_past_the_grid_y_limit_runs_in_slices():
@@ -199,10 +197,4 @@ def test_training_batch_past_the_grid_y_limit_runs_in_slices():
     dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     for b in (2048, 2046, 0):
-        q64, k64, v64 = (t[b:b + 1].detach().double().requires_grad_() for t in (q, k, v))
-        ref, _ = reference_for(mod.SPEC, q64, k64, v64, {})
-        ref.backward(dout[b:b + 1].double())
-        for name, got, want in (("out", out, ref), ("dq", dq, q64.grad), ("dk", dk, k64.grad),
-                                ("dv", dv, v64.grad)):
-            err = (got[b:b + 1].double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
-            assert torch.isfinite(got[b:b + 1]).all() and err <= 2e-2, (b, name, err)
+        _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023

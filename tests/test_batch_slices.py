@@ -140,3 +140,32 @@ def test_a_packed_training_batch_past_the_y_limit_is_refused(monkeypatch):
     with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
         mod.attention(packed.q, packed.k, packed.v, cu_seqlens_q=packed.cu_seqlens_q,
                       cu_seqlens_k=packed.cu_seqlens_k)
+
+
+@pytest.mark.parametrize("longest", [300, 3000], ids=["one-split", "split-kv"])
+@pytest.mark.parametrize("name", ["fmha_decode_gqa8_bf16", "fmha_decode_mha_paged_f16"])
+def test_decode_batch_runs_in_slices(name, longest, monkeypatch):
+    """batch × KV heads past the y limit: slices of 16-entry multiples, a call each.
+    Each slice picks its own split count for its batch, so where the whole batch
+    would split the keys otherwise the sums round otherwise (within the dtype's
+    tolerance); with one split the bits are the whole call's."""
+    from specgen.check.cases import TOLERANCES, random_decode
+
+    mod = _module(name)
+    lengths = torch.randint(1, longest, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    batch = random_decode(mod.SPEC, lengths, 1, 1, generator=torch.Generator().manual_seed(9), device="cpu")
+    args = batch.args()
+    with emulate.emulating():
+        one = _grids(mod, monkeypatch)
+        whole = mod.attention(*args)
+        one = list(one)
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 39)  # slices of 32 (a multiple of 16) and 8
+        grids = _grids(mod, monkeypatch)
+        sliced = mod.attention(*args)
+    assert max(g[1] for g in one) == 40 and max(g[1] for g in grids) <= 39
+    assert any(g[1] == 32 for g in grids) and any(g[1] == 8 for g in grids)
+    if longest == 300:
+        assert len(one) == 1 and len(grids) == 2 and torch.equal(sliced, whole)
+    else:
+        err = (sliced.double() - whole.double()).abs().max() / whole.double().abs().max()
+        assert len(one) == 2 and err <= TOLERANCES[mod.SPEC["dtype"]]

@@ -537,8 +537,10 @@ def test_numpy_scalars_are_taken_as_numbers(name, launches):
 
 
 @pytest.mark.parametrize("name", ["fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp", "fmha_decode_chunked_local"])
-def test_decode_refuses_a_batch_beyond_the_grid_y_limit(name, refused):
-    """The split kernel's grid has batch * KV heads on its y axis (at most 65535)."""
+def test_decode_batch_beyond_the_grid_y_limit(name, refused, launches):
+    """The split kernel's grid has batch * KV heads on its y axis (at most 65535): a
+    larger batch runs in slices (tests/test_batch_slices.py), except with a block map,
+    which is refused."""
     mod = _module(name)
     batch = random_decode(mod.SPEC, [17, 40], 1, 1, generator=_gen(), device="cpu")
     q, k_cache, v_cache, seq_lens = batch.args()[:4]
@@ -550,10 +552,12 @@ def test_decode_refuses_a_batch_beyond_the_grid_y_limit(name, refused):
         caches, rest = (k_cache, v_cache), (rest[0][:1].expand(many, -1),)
     else:
         caches = tuple(c[:1].expand(many, *c.shape[1:]) for c in (k_cache, v_cache))
-    refused(lambda: mod.attention(big_q, *caches, big_lens, *rest),
-            "batch * KV heads must be at most 65535 (the grid's y limit), got 70000 * 1")
     if mod.SPEC.get("mask_mod"):
+        refused(lambda: mod.attention(big_q, *caches, big_lens, *rest),
+                "batch * KV heads must be at most 65535 (the grid's y limit), got 70000 * 1")
         refused(lambda: mod.make_block_map(big_lens, q.shape[2], k_cache.shape[1]), "at most 65535")
+    else:
+        launches(lambda: mod.attention(big_q, *caches, big_lens, *rest))
 
 
 def test_work_item_grid_limits_follow_the_config(refused, launches, monkeypatch):

@@ -305,6 +305,13 @@ class Plan:
                 and not any("batch" in dims for *_, dims in self.extra_tensors))
 
     @property
+    def decode_slices(self) -> bool:
+        """Whether a decode batch whose batch × KV heads pass the grid's y limit runs
+        as slices of the batch, a call each. Not with block maps, float8 caches (their
+        descales may have a batch axis) or hook tensors with a batch axis."""
+        return not (self.block_sparse or self.kv_fp8 or any("batch" in dims for *_, dims in self.extra_tensors))
+
+    @property
     def folds_vmap_grads(self) -> bool:
         """Whether the backward's vmap rule folds too: not where it returns a
         gradient summed over the batch (sinks, a learnable tensor), which a folded

@@ -198,3 +198,21 @@ def test_training_batch_past_the_grid_y_limit_runs_in_slices():
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     for b in (2048, 2046, 0):
         _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
+
+
+def test_decode_batch_past_the_grid_y_limit_runs_in_slices():
+    """B 8200 × 8 KV heads = 65600 (the split kernel's y): slices of 8176 and 24."""
+    _need(8)
+    mod = generated_module("fmha_decode_gqa8_bf16")
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    kc, vc = (torch.randn(8200, 300, 8, 128, device="cuda", generator=gen).to(torch.bfloat16) for _ in "kv")
+    q = torch.randn(8200, 1, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    lens = torch.randint(1, 301, (8200,), device="cuda", generator=gen, dtype=torch.int32)
+    out = mod.attention(q, kc, vc, lens)
+    for b in (8199, 8176, 8175, 0):
+        n = int(lens[b])
+        ref, _ = reference_for(mod.SPEC | {"causal": False}, q[b:b + 1].transpose(1, 2).double(),
+                               kc[b:b + 1, :n].transpose(1, 2).double(), vc[b:b + 1, :n].transpose(1, 2).double(),
+                               {})
+        result = compare(out[b:b + 1].transpose(1, 2), ref, "bfloat16")
+        assert result.ok, (b, result)

@@ -162,6 +162,9 @@ def test_decode_batch_runs_in_slices(name, longest, monkeypatch):
         monkeypatch.setattr(mod, "MAX_GRID_Y", 39)  # slices of 32 (a multiple of 16) and 8
         grids = _grids(mod, monkeypatch)
         sliced = mod.attention(*args)
+        # launch_plan describes one launch: it points a batch this large to its slices.
+        with pytest.raises(ValueError, match="runs such a batch in slices of 32: ask for a slice's plan"):
+            mod.launch_plan(40, 1, longest, torch.device("cpu"))  # the emulated GPU
     assert max(g[1] for g in one) == 40 and max(g[1] for g in grids) <= 39
     assert any(g[1] == 32 for g in grids) and any(g[1] == 8 for g in grids)
     if longest == 300:

@@ -127,8 +127,38 @@ def test_packed_sequences_launch_in_slices_of_cu_seqlens(given_max, monkeypatch)
     assert torch.equal(cu_q, before[0]) and torch.equal(cu_k, before[1])  # the caller's, untouched
 
 
-def test_a_packed_training_batch_past_the_y_limit_is_refused(monkeypatch):
-    """Training varlen modules do not slice (the backward's kernels would have to)."""
+def test_packed_training_runs_in_slices_forward_and_backward(monkeypatch):
+    """A training varlen module: the forward and both backward kernels launch over
+    slices of cu_seqlens, with the bits of one launch each."""
+    from specgen.check.cases import random_packed
+
+    from .helpers import emulated_spec_module, trained_spec_data
+
+    data = trained_spec_data("fmha_varlen_llama")
+    data.update(return_lse=False, name="varlen_trained_slices")
+    mod = emulated_spec_module(data, "batch_slices")
+    packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1), (17, 17), (3, 9)], 1,
+                           generator=torch.Generator().manual_seed(7), device="cpu")
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in (packed.q, packed.k, packed.v))
+        out = mod.attention(q, k, v, cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=packed.cu_seqlens_k)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype))
+        return out.detach(), q.grad, k.grad, v.grad
+
+    with emulate.emulating():
+        whole = run()
+        heads = packed.q.shape[1]
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
+        grids = _grids(mod, monkeypatch)
+        sliced = run()
+    assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_packed_training_batch_with_an_lse_gradient_past_the_y_limit_is_refused(monkeypatch):
+    """A return_lse training module does not slice: its backward takes an LSE gradient."""
     from specgen.check.cases import random_packed
 
     from .helpers import emulated_spec_module, trained_spec_data

@@ -298,11 +298,15 @@ class Plan:
     def varlen_slices(self) -> bool:
         """Whether a packed batch whose sequences × heads pass the grid's y limit
         launches over slices of its sequences (each reads its slice of cu_seqlens;
-        the kernel takes rows at the offsets they give). Forward-only modules: the
-        backward's two kernels would need the same slices. Not with block maps,
-        float8 or hook tensors with a batch axis; dropout only without drops."""
-        return (self.varlen and not (self.backward or self.block_sparse or self.fp8 or self.persistent_loop)
-                and not any("batch" in dims for *_, dims in self.extra_tensors))
+        the kernels take rows at the offsets they give), forward and backward. Not
+        with block maps, float8 or hook tensors with a batch axis, nor in the backward
+        of sinks, learnable tensors or an LSE gradient (as batch_slices); dropout only
+        without drops."""
+        if not self.varlen or self.block_sparse or self.fp8 or self.persistent_loop:
+            return False
+        if any("batch" in dims for *_, dims in self.extra_tensors):
+            return False
+        return not (self.backward and (self.sinks or self.learnable or self.spec.return_lse))
 
     @property
     def decode_slices(self) -> bool:

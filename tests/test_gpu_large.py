@@ -216,3 +216,18 @@ def test_decode_batch_past_the_grid_y_limit_runs_in_slices():
                                {})
         result = compare(out[b:b + 1].transpose(1, 2), ref, "bfloat16")
         assert result.ok, (b, result)
+
+
+def test_packed_sequences_past_the_grid_y_limit_launch_in_slices():
+    """2049 sequences × 32 heads = 65568 CTA rows: launches over slices of cu_seqlens."""
+    _need(4)
+    mod = generated_module("fmha_varlen_llama")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    lengths = torch.randint(1, 97, (2049,), generator=torch.Generator().manual_seed(9))
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32).cuda()
+    total = int(cu[-1])
+    q = torch.randn(total, 32, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(total, 8, 128, device="cuda", generator=gen).to(torch.bfloat16) for _ in "kv")
+    out, _ = mod.attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=96, max_seqlen_k=96)
+    for b in (2048, 2047, 2046, 0):
+        _ok(mod, _sequence(out, cu, b), *(_sequence(t, cu, b) for t in (q, k, v)))

@@ -280,33 +280,32 @@ class Plan:
         return not (self.varlen or self.dropout or any("batch" in dims for *_, dims in self.extra_tensors))
 
     @property
-    def batch_slices(self) -> bool:
-        """Whether a batch whose batch × heads pass the grid's y limit (65535) runs
-        as slices of the batch, one launch each, rather than being refused. Not for
-        packed varlen inputs (no batch axis), block maps, float8 descales or hook
-        tensors with a batch axis (each would need its own slice), persistent work
-        loops (a 1-D grid), or the backward of sinks, learnable tensors or an LSE
-        gradient (gradients summed over the batch, or one more input to slice).
-        Dropout slices only without drops (its mask is drawn per batch index)."""
-        if self.varlen or self.block_sparse or self.fp8 or self.persistent_loop:
+    def _sliceable(self) -> bool:
+        """Whether a prefill launch may run over slices of its batch (or of its packed
+        sequences) where batch × heads pass the grid's y limit: not with block maps,
+        float8 descales or hook tensors with a batch axis (each would need its own
+        slice), persistent work loops (a 1-D grid), or the backward of sinks,
+        learnable tensors or an LSE gradient (gradients summed over the batch, or
+        one more input to slice). Dropout slices only without drops (its mask is
+        drawn per batch index), which the launchers check at run time."""
+        if self.block_sparse or self.fp8 or self.persistent_loop:
             return False
         if any("batch" in dims for *_, dims in self.extra_tensors):
             return False
         return not (self.backward and (self.sinks or self.learnable or self.spec.return_lse))
 
     @property
+    def batch_slices(self) -> bool:
+        """A [B, H, S, D] prefill: slices of the batch, one _forward (and _backward)
+        call each (see _sliceable)."""
+        return not self.varlen and self._sliceable
+
+    @property
     def varlen_slices(self) -> bool:
-        """Whether a packed batch whose sequences × heads pass the grid's y limit
-        launches over slices of its sequences (each reads its slice of cu_seqlens;
-        the kernels take rows at the offsets they give), forward and backward. Not
-        with block maps, float8 or hook tensors with a batch axis, nor in the backward
-        of sinks, learnable tensors or an LSE gradient (as batch_slices); dropout only
-        without drops."""
-        if not self.varlen or self.block_sparse or self.fp8 or self.persistent_loop:
-            return False
-        if any("batch" in dims for *_, dims in self.extra_tensors):
-            return False
-        return not (self.backward and (self.sinks or self.learnable or self.spec.return_lse))
+        """A packed varlen prefill: launches over slices of its sequences, each reading
+        its slice of cu_seqlens (the kernels take rows at the offsets they give),
+        forward and backward (see _sliceable)."""
+        return self.varlen and self._sliceable
 
     @property
     def decode_slices(self) -> bool:

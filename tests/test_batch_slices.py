@@ -157,19 +157,43 @@ def test_packed_training_runs_in_slices_forward_and_backward(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_a_packed_training_batch_with_an_lse_gradient_past_the_y_limit_is_refused(monkeypatch):
-    """A return_lse training module does not slice: its backward takes an LSE gradient."""
+@pytest.mark.parametrize("spec, varlen", [("fmha_gemma_softcap", False), ("fmha_varlen_llama", True)])
+def test_training_with_a_loss_on_the_lse_runs_in_slices(spec, varlen, monkeypatch):
+    """return_lse training: the LSE gradient goes to each slice (a packed one is read
+    at the rows' offsets as is), with the bits of one call."""
     from specgen.check.cases import random_packed
 
     from .helpers import emulated_spec_module, trained_spec_data
 
-    mod = emulated_spec_module(trained_spec_data("fmha_varlen_llama"), "batch_slices")
-    packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1)], 1, generator=torch.Generator().manual_seed(6),
-                           device="cpu")
-    monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * packed.q.shape[1])
-    with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
-        mod.attention(packed.q, packed.k, packed.v, cu_seqlens_q=packed.cu_seqlens_q,
-                      cu_seqlens_k=packed.cu_seqlens_k)
+    data = trained_spec_data(spec)
+    data.update(return_lse=True, name=f"{spec}_lse_slices")
+    mod = emulated_spec_module(data, "batch_slices")
+    if varlen:
+        packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1), (17, 17), (3, 9)], 1,
+                               generator=torch.Generator().manual_seed(6), device="cpu")
+        inputs = (packed.q, packed.k, packed.v)
+        kw = dict(cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=packed.cu_seqlens_k)
+    else:
+        inputs, kw = _qkv(mod, 5, seed=6), {}
+
+    def run():
+        q, k, v = (t.detach().clone().requires_grad_() for t in inputs)
+        out, lse = mod.attention(q, k, v, **kw)
+        gen = torch.Generator().manual_seed(3)
+        loss = (out.float() * torch.randn(out.shape, generator=gen)).sum()
+        loss = loss + (lse * torch.randn(lse.shape, generator=gen)).sum()
+        loss.backward()
+        return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+    with emulate.emulating():
+        whole = run()
+        heads = inputs[0].shape[1]
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
+        grids = _grids(mod, monkeypatch)
+        sliced = run()
+    assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("longest", [300, 3000], ids=["one-split", "split-kv"])

@@ -284,15 +284,16 @@ class Plan:
         """Whether a prefill launch may run over slices of its batch (or of its packed
         sequences) where batch × heads pass the grid's y limit: not with block maps,
         float8 descales or hook tensors with a batch axis (each would need its own
-        slice), persistent work loops (a 1-D grid), or the backward of sinks,
-        learnable tensors or an LSE gradient (gradients summed over the batch, or
-        one more input to slice). Dropout slices only without drops (its mask is
-        drawn per batch index), which the launchers check at run time."""
+        slice), persistent work loops (a 1-D grid), or the backward of sinks or
+        learnable tensors (gradients summed over the batch). An LSE gradient is
+        sliced with the batch (a packed one is read at the rows' offsets as is).
+        Dropout slices only without drops (its mask is drawn per batch index),
+        which the launchers check at run time."""
         if self.block_sparse or self.fp8 or self.persistent_loop:
             return False
         if any("batch" in dims for *_, dims in self.extra_tensors):
             return False
-        return not (self.backward and (self.sinks or self.learnable or self.spec.return_lse))
+        return not (self.backward and (self.sinks or self.learnable))
 
     @property
     def batch_slices(self) -> bool:

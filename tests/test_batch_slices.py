@@ -36,6 +36,17 @@ def _qkv(mod, batch, seed=0, requires_grad=False):
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
+def _whole_and_sliced(mod, run, heads, monkeypatch):
+    """run() as it is, then with the y limit lowered to two entries of ``heads`` CTA
+    rows: (whole, sliced, the sliced run's grids)."""
+    with emulate.emulating():
+        whole = run()
+        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
+        grids = _grids(mod, monkeypatch)
+        sliced = run()
+    return whole, sliced, grids
+
+
 @pytest.mark.parametrize("name, extra", [("fmha_gemma_softcap", {}), ("fmha_mistral_window", {}),
                                          ("fmha_vit_dropout", {"dropout_p": 0.0}), ("fmha_alibi", "slope"),
                                          ("fmha_gptoss_sinks", "sinks")])
@@ -44,12 +55,8 @@ def test_forward_runs_in_batch_slices_with_the_bits_of_one_call(name, extra, mon
     q, k, v = _qkv(mod, 5)
     if isinstance(extra, str):  # a per-head tensor the kernel reads: passed to every slice
         extra = {extra: torch.randn(q.shape[1], generator=torch.Generator().manual_seed(4))}
-    with emulate.emulating():
-        whole = mod.attention(q, k, v, **extra)
-        heads = q.shape[1]
-        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)  # two entries a slice
-        grids = _grids(mod, monkeypatch)
-        sliced = mod.attention(q, k, v, **extra)
+    heads = q.shape[1]
+    whole, sliced, grids = _whole_and_sliced(mod, lambda: mod.attention(q, k, v, **extra), heads, monkeypatch)
     assert [g[1] for g in grids] == [2 * heads, 2 * heads, heads]
     for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (sliced, whole)), strict=True):
         assert torch.equal(a, b) and a.stride() == b.stride()  # out, and lse where returned
@@ -64,12 +71,8 @@ def test_training_forward_and_backward_run_in_batch_slices(monkeypatch):
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
         return out.detach(), q.grad, k.grad, v.grad
 
-    with emulate.emulating():
-        whole = run()
-        heads = whole[0].shape[1]
-        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
-        grids = _grids(mod, monkeypatch)
-        sliced = run()
+    heads = mod.SPEC["gqa_ratio"]  # one KV head
+    whole, sliced, grids = _whole_and_sliced(mod, run, heads, monkeypatch)
     # Forward: three slices; backward: dQ and dK/dV kernels for each of three slices.
     assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
     for a, b in zip(sliced, whole):
@@ -115,12 +118,8 @@ def test_packed_sequences_launch_in_slices_of_cu_seqlens(given_max, monkeypatch)
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     if given_max:
         kw.update(max_seqlen_q=40, max_seqlen_k=60)
-    with emulate.emulating():
-        whole = mod.attention(q, k, v, **kw)
-        heads = q.shape[1]
-        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
-        grids = _grids(mod, monkeypatch)
-        sliced = mod.attention(q, k, v, **kw)
+    heads = q.shape[1]
+    whole, sliced, grids = _whole_and_sliced(mod, lambda: mod.attention(q, k, v, **kw), heads, monkeypatch)
     assert [g[1] for g in grids] == [2 * heads, 2 * heads, heads]
     for a, b in zip(sliced, whole, strict=True):
         assert torch.equal(a, b)
@@ -146,12 +145,8 @@ def test_packed_training_runs_in_slices_forward_and_backward(monkeypatch):
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype))
         return out.detach(), q.grad, k.grad, v.grad
 
-    with emulate.emulating():
-        whole = run()
-        heads = packed.q.shape[1]
-        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
-        grids = _grids(mod, monkeypatch)
-        sliced = run()
+    heads = packed.q.shape[1]
+    whole, sliced, grids = _whole_and_sliced(mod, run, heads, monkeypatch)
     assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
     for a, b in zip(sliced, whole, strict=True):
         assert torch.equal(a, b)
@@ -185,12 +180,8 @@ def test_training_with_a_loss_on_the_lse_runs_in_slices(spec, varlen, monkeypatc
         loss.backward()
         return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
-    with emulate.emulating():
-        whole = run()
-        heads = inputs[0].shape[1]
-        monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
-        grids = _grids(mod, monkeypatch)
-        sliced = run()
+    heads = inputs[0].shape[1]
+    whole, sliced, grids = _whole_and_sliced(mod, run, heads, monkeypatch)
     assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
     for a, b in zip(sliced, whole, strict=True):
         assert torch.equal(a, b)

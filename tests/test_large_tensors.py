@@ -7,7 +7,6 @@ ct.IndexedWithInt64. These CPU tests check the twin, the fallback, and that the
 twins compile; tests/test_gpu_large.py runs them on the GPU.
 """
 
-import dataclasses
 import io
 
 import cuda.tile as ct
@@ -100,9 +99,10 @@ def test_launcher_raises_cutiles_error_for_a_kernel_without_a_twin(monkeypatch):
                          ids=["varlen-prefill", "decode-combine"])
 def test_twins_compile_for_sm_90(spec, kernel_index):
     """The twin is a kernel cuTile compiles: int64 signatures of the module's own."""
-    from cuda.tile.compilation import ArrayConstraint, KernelSignature, export_kernel
+    from cuda.tile.compilation import export_kernel
 
-    from specgen.compile.export import kernel_builds, load_module_from_source, signatures, target_configs
+    from specgen.compile.export import (int64_signatures, kernel_builds, load_module_from_source, signatures,
+                                        target_configs)
 
     plan, source = render_spec_data(yaml.safe_load((ROOT / "specs" / f"{spec}.yaml").read_text()),
                                     f"specs/{spec}.yaml")
@@ -111,13 +111,9 @@ def test_twins_compile_for_sm_90(spec, kernel_index):
     name, sigs = kernel_builds(plan, config, "sm_90")[kernel_index]
     sigs = sigs or signatures(plan, "sm_90", config)
 
-    def wide(p):
-        return dataclasses.replace(p, index_dtype=ct.int64) if isinstance(p, ArrayConstraint) else p
-
     buffer = io.BytesIO()
-    export_kernel(getattr(mod, name).indexed_with_int64(),
-                  [KernelSignature([wide(p) for p in s.parameters], s.calling_convention) for s in sigs],
-                  buffer, gpu_code="sm_90", output_format="cubin")
+    export_kernel(getattr(mod, name).indexed_with_int64(), int64_signatures(sigs), buffer, gpu_code="sm_90",
+                  output_format="cubin")
     assert buffer.getvalue()[:4] == b"\x7fELF"
 
 

@@ -450,6 +450,20 @@ def signatures(plan: Plan, target: str, config: ConfigPlan | None = None):
     return [KernelSignature(params, CallingConvention.cutile_python_v1()) for params in result]
 
 
+def int64_signatures(sigs) -> list:
+    """``sigs`` with every array indexed in int64: what a kernel's int64-indexed twin
+    (the generated modules' ``AotKernel.indexed_with_int64``) is compiled for."""
+    import dataclasses
+
+    import cuda.tile as ct
+    from cuda.tile.compilation import ArrayConstraint, KernelSignature
+
+    def wide(p):
+        return dataclasses.replace(p, index_dtype=ct.int64) if isinstance(p, ArrayConstraint) else p
+
+    return [KernelSignature([wide(p) for p in s.parameters], s.calling_convention) for s in sigs]
+
+
 def compile_target(plan: Plan, source: str, origin: str, target: str) -> CompileResult:
     """Compile one generated module for one target, through the cubin cache: one
     cubin per kernel of each distinct launch config (tiles and compiler options)."""

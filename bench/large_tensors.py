@@ -97,7 +97,9 @@ def prefill_many_entries(unaligned=False):
 
 def twin_cost():
     """fmha_gqa8_bf16 B2 S4096 Hq32: the same q as a dense tensor (the int32
-    kernel) and as a view with a batch stride past int32 (its int64 twin), timed."""
+    kernel), and as a view with a batch stride past int32: an entry per launch
+    (the int32 kernel, what attention() does) and whole through the int64 twin
+    (what it does for a call it cannot split), timed."""
     from triton.testing import do_bench
 
     m = module("fmha_gqa8_bf16")
@@ -110,12 +112,67 @@ def twin_cost():
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     a, b = dense.transpose(1, 2), wide.transpose(1, 2)
-    same = torch.equal(m.attention(a, k, v), m.attention(b, k, v))
+    split = m._entries_past_int32
+
+    def whole(*tensors):
+        return False
+
+    def run(q, entries):
+        m._entries_past_int32 = split if entries else whole
+        try:
+            return m.attention(q, k, v)
+        finally:
+            m._entries_past_int32 = split
+
+    dense_out = m.attention(a, k, v)
+    same = [torch.equal(dense_out, run(b, entries)) for entries in (True, False)]
     flops = 4 * B * Hq * S * S * D / 2
-    for name, q in (("int32 kernel", a), ("int64 twin", b), ("int32 kernel again", a), ("int64 twin again", b)):
-        ms = do_bench(lambda: m.attention(q, k, v), warmup=50, rep=300, return_mode="median")
+    cases = (("int32 kernel, dense q", a, True), ("int32 kernel, an entry per launch", b, True),
+             ("int64 twin, whole batch", b, False))
+    for name, q, entries in cases + cases:
+        ms = do_bench(lambda: run(q, entries), warmup=50, rep=300, return_mode="median")  # noqa: B023
         print(f"  {name}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOPS", flush=True)
-    print(f"  outputs bit-equal: {same}", flush=True)
+    print(f"  outputs bit-equal to the dense call's (entries, twin): {same}", flush=True)
+
+
+def twin_cost_training():
+    """fmha_train_gqa_causal B2 S4096 Hq32 Hkv8, forward + backward: q dense, and
+    q a view with a batch stride past int32 (an entry per call, and the twin), timed."""
+    from triton.testing import do_bench
+
+    m = module("fmha_train_gqa_causal")
+    B, Hq, Hkv, S, D = 2, 32, 8, 4096, 128
+    stride0 = 2**31 + 2**20
+    base = torch.empty(stride0 + S * Hq * D, device="cuda", dtype=torch.bfloat16)
+    wide = base.as_strided((B, S, Hq, D), (stride0, Hq * D, D, 1))
+    wide.normal_()
+    dense = wide.contiguous()
+    k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    a, b = dense.transpose(1, 2).requires_grad_(), wide.transpose(1, 2).requires_grad_()
+    do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16)
+    split = m._entries_past_int32
+
+    def whole(*tensors):
+        return False
+
+    def step(q, entries):
+        m._entries_past_int32 = split if entries else whole
+        try:
+            out = m.attention(q, k, v)
+            return (out, *torch.autograd.grad(out, (q, k, v), do))
+        finally:
+            m._entries_past_int32 = split
+
+    dense_res = step(a, True)
+    same = [all(torch.equal(x, y) for x, y in zip(dense_res, step(b, entries))) for entries in (True, False)]
+    flops = 4 * B * Hq * S * S * D / 2 * 3.5  # forward + backward (2.5 forwards), causal
+    cases = (("int32 kernels, dense q", a, True), ("int32 kernels, an entry per call", b, True),
+             ("int64 twins, whole batch", b, False))
+    for name, q, entries in cases + cases:
+        ms = do_bench(lambda: step(q, entries), warmup=20, rep=300, return_mode="median")  # noqa: B023
+        print(f"  {name}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOPS", flush=True)
+    print(f"  out and gradients bit-equal to the dense call's (entries, twins): {same}", flush=True)
 
 
 def prefill_stride_past_int32():
@@ -174,6 +231,35 @@ def decode_big_cache():
             q[b].transpose(0, 1), kc[b, :n].transpose(0, 1), vc[b, :n].transpose(0, 1), causal=False
         )
         report(f"entry {b} (len {n})", out[b].transpose(0, 1), want)
+
+
+def twin_cost_decode():
+    """fmha_decode_gqa8_bf16 B4 L32768 Hkv8: the caches dense (the int32 kernels) and
+    as views with a batch stride past int32 (the int64 twins), timed."""
+    from triton.testing import do_bench
+
+    m = module("fmha_decode_gqa8_bf16")
+    B, L, Hkv, Hq, D = 4, 32768, 8, 64, 128
+    stride0 = 2**31 + 2**20
+
+    def wide_cache():
+        base = torch.empty((B - 1) * stride0 + L * Hkv * D, device="cuda", dtype=torch.bfloat16)
+        t = base.as_strided((B, L, Hkv, D), (stride0, Hkv * D, D, 1))
+        for b in range(B):
+            t[b].normal_()
+        return t
+
+    kw, vw = wide_cache(), wide_cache()
+    kd, vd = kw.contiguous(), vw.contiguous()
+    q = torch.randn(B, 1, Hq, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
+    same = torch.equal(m.attention(q, kd, vd, lens), m.attention(q, kw, vw, lens))
+    gbytes = 2 * B * L * Hkv * D * 2 / 1e9
+    cases = (("int32 kernels, dense caches", kd, vd), ("int64 twins, caches past int32", kw, vw))
+    for name, k, v in cases + cases:
+        ms = do_bench(lambda: m.attention(q, k, v, lens), warmup=50, rep=300, return_mode="median")  # noqa: B023
+        print(f"  {name}: {ms * 1e3:.1f} us, {gbytes / ms:.2f} TB/s of cache", flush=True)
+    print(f"  outputs bit-equal: {same}", flush=True)
 
 
 def decode_paged_big_pool():
@@ -256,6 +342,8 @@ CASES = {
     "prefill_many_entries": prefill_many_entries,
     "prefill_many_entries_unaligned": functools.partial(prefill_many_entries, unaligned=True),
     "twin_cost": twin_cost,
+    "twin_cost_training": twin_cost_training,
+    "twin_cost_decode": twin_cost_decode,
     "prefill_stride_past_int32": prefill_stride_past_int32,
     "prefill_long_single_entry": prefill_long_single_entry,
     "decode_big_cache": decode_big_cache,

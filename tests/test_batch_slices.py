@@ -217,3 +217,23 @@ def test_decode_batch_runs_in_slices(name, longest, monkeypatch):
     else:
         err = (sliced.double() - whole.double()).abs().max() / whole.double().abs().max()
         assert len(one) == 2 and err <= TOLERANCES[mod.SPEC["dtype"]]
+
+
+def test_a_v_made_by_transposed_v_is_sliced_as_it_is(monkeypatch):
+    """A config that reads V transposed, given a V that transposed_v made: each slice
+    is told so (it used to read the slice's [b, Hkv, Dv, Skv] as [b, Hkv, Skv, Dv])."""
+    from .helpers import emulated_spec_module, prefill_variant_data
+
+    mod = emulated_spec_module(prefill_variant_data("v_pre_slices", {
+        "head_dim": 96, "v_head_dim": 80, "prescale_q": False, "gqa_ratio": 2,
+        "targets": {"default": {"tile_m": 64, "tile_n": 64, "v_transposed": True}}}), "batch_slices")
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 4, 50, 96, generator=gen).half()
+    k = torch.randn(3, 2, 70, 96, generator=gen).half()
+    v = torch.randn(3, 2, 70, 80, generator=gen).half()
+    with emulate.emulating():
+        v_t = mod.transposed_v(v)
+    whole, sliced, grids = _whole_and_sliced(mod, lambda: mod.attention(q, k, v_t, v_transposed=True), 2,
+                                             monkeypatch)
+    assert len([g for g in grids if g[1] <= 4]) >= 2  # the attention ran in slices
+    assert torch.equal(sliced, whole)

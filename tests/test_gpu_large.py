@@ -110,10 +110,23 @@ def _view_past_int32(shape, stride0, dtype, gen):
     return t
 
 
-def test_prefill_takes_a_batch_stride_past_int32():
-    """q and out views into a larger buffer, batch stride 2**31 + 2**20."""
+def _twins(mod):
+    """How many of the module's kernels (and their configs' hint variants) have made
+    their int64 twin."""
+    kernels = [k for k in vars(mod).values() if isinstance(k, mod.AotKernel)]
+    kernels += list(getattr(mod, "_KERNELS", {}).values())
+    return sum(k.__dict__.get("_int64_twin") is not None for k in kernels)
+
+
+@pytest.mark.parametrize("path", ["entries", "twin"])
+def test_prefill_takes_a_batch_stride_past_int32(path, monkeypatch):
+    """q and out views into a larger buffer, batch stride 2**31 + 2**20: an entry per
+    launch through the int32 kernel, or (where a call cannot be split) the twin."""
     _need(10)
     mod = generated_module("fmha_gqa8_bf16")
+    if path == "twin":
+        monkeypatch.setattr(mod, "_entries_past_int32", lambda *tensors: False)
+    twins = _twins(mod)
     gen = torch.Generator(device="cuda").manual_seed(2)
     stride0 = 2**31 + 2**20
     q = _view_past_int32((2, 1000, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
@@ -122,9 +135,9 @@ def test_prefill_takes_a_batch_stride_past_int32():
     assert max(q.stride()) > 2**31 - 1
     got = mod.attention(q, k, v, out=out)
     assert got is out
-    # The launcher took a twin (of the kernel or of the config's hint variant).
-    kernels = [mod.fmha_prefill_causal_gqa8_bf16_d128, *mod._KERNELS.values()]
-    assert any(k.__dict__.get("_int64_twin") is not None for k in kernels)
+    # The launcher took a twin (of the kernel or of the config's hint variant) only
+    # where the call could not be split.
+    assert (_twins(mod) > 0) if path == "twin" else (_twins(mod) == twins)
     for b in (1, 0):
         _ok(mod, out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1])
 
@@ -161,9 +174,13 @@ def test_decode_takes_a_cache_batch_stride_past_int32():
         _decode_ok(mod, out, q, kc, vc, lens, b)
 
 
-def test_backward_takes_a_batch_stride_past_int32():
+@pytest.mark.parametrize("path", ["entries", "twin"])
+def test_backward_takes_a_batch_stride_past_int32(path, monkeypatch):
     _need(12)
     mod = generated_module("fmha_train_gqa_causal")
+    if path == "twin":
+        monkeypatch.setattr(mod, "_entries_past_int32", lambda *tensors: False)
+    twins = _twins(mod)
     gen = torch.Generator(device="cuda").manual_seed(4)
     stride0 = 2**31 + 2**20
     q = _view_past_int32((2, 700, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
@@ -173,6 +190,7 @@ def test_backward_takes_a_batch_stride_past_int32():
     out = mod.attention(q, k, v)
     dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert (_twins(mod) > 0) if path == "twin" else (_twins(mod) == twins)
     for b in (1, 0):
         _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
 

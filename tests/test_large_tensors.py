@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from .helpers import ROOT, generated_module, render_spec_data
+from .helpers import ROOT, emulated_module, generated_module, render_spec_data
 
 
 def _kernel(mod_name, kernel_attr=None):
@@ -150,3 +150,104 @@ def test_launcher_tries_views_before_the_twin(monkeypatch):
     mod._launch(torch.device("cuda"), (1,), kernel, (q, 2.0), stream=0)
     assert [c[0] for c in calls] == [kernel, kernel] and calls[1][1][0].stride(0) == 128
     assert calls[1][1][1] == 2.0
+
+
+def _gapped(t, gap):
+    """``t`` ([B, H, S, D] over [B, S, H, D] storage) copied into a view whose batch
+    stride is ``gap`` elements past its dense one (a view into a larger buffer)."""
+    b, h, s, d = t.shape
+    stride0 = s * h * d + gap
+    base = torch.full(((b - 1) * stride0 + s * h * d,), float("nan"), dtype=t.dtype)
+    view = base.as_strided((b, s, h, d), (stride0, h * d, d, 1)).transpose(1, 2)
+    view.copy_(t)
+    return view
+
+
+def _entry_calls(mod, monkeypatch, limit):
+    """cuTile's int32 limit lowered to ``limit`` in ``mod``; the launches' grids."""
+    monkeypatch.setattr(mod, "_INT32_MAX", limit)
+    grids, launch = [], mod._launch
+
+    def spy(device, grid, kernel, args, *rest, **options):
+        grids.append(grid)
+        return launch(device, grid, kernel, args, *rest, **options)
+
+    monkeypatch.setattr(mod, "_launch", spy)
+    return grids
+
+
+def test_entries_past_int32_tells_a_batch_stride_from_an_entrys():
+    mod = generated_module("fmha_gqa8_bf16")
+    big = 2**31
+    dense = torch.empty(2, 3, 4, 8)
+    assert not mod._entries_past_int32(dense, dense)
+    past = torch.empty_strided((2, 3, 4, 8), (big, 32, 8, 1), device="meta")
+    assert mod._entries_past_int32(dense, past, dense)
+    # One entry: nothing to split (the launcher restrides its axis of one).
+    assert not mod._entries_past_int32(torch.empty_strided((1, 3, 4, 8), (big, 32, 8, 1), device="meta"))
+    # An entry's own stride past int32 on an axis longer than one: only the twin takes it.
+    inner = torch.empty_strided((2, 3, 4, 8), (2 * big, big, 8, 1), device="meta")
+    assert not mod._entries_past_int32(past, inner)
+    assert mod._entries_past_int32(torch.empty_strided((2, 1, 4, 8), (2 * big, big, 8, 1), device="meta"))
+
+
+@pytest.mark.parametrize("name", ["fmha_gqa8_bf16", "fmha_gemma_softcap"])
+def test_forward_with_a_batch_stride_past_int32_runs_an_entry_per_launch(name, monkeypatch):
+    """Emulated with the int32 limit lowered below the batch stride of a view into a
+    larger buffer: one launch per entry, the bits of the whole call, no twin."""
+    from specgen.check import emulate
+    from specgen.check.cases import random_qkv
+
+    mod = emulated_module(name, "entries")
+    q, k, v = random_qkv(mod.SPEC, 3, 1, 40, 56, generator=torch.Generator().manual_seed(0), device="cpu")
+    with emulate.emulating():
+        whole = mod.attention(q, k, v)
+        grids = _entry_calls(mod, monkeypatch, q[0].numel())
+        mod.attention(q, k, v)  # dense: one launch
+        got = mod.attention(_gapped(q, 64), k, v, out=_gapped(torch.zeros_like(whole), 64))
+    (one, *entries) = grids
+    assert len(entries) == 3 and all(g[0] * g[1] * 3 == one[0] * one[1] for g in entries)
+    assert torch.equal(got, whole)
+    kernels = [v for v in vars(mod).values() if isinstance(v, mod.AotKernel)]
+    assert all(k.__dict__.get("_int64_twin") is None for k in kernels)
+
+
+def test_training_with_a_batch_stride_past_int32_runs_an_entry_per_call(monkeypatch):
+    from specgen.check import emulate
+    from specgen.check.cases import random_qkv
+
+    mod = emulated_module("fmha_train_gqa_causal", "entries")
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = random_qkv(mod.SPEC, 3, 1, 40, 56, generator=gen, device="cpu")
+    dout = torch.randn(q.shape, generator=gen).to(q.dtype)
+
+    def run(q, k, v):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = mod.attention(q, k, v)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    with emulate.emulating():
+        whole = run(q, k, v)
+        grids = _entry_calls(mod, monkeypatch, q[0].numel())
+        sliced = run(_gapped(q, 32), _gapped(k, 32), _gapped(v, 32))
+    # Forward: a launch per entry; backward: the dQ and dK/dV kernels per entry.
+    assert len(grids) == 3 + 2 * 3
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_dropout_with_drops_keeps_the_batch_whole(monkeypatch):
+    """Dropout's mask is drawn per batch index, so a call with drops is not split:
+    one launch (the twin takes it on a GPU)."""
+    from specgen.check import emulate
+    from specgen.check.cases import random_qkv
+
+    mod = emulated_module("fmha_vit_dropout", "entries")
+    q, k, v = random_qkv(mod.SPEC, 2, 1, 24, 24, generator=torch.Generator().manual_seed(2), device="cpu")
+    with emulate.emulating():
+        grids = _entry_calls(mod, monkeypatch, q[0].numel())
+        mod.attention(_gapped(q, 16), k, v, dropout_p=0.25, seed=7)
+        assert len(grids) == 1
+        mod.attention(_gapped(q, 16), k, v, dropout_p=0.0)
+        assert len(grids) == 3

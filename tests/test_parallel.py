@@ -158,10 +158,14 @@ def test_single_process_checks_inputs_before_any_launch():
 
 
 def test_the_kernels_grid_limit_is_checked_before_any_transfer():
-    """batch x heads beyond the kernels' grid y limit is a ValueError of the call
-    (on every rank, through the agreement), not a kernel error after the ring has
-    posted its first transfer; packed GQA specs count KV heads."""
+    """batch x heads beyond the kernels' grid y limit, in a module that cannot run
+    such a batch in slices, is a ValueError of the call (on every rank, through the
+    agreement), not a kernel error after the ring has posted its first transfer;
+    packed GQA specs count KV heads."""
     kernel = SpecKernel(generated_module("fmha_train_gqa_causal"))
+    assert kernel.grid_y_slices  # the shipped module slices such a batch: nothing to refuse
+    assert kernel.grid_problem(16385, 4, 1) is None
+    kernel.grid_y_slices = False
     assert kernel.grid_problem(16383, 4, 1) is None
     assert kernel.grid_problem(16385, 4, 1) == ("batch * heads per call must be at most 65535 (the kernels' "
                                                 "grid y limit), got 16385 * 4")
@@ -169,11 +173,52 @@ def test_the_kernels_grid_limit_is_checked_before_any_transfer():
     assert kernel.grid_problem(16385, 4, 1) is None
     assert "got 65536 * 1" in kernel.grid_problem(65536, 4, 1)
     attn = ContextParallelAttention(generated_module("fmha_train_gqa_causal"))
+    attn.kernel.grid_y_slices = False
     q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16).expand(16385, 4, 2, 128)
     k = torch.zeros(1, 1, 2, 128, dtype=torch.bfloat16).expand(16385, 1, 2, 128)
     attn.kernel.needs_cuda = False  # reach the shape checks on the CPU
     with pytest.raises(ValueError, match="the kernels' grid y limit"):
         attn(q, k, k)
+    # One entry's heads past the limit cannot be sliced either.
+    sliced = SpecKernel(generated_module("fmha_train_gqa_causal"))
+    assert "got 1 * 70000" in sliced.grid_problem(1, 70000, 17500)
+
+
+def test_a_batch_past_the_grid_y_limit_runs_through_the_ring_in_slices(monkeypatch):
+    """The module runs such a batch in slices of it; the ring's forward and backward
+    (its calls with q_offset and the merged out and lse) give the bits of the whole."""
+    from specgen.check import emulate
+    from tests.helpers import ROOT
+
+    module = emulate.load_module(ROOT / "generated" / "fmha_train_gqa_causal.py", name="_test_cp_slices")
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(3, 4, 40, 128, generator=gen).bfloat16()
+    k, v = (torch.randn(3, 1, 40, 128, generator=gen).bfloat16() for _ in range(2))
+    dout = torch.randn(3, 4, 40, 128, generator=gen).bfloat16()
+
+    def run():
+        attn = ContextParallelAttention(module)
+        attn.kernel.needs_cuda = False
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn(*leaves)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    grids, launch = [], module._launch
+
+    def spy(device, grid, *args, **options):
+        grids.append(grid)
+        return launch(device, grid, *args, **options)
+
+    monkeypatch.setattr(module, "_launch", spy)
+    with emulate.emulating():
+        whole = run()
+        calls = len(grids)
+        monkeypatch.setattr(module, "MAX_GRID_Y", 8)  # two entries of 4 heads per launch
+        sliced = run()
+    assert len(grids) - calls == 2 * calls and all(g[1] <= 8 for g in grids[calls:])
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -72,12 +72,18 @@ class SpecKernel:
         # modules of one name from other specs compute other attentions).
         self.identity = json.dumps(spec, sort_keys=True)
         self.max_grid_y = getattr(module, "MAX_GRID_Y", None)
+        # Modules that run a batch past the y limit in slices of it.
+        self.grid_y_slices = bool(getattr(module, "GRID_Y_SLICES", False))
         self.pack_gqa = bool(spec.get("pack_gqa"))
 
     def grid_problem(self, batch: int, q_heads: int, kv_heads: int) -> str | None:
         """What this rank's kernel calls would refuse of their grid (batch x heads on
-        its y axis), found before any transfer; None where they fit."""
-        rows = batch * (kv_heads if self.pack_gqa else q_heads)
+        its y axis), found before any transfer; None where they fit, or where the
+        module runs the batch in slices that do (one entry's heads fit)."""
+        heads = kv_heads if self.pack_gqa else q_heads
+        rows = batch * heads
+        if self.grid_y_slices and self.max_grid_y is not None and heads <= self.max_grid_y:
+            return None
         if self.max_grid_y is not None and rows > self.max_grid_y:
             what = "KV heads" if self.pack_gqa else "heads"
             return (f"batch * {what} per call must be at most {self.max_grid_y} (the kernels' grid y "

@@ -768,17 +768,30 @@ def test_an_empty_call_still_checks_its_block_map(refused):
 # --- the grid's x limit (2**24 - 1 blocks) --------------------------------------------
 
 
-def test_a_global_tile_order_grid_keeps_batch_times_heads_within_the_x_limit(refused, launches, monkeypatch):
-    """A tile_order: global config puts batch * heads on the grid's x axis: past
-    MAX_GRID_X it is a ValueError before the launch (cuTile refused it, "Grid[0]
-    exceeds 24-bit limit", for q [2**22, 4, 1, 128]). Limit lowered so that a small
-    call reaches it; seq_k 64 takes the spec's global-order config."""
+@pytest.mark.parametrize("limit", ["x", "y"])
+def test_a_global_tile_order_past_the_grid_limits_launches_head_by_head(limit, monkeypatch):
+    """A tile_order: global config puts batch * heads on the grid's x axis and the
+    query tiles on y. Where either passes its limit (cuTile refused "Grid[0] exceeds
+    24-bit limit" for q [2**22, 4, 1, 128]; 65535 tiles of 64 are 4.2M queries), the
+    same tiles launch head by head, with the bits of the global order. Limits lowered
+    so that a small call reaches them; seq_k 64 takes the spec's global-order config."""
     mod = _module("fmha_gqa_causal")
-    q, k, v = random_qkv(mod.SPEC, 2, 1, 40, 64, generator=_gen(), device="cpu")  # batch * heads = 8
-    monkeypatch.setattr(mod, "MAX_GRID_X", 7)
-    refused(lambda: mod.attention(q, k, v), "the grid's x axis takes at most 7 blocks, got 2 * 4 batch * heads")
-    monkeypatch.setattr(mod, "MAX_GRID_X", 8)
-    launches(lambda: mod.attention(q, k, v))
+    seq_q, lowered = (200, ("MAX_GRID_X", 7)) if limit == "x" else (640, ("MAX_GRID_Y", 9))
+    q, k, v = random_qkv(mod.SPEC, 2, 1, seq_q, 64, generator=_gen(), device="cpu")  # 8 heads
+    tiles = -(-seq_q // 64)
+    grids, launch = [], mod._launch
+
+    def spy(device, grid, kernel, args, *rest, **options):
+        grids.append((grid, args[-1] if isinstance(args[-1], bool) else None))
+        return launch(device, grid, kernel, args, *rest, **options)
+
+    monkeypatch.setattr(mod, "_launch", spy)
+    with emulate.emulating():
+        whole = mod.attention(q, k, v)
+        monkeypatch.setattr(mod, *lowered)
+        head_by_head = mod.attention(q, k, v)
+    assert grids == [((8, tiles, 1), True), ((tiles, 8, 1), False)]
+    assert torch.equal(head_by_head, whole)
 
 
 @pytest.mark.parametrize("name", ["fmha_mha_f16_d128", "fmha_seed_baseline", "fmha_chunked_local"])

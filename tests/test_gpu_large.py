@@ -195,6 +195,22 @@ def test_backward_takes_a_batch_stride_past_int32(path, monkeypatch):
         _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
 
 
+def test_a_global_tile_order_past_the_grid_y_limit_launches_head_by_head():
+    """fmha_gqa8_bf16 takes its tile_order: global config (64-row tiles on the grid's
+    y axis) up to seq_k 2048 on sm_90: 65,538 query tiles pass y, and launch head by
+    head. The first rows (causal) and the last (every key) against fp64."""
+    _need(24)
+    mod = generated_module("fmha_gqa8_bf16")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    seq_q = 65538 * 64 - 20
+    q = torch.randn(1, 8, seq_q, 128, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 2048, 128, device="cuda", generator=gen).to(torch.bfloat16) for _ in "kv")
+    out = mod.attention(q, k, v)
+    for lo in (seq_q - 300, 0):
+        rows = slice(lo, lo + 300)
+        _ok(mod, out[:, :, rows], q[:, :, rows], k, v, q_offset=lo)
+
+
 def test_vit_batch_past_the_grid_y_limit_runs_in_slices():
     """B 4096 × 16 heads = 65536 (CTA rows on y, limit 65535): two slices of the batch."""
     _need(8)

@@ -425,3 +425,51 @@ def test_a_ring_step_that_raises_finishes_the_transfers_it_posted():
     except ValueError as error:
         kept.append(error)
     assert kept and ring.log == ["posted", "posted", "waited", "waited"], ring.log
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_query_and_key_tiles_are_checked_before_any_transfer(mode, monkeypatch):
+    """The tiles of a call's rows on the kernels' grid x axis (the forward's query
+    tiles, the backward's query and key tiles) are checked with the shapes, before
+    the ranks agree: a ring call takes its shard's rows, an all-to-all call every
+    row. Limit lowered so that a small call reaches it."""
+    module = generated_module("fmha_train_gqa_causal")
+    kernel = SpecKernel(module)
+    smallest = min(c["tile_m"] for configs in module.CONFIGS.values() for c in configs)
+    # A sequence of 2**30 rows (the positions' bound) in one call passes the real limit.
+    assert kernel.grid_problem(1, 4, 1, (2**24 - 1) * smallest, (2**24 - 1) * smallest) is None
+    assert "got 1073741824" in kernel.grid_problem(1, 4, 1, 2**30, 0)
+    monkeypatch.setattr(module, "MAX_GRID_X", 3)
+    assert kernel.grid_problem(1, 4, 1, 3 * smallest, 3 * smallest) is None
+    assert kernel.grid_problem(1, 4, 1, 3 * smallest + 1, 0) == (
+        f"query rows per call must be at most {3 * smallest} (3 tiles of {smallest}, the kernels' grid x "
+        f"limit), got {3 * smallest + 1}")
+    keys = 3 * module.BWD_TILE_N
+    assert "keys per call must be at most" in kernel.grid_problem(1, 4, 1, 0, keys + 1)
+    kernel.pack_gqa = True  # a packed-GQA forward holds tile_m // GROUP_SIZE positions per tile
+    packed = smallest // module.GROUP_SIZE
+    assert f"at most {3 * packed} (3 tiles of {packed}," in kernel.grid_problem(1, 4, 1, 3 * packed + 1, 0)
+    # Through the call: 3 tiles of the smallest fit a ring shard, not the whole sequence.
+    attn = ContextParallelAttention(module, mode=mode)
+    attn.kernel.needs_cuda = False
+    attn.world_size = 2  # each rank holds half the rows (the shapes are checked, no transfer made)
+    heads = 2 if mode == "ulysses" else 1  # all-to-all scatters the heads over the ranks
+    q = torch.zeros(1, 4 * heads, 2 * smallest, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, heads, 2 * smallest, 128, dtype=torch.bfloat16)
+    monkeypatch.setattr(attn, "_shape_problem", lambda *args: None)
+    agreed = []
+
+    class Agreed(Exception):
+        pass
+
+    def agree(group, problem, signature):  # what this rank brings to the agreement; stop there
+        agreed.append(problem)
+        raise Agreed
+
+    monkeypatch.setattr("specgen.parallel.attention.agree", agree)
+    with pytest.raises(Agreed):
+        attn(q, k, k)
+    if mode == "ring":
+        assert agreed == [None]  # a shard of 2 tiles per call
+    else:
+        assert "query rows per call must be at most" in agreed[0]  # 4 tiles in one call

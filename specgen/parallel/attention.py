@@ -281,10 +281,16 @@ class ContextParallelAttention:
 
     def _grid_problem(self, q, k, cu_seqlens) -> str | None:
         """The kernels' grid limits for the calls this rank will make (ring: its
-        shard's heads; all-to-all: its share of the heads), before any transfer."""
-        batch = cu_seqlens.numel() - 1 if self.kernel.varlen else q.shape[0]
+        shard's heads and rows; all-to-all: its share of the heads, every row),
+        before any transfer."""
         share = self.world_size if self.mode == "ulysses" else 1
-        return self.kernel.grid_problem(batch, q.shape[1] // share, k.shape[1] // share)
+        if self.kernel.varlen:
+            batch = cu_seqlens.numel() - 1
+            longest = max(cu_seqlens.diff().tolist(), default=0)
+            rows = longest if self.mode == "ulysses" else longest // self.world_size
+        else:
+            batch, rows = q.shape[0], q.shape[2] * share
+        return self.kernel.grid_problem(batch, q.shape[1] // share, k.shape[1] // share, rows, rows)
 
     def _heads_problem(self, q, k) -> str | None:
         if self.mode != "ulysses":

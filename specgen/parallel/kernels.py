@@ -76,19 +76,38 @@ class SpecKernel:
         self.grid_y_slices = bool(getattr(module, "GRID_Y_SLICES", False))
         self.pack_gqa = bool(spec.get("pack_gqa"))
 
-    def grid_problem(self, batch: int, q_heads: int, kv_heads: int) -> str | None:
-        """What this rank's kernel calls would refuse of their grid (batch x heads on
-        its y axis), found before any transfer; None where they fit, or where the
-        module runs the batch in slices that do (one entry's heads fit)."""
+    def grid_problem(self, batch: int, q_heads: int, kv_heads: int, q_rows: int = 0,
+                     k_rows: int = 0) -> str | None:
+        """What this rank's kernel calls would refuse of their grid, found before any
+        transfer: batch x heads on its y axis (None where they fit, or where the
+        module runs the batch in slices that do: one entry's heads fit), and the
+        tiles of at most ``q_rows`` queries and ``k_rows`` keys per call on its x
+        axis (the smallest tiles of any config, which every device's fit)."""
         heads = kv_heads if self.pack_gqa else q_heads
         rows = batch * heads
-        if self.grid_y_slices and self.max_grid_y is not None and heads <= self.max_grid_y:
-            return None
-        if self.max_grid_y is not None and rows > self.max_grid_y:
+        sliced = self.grid_y_slices and heads <= (self.max_grid_y or 0)
+        if self.max_grid_y is not None and rows > self.max_grid_y and not sliced:
             what = "KV heads" if self.pack_gqa else "heads"
             return (f"batch * {what} per call must be at most {self.max_grid_y} (the kernels' grid y "
                     f"limit), got {batch} * {rows // max(batch, 1)}")
+        limit = getattr(self.module, "MAX_GRID_X", None)
+        for what, n, tile in self._x_tiles(q_rows, k_rows) if limit is not None else ():
+            if -(-n // tile) > limit:
+                return (f"{what} per call must be at most {limit * tile} ({limit} tiles of {tile}, the "
+                        f"kernels' grid x limit), got {n}")
         return None
+
+    def _x_tiles(self, q_rows: int, k_rows: int):
+        """(what, rows, rows per tile) of each kernel's x axis: the forward's query
+        tiles (the smallest config's; packed GQA: its positions per tile), and the
+        backward's query and key tiles."""
+        m = self.module
+        tiles = [c["tile_m"] for configs in m.CONFIGS.values() for c in configs]
+        packed = self.group_size if self.pack_gqa else 1
+        yield "query rows", q_rows, max(1, min(tiles) // packed)
+        if self.has_backward:
+            yield "query rows", q_rows, getattr(m, "BWD_DQ_TILE_P", None) or m.BWD_DQ_TILE_M
+            yield "keys", k_rows, m.BWD_TILE_N
 
     def default_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
@@ -144,7 +163,8 @@ class ReferenceKernel:
                               group_size, varlen))
         self.calls = 0  # kernel calls made, for tests of the block planner
 
-    def grid_problem(self, batch: int, q_heads: int, kv_heads: int) -> str | None:
+    def grid_problem(self, batch: int, q_heads: int, kv_heads: int, q_rows: int = 0,
+                     k_rows: int = 0) -> str | None:
         return None  # torch has no grid limit
 
     def default_scale(self) -> float:

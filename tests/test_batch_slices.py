@@ -237,3 +237,36 @@ def test_a_v_made_by_transposed_v_is_sliced_as_it_is(monkeypatch):
                                              monkeypatch)
     assert len([g for g in grids if g[1] <= 4]) >= 2  # the attention ran in slices
     assert torch.equal(sliced, whole)
+
+
+def test_a_hook_that_reads_b_is_not_sliced(monkeypatch):
+    """A slice's kernels count b from the slice's first entry: a hook that reads b
+    (here each entry's scores times b + 1) gave every slice after the first the
+    first slice's b, silently. Past the y limit such a batch is refused."""
+    from .helpers import emulated_spec_module, prefill_variant_data
+
+    mod = emulated_spec_module(prefill_variant_data("b_hook_slices", {"score_mod": "score * (b + 1)"}),
+                               "batch_slices")
+    q, k, v = _qkv(mod, 5, seed=10)
+    monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * q.shape[1])
+    grids = _grids(mod, monkeypatch)
+    with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
+        mod.attention(q, k, v)
+    assert grids == [] and not mod.GRID_Y_SLICES
+
+
+def test_a_decode_mask_that_reads_b_is_not_sliced(monkeypatch):
+    """As the prefill's: a decode slice's kernels count b from its first sequence."""
+    from specgen.check.cases import random_decode
+
+    from .helpers import decode_variant_data, emulated_spec_module
+
+    mod = emulated_spec_module(decode_variant_data("b_mask_slices", {
+        "gqa_ratio": 4, "mask_mod": "kv_idx % (b + 2) != 0"}), "batch_slices")
+    lengths = torch.randint(1, 300, (40,), generator=torch.Generator().manual_seed(11)).tolist()
+    batch = random_decode(mod.SPEC, lengths, 1, 1, generator=torch.Generator().manual_seed(12), device="cpu")
+    monkeypatch.setattr(mod, "MAX_GRID_Y", 39)
+    grids = _grids(mod, monkeypatch)
+    with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
+        mod.attention(*batch.args())
+    assert grids == []

@@ -251,3 +251,22 @@ def test_dropout_with_drops_keeps_the_batch_whole(monkeypatch):
         assert len(grids) == 1
         mod.attention(_gapped(q, 16), k, v, dropout_p=0.0)
         assert len(grids) == 3
+
+
+def test_a_hook_that_reads_b_keeps_the_batch_whole(monkeypatch):
+    """An entry launched on its own is b = 0 to its kernels: a hook that reads b
+    (each entry's scores times b + 1) gave every entry the first's scores. Such a
+    call is not split: one launch (the twin takes it on a GPU), the whole call's bits."""
+    from specgen.check import emulate
+    from specgen.check.cases import random_qkv
+
+    from .helpers import emulated_spec_module, prefill_variant_data
+
+    mod = emulated_spec_module(prefill_variant_data("b_hook_entries", {"score_mod": "score * (b + 1)"}),
+                               "entries")
+    q, k, v = random_qkv(mod.SPEC, 3, 1, 40, 56, generator=torch.Generator().manual_seed(3), device="cpu")
+    with emulate.emulating():
+        whole = mod.attention(q, k, v)
+        grids = _entry_calls(mod, monkeypatch, q[0].numel())
+        got = mod.attention(_gapped(q, 64), k, v)
+    assert torch.equal(got, whole) and len(grids) == 1

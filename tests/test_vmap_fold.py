@@ -214,3 +214,29 @@ def test_a_fold_past_the_grid_limit_splits(monkeypatch):
     looped, looped_launches = _run(module, monkeypatch, launches, fn, fold=False)
     assert _same(folded, looped)
     assert (folded_launches, looped_launches) == (2 * 3, 3 * 3)
+
+
+def test_a_hook_that_reads_b_loops(monkeypatch):
+    """A folded vmap entry is b = entry * B + b to the kernels: a hook that reads b
+    (each entry's scores times b + 1) gave per-sample gradients other values than
+    the loop's. Such a module has no folding rule."""
+    from .helpers import prefill_variant_data
+
+    module = emulated_spec_module(prefill_variant_data("vmap_b_hook", {
+        "score_mod": "score * (b + 1)", "backward": True}), "vmap_fold_b_hook")
+    launches = _counted(module, monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    d, hq = module.SPEC["head_dim"], 2 * module.SPEC["gqa_ratio"]
+    q = torch.randn(3, 2, hq, 16, d, generator=g).half()
+    k, v = (torch.randn(3, 2, 2, 24, d, generator=g).half() for _ in range(2))
+
+    def loss(q, k, v):
+        return module.attention(q, k, v).float().square().sum()
+
+    grad = torch.func.grad(loss, argnums=(0, 1, 2))
+    with emulate.emulating():
+        loop = [grad(q[i], k[i], v[i]) for i in range(3)]
+        launches.clear()
+        per_sample = torch.func.vmap(grad)(q, k, v)
+    assert all(torch.equal(got, torch.stack(want)) for got, want in zip(per_sample, zip(*loop)))
+    assert len(launches) == 3 * 3 and not hasattr(module, "_fold_batch")

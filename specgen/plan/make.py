@@ -275,21 +275,33 @@ class Plan:
         """Whether a training module's vmap rules may fold torch.func.vmap's batch
         into the kernels' batch (one launch for the whole vmap, not one per entry).
         Not for packed varlen inputs (no batch axis), dropout (its mask is drawn per
-        batch index, so a folded entry would get another entry's mask) or a hook
-        tensor with a batch axis (indexed by the kernels' batch, not the vmap's)."""
-        return not (self.varlen or self.dropout or any("batch" in dims for *_, dims in self.extra_tensors))
+        batch index, so a folded entry would get another entry's mask), a hook
+        tensor with a batch axis or a hook that reads b (indexed by the kernels'
+        batch, not the vmap's: see reads_batch_index)."""
+        return not (self.varlen or self.dropout or self.reads_batch_index
+                    or any("batch" in dims for *_, dims in self.extra_tensors))
+
+    @property
+    def reads_batch_index(self) -> bool:
+        """Whether a hook reads b: the kernels' batch index (a packed batch's
+        sequence), which a launch over a slice of the batch counts from the slice's
+        first entry, and a vmap folded into the batch past the vmap's entry. Such a
+        hook sees the caller's b only in one launch over the caller's whole batch:
+        it is neither sliced nor folded."""
+        return any("b" in h.uses for h in self.hooks)
 
     @property
     def _sliceable(self) -> bool:
         """Whether a prefill launch may run over slices of its batch (or of its packed
         sequences) where batch × heads pass the grid's y limit: not with block maps,
         float8 descales or hook tensors with a batch axis (each would need its own
-        slice), persistent work loops (a 1-D grid), or the backward of sinks or
-        learnable tensors (gradients summed over the batch). An LSE gradient is
-        sliced with the batch (a packed one is read at the rows' offsets as is).
-        Dropout slices only without drops (its mask is drawn per batch index),
-        which the launchers check at run time."""
-        if self.block_sparse or self.fp8 or self.persistent_loop:
+        slice), a hook that reads b (a slice's kernels count b from its first
+        entry: see reads_batch_index), persistent work loops (a 1-D grid), or the
+        backward of sinks or learnable tensors (gradients summed over the batch).
+        An LSE gradient is sliced with the batch (a packed one is read at the rows'
+        offsets as is). Dropout slices only without drops (its mask is drawn per
+        batch index), which the launchers check at run time."""
+        if self.block_sparse or self.fp8 or self.persistent_loop or self.reads_batch_index:
             return False
         if any("batch" in dims for *_, dims in self.extra_tensors):
             return False
@@ -312,8 +324,10 @@ class Plan:
     def decode_slices(self) -> bool:
         """Whether a decode batch whose batch × KV heads pass the grid's y limit runs
         as slices of the batch, a call each. Not with block maps, float8 caches (their
-        descales may have a batch axis) or hook tensors with a batch axis."""
-        return not (self.block_sparse or self.kv_fp8 or any("batch" in dims for *_, dims in self.extra_tensors))
+        descales may have a batch axis), hook tensors with a batch axis or a mask_mod
+        that reads b (see reads_batch_index)."""
+        return not (self.block_sparse or self.kv_fp8 or self.reads_batch_index
+                    or any("batch" in dims for *_, dims in self.extra_tensors))
 
     @property
     def folds_vmap_grads(self) -> bool:

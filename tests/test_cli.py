@@ -313,6 +313,49 @@ def test_schema_accepts_the_shipped_specs_and_knows_sizes_and_names():
         assert list(validator.iter_errors(bad)), bad
 
 
+@pytest.mark.parametrize("spec", [
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "occupancy": 33}}},
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "occupancy": 0}}},
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_ctas": 3}}},
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_ctas": 32}}},
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_worker_warps": 6}}},
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "num_worker_warps": 16}}},
+    {"targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "opt_level": 4}}},
+    {"loads": {"k_latency": 0}},
+    {"loads": {"v_latency": 11}},
+    {"autotune": {"sm_90": {"occupancy": [1, 40]}}},
+    {"autotune": {"sm_90": {"num_worker_warps": [None, 2]}}},
+    {"family": "decode", "paged": {"page_size": 100}},
+    {"family": "decode", "paged": {"page_size": 2048}},
+])
+def test_schema_bounds_agree_with_the_validator(spec):
+    """The schema states the bounds and choices of each scalar (the docs promise an
+    editor "keys, types, choices, bounds"): a value the validator refuses for its
+    range is flagged by the schema too."""
+    from specgen.errors import SpecError
+    from specgen.spec.load import validate_spec
+
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(schema_text()))
+    spec = {"name": "a", **spec}
+    with pytest.raises(SpecError):
+        validate_spec(spec, "a.yaml")
+    assert list(validator.iter_errors(spec)), spec
+
+
+def test_schema_accepts_every_allowed_hint_value():
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json.loads(schema_text()))
+    for hints in ({"occupancy": 1}, {"occupancy": 32}, {"num_ctas": None}, {"num_ctas": 16},
+                  {"num_worker_warps": None}, {"num_worker_warps": 4}, {"num_worker_warps": 8},
+                  {"opt_level": None}, {"opt_level": 0}, {"opt_level": 3}):
+        spec = {"name": "a", "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, **hints}},
+                "loads": {"k_latency": None, "v_latency": 10},
+                "autotune": {"sm_90": {key: [value] for key, value in hints.items()}}}
+        assert not list(validator.iter_errors(spec)), spec
+    assert not list(validator.iter_errors({"name": "a", "family": "decode", "paged": {"page_size": 1024}}))
+
+
 def test_python_m_and_console_script_agree(project):
     result = specgen_process("--version", cwd=project)
     assert result.returncode == 0 and result.stdout.startswith("specgen ")

@@ -288,6 +288,12 @@ NEW_FIELDS_BAD = [
      "specs/bad.yaml: targets.sm_90.v_transposed: family decode reads V as given; use null or false, got true"),
     ({"varlen": True, "targets": {"sm_90": {"tile_m": 64, "tile_n": 64, "persistent": True}}},
      "specs/bad.yaml: targets.sm_90.persistent: varlen launches one CTA per work item; use null or false, got true"),
+    ({"family": "decode", "targets": {"sm_90": {"tile_m": 16, "tile_n": 64, "tile_order": "global"}}},
+     "specs/bad.yaml: targets.sm_90.tile_order: family decode has no query tiles to launch in another "
+     "order; use per_head, got \"global\""),
+    ({"family": "decode", "autotune": {"sm_90": {"tile_n": [64, 128]}}},
+     "specs/bad.yaml: autotune: family decode takes no search space (specgen tune searches prefill specs; "
+     "set tile_n and occupancy under targets and time them with specgen bench), got sm_90"),
     ({"family": "decode", "targets": {"sm_90": {"tile_m": 16, "tile_n": 64, "persistent": True}}},
      "specs/bad.yaml: targets.sm_90.persistent: family decode launches one CTA per work item; "
      "use null or false, got true"),

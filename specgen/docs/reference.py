@@ -224,7 +224,7 @@ DESCRIPTIONS: dict[str, str] = {
     "puts them on grid y: tile t of every head launches before any head's next tile, so "
     "with block remap the heaviest causal tiles of all heads go first; it wins on short "
     "causal sequences. Printed as a `TILES_OUTER` kernel constant only where a config "
-    "uses `global`.",
+    "uses `global`. Decode specs take `per_head` only.",
     "targets.<target>.by_seq_k": "Configs for shorter key lengths, in increasing "
     "`max_seq_k`: the launcher takes the first bucket with `seq_k <= max_seq_k`, else the "
     "target's own fields. A bucket with other compiler options gets its own "

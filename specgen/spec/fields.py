@@ -128,11 +128,17 @@ TileSize = Annotated[int, AfterValidator(_power_of_two_tile),
                      Field(json_schema_extra={"enum": [1 << i for i in range(4, MAX_TILE.bit_length())]})]
 HeadDim = Annotated[int, AfterValidator(_head_dim),
                     Field(json_schema_extra={"minimum": 16, "maximum": 256, "multipleOf": 8})]
-Latency = Annotated[Optional[int], AfterValidator(_latency)]
-Occupancy = Annotated[int, AfterValidator(_occupancy)]
-NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16))]
-WorkerWarps = Annotated[Optional[int], AfterValidator(_worker_warps)]
-OptLevel = Annotated[Optional[int], AfterValidator(_opt_level)]
+# (JSON Schema's minimum, maximum and enum constrain numbers only, so null still passes.)
+Latency = Annotated[Optional[int], AfterValidator(_latency),
+                    Field(json_schema_extra={"minimum": 1, "maximum": 10})]
+Occupancy = Annotated[int, AfterValidator(_occupancy),
+                      Field(json_schema_extra={"minimum": 1, "maximum": 32})]
+NumCtas = Annotated[Optional[int], AfterValidator(_power_of_two(1, 16)),
+                    Field(json_schema_extra={"enum": [1, 2, 4, 8, 16, None]})]
+WorkerWarps = Annotated[Optional[int], AfterValidator(_worker_warps),
+                        Field(json_schema_extra={"enum": [4, 8, None]})]
+OptLevel = Annotated[Optional[int], AfterValidator(_opt_level),
+                     Field(json_schema_extra={"minimum": 0, "maximum": 3})]
 
 
 def _target_key(value: str) -> str:
@@ -195,7 +201,7 @@ class Loads(_Strict):
         "all",
         description="'masked' drops the bounds check (check_bounds=False) from the K "
         "and V loads of the unmasked key tiles, which are always inside the array; "
-        "needs loop_split.",
+        "needs loop_split and power-of-two head dims.",
     )
     allow_tma: Optional[bool] = Field(
         None,
@@ -338,6 +344,7 @@ class Paged(_Strict):
     page_size: int = Field(
         description="Tokens per page: a power of two in [16, 1024], at least the tile_n "
         "of every target (a key tile never spans two pages).",
+        json_schema_extra={"enum": [1 << i for i in range(4, 11)]},
     )
 
     @field_validator("page_size")
@@ -367,7 +374,7 @@ class LaunchConfig(_Strict):
     num_worker_warps: WorkerWarps = Field(
         None,
         description="Warps of the compute warp groups of a warp-specialised kernel, "
-        "a power of two 1..32; null: auto.",
+        "4 or 8 (tileiras 13.4 compiles no other); null: auto.",
     )
     opt_level: OptLevel = Field(None, description="tileiras optimisation level 0..3; null: 3.")
     tile_order: TileOrder = Field(
@@ -375,7 +382,8 @@ class LaunchConfig(_Strict):
         description="Launch order of the query tiles. per_head: one (batch, head)'s "
         "tiles after another, which keeps its K/V in L2; global: tile t of every head "
         "before any head's next tile, so with block remap the heaviest tiles of all "
-        "heads run first (wins on short causal sequences).",
+        "heads run first (wins on short causal sequences). Decode specs take "
+        "per_head only.",
     )
     v_transposed: Optional[bool] = Field(
         None,

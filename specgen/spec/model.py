@@ -137,8 +137,9 @@ class Spec(_Strict):
 
     name: str = Field(
         json_schema_extra={"pattern": "^[A-Za-z][A-Za-z0-9_]*$", "maxLength": 100},
-        description="Python identifier (not a keyword, nor the name of a standard-library "
-        "module or of torch, cuda, triton, numpy, specgen or generated); the module is "
+        description="Python identifier (not a keyword, not starting with '_', nor the "
+        "name of a standard-library module or of a package the module or specgen imports: "
+        "torch, cuda, triton, numpy, specgen, generated, ...); the module is "
         "generated/<name>.py.",
     )
     family: Literal["prefill", "decode"] = Field(
@@ -164,8 +165,10 @@ class Spec(_Strict):
     head_dim: HeadDim = Field(
         128,
         description="Head dimension D of q and k: a multiple of 8 in [16, 256]; one "
-        "that is not a power of two (Phi: 80) is zero-padded to the next power of two "
-        "inside the prefill kernels. Decode takes powers of two.",
+        "that is not a power of two (Phi: 80) runs in the prefill kernels as two tiles "
+        "in D where they are narrower than one padded tile (80 = 64 + 16; see "
+        "head_dim_split), else zero-padded to the next power of two. Decode takes "
+        "powers of two.",
     )
     v_head_dim: Optional[HeadDim] = Field(
         None,
@@ -358,7 +361,7 @@ class Spec(_Strict):
     autotune: dict[TargetName, AutotuneSpace] = Field(
         default_factory=dict,
         description="Search space of `specgen tune` per target; the winners are "
-        "written back into targets.",
+        "written back into targets. Prefill only.",
     )
 
     @field_validator("autotune", mode="after")
@@ -553,6 +556,17 @@ class Spec(_Strict):
                                           "(a float8 cache is kv_dtype: float8_e4m3fn)"))
             if self.window is not None and self.window.right not in (None, 0):
                 problems.append(("window.right", f"family decode takes null or 0, got {self.window.right}"))
+            # The decode grid is (splits, batch x KV heads): no query tiles whose order
+            # tile_order could change, so "global" would be accepted and do nothing.
+            problems += [(f"{where}.tile_order", "family decode has no query tiles to launch in "
+                                                 'another order; use per_head, got "global"')
+                         for where, bucket in self._target_buckets() if bucket.tile_order == "global"]
+            # specgen tune searches prefill specs: a decode search space would never run.
+            if self.autotune:
+                problems.append(("autotune", "family decode takes no search space (specgen tune "
+                                             "searches prefill specs; set tile_n and occupancy under "
+                                             f"targets and time them with specgen bench), got "
+                                             f"{', '.join(self.autotune)}"))
             # A decode query sits at a cache position: tables along positions are seq_k long.
             problems += [(f"tensors.{name}.shape[{i}]", "family decode has no seq_q (its queries "
                                                          "sit at cache positions): use seq_k, the "

@@ -67,14 +67,17 @@ def trained_spec_data(name: str) -> dict:
     return data
 
 
-def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml"):
-    """(plan, module source) of a spec given as data."""
-    from specgen.emit.render import render
+def render_spec_data(data: dict, spec_path: str = "specs/variant.yaml", *, formatted: bool = True):
+    """(plan, module source) of a spec given as data. ``formatted=False``: the
+    template's output before black, for a module that is only run (black changes
+    layout, not code, and takes most of a render's time); the tests of what a user
+    reads (golden renders, black-clean output, the fuzzed renders) format."""
+    from specgen.emit.render import render, render_raw
     from specgen.plan.make import make_plan
     from specgen.spec import validate_spec
 
     plan = make_plan(validate_spec(data))
-    return plan, render(plan, spec_path).text
+    return plan, render(plan, spec_path).text if formatted else render_raw(plan)
 
 
 def same_tensors(a, b) -> bool:
@@ -97,8 +100,9 @@ def emulated_module(name: str, tag: str, source: str | None = None):
 
 
 def emulated_spec_module(data: dict, tag: str):
-    """The module of a spec given as data, rendered and emulated (see emulated_module)."""
-    plan, source = render_spec_data(data)
+    """The module of a spec given as data, rendered (unformatted) and emulated (see
+    emulated_module)."""
+    plan, source = render_spec_data(data, formatted=False)
     return emulated_module(plan.module_name, tag, source)
 
 

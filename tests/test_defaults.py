@@ -145,7 +145,7 @@ def test_decode_rows_of_other_head_dims_match_the_reference_emulated(kv_dtype, h
             "dtype": "bfloat16", "head_dim": head_dim, "gqa_ratio": 8}
     if kv_dtype:
         data.update(kv_dtype=kv_dtype, v_cache_transposed=True)
-    plan, source = render_spec_data(data)
+    plan, source = render_spec_data(data, formatted=False)
     assert plan.spec.targets["sm_90"].tile_n == (256 if head_dim == 64 else 64)
     module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
                                  name=f"_dec_rows_{head_dim}_{kv_dtype}")
@@ -165,7 +165,7 @@ def test_float8_prefill_rows_match_the_reference_emulated(head_dim):
     from specgen.check.runner import Case, run_case
 
     plan, source = render_spec_data({"name": f"fp8_rows_d{head_dim}", "dtype": "float8_e4m3fn",
-                                     "head_dim": head_dim, "gqa_ratio": 2, "causal": True})
+                                     "head_dim": head_dim, "gqa_ratio": 2, "causal": True}, formatted=False)
     assert (plan.spec.targets["sm_90"].tile_m, plan.spec.targets["sm_90"].tile_n) == (64, 128)
     module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
                                  name=f"_fp8_rows_{head_dim}")

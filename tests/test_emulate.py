@@ -47,8 +47,8 @@ def _module(name: str, source: str | None = None):
 
 
 def _emulated(data: dict, label: str, spec_path: str = "specs/variant.yaml"):
-    """The module of a spec given as data, rendered and emulated."""
-    plan, source = render_spec_data(data, spec_path)
+    """The module of a spec given as data, rendered (unformatted) and emulated."""
+    plan, source = render_spec_data(data, spec_path, formatted=False)
     return emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
                                name=f"_test_emulated_{label}")
 

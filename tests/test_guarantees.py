@@ -185,7 +185,7 @@ def test_gpu_backward_variants_train_when_emulated(variant):
     from .helpers import prefill_variant_data, render_spec_data
 
     plan, source = render_spec_data(prefill_variant_data(variant, _backward_variants()[variant]),
-                                    "specs/variant.yaml")
+                                    "specs/variant.yaml", formatted=False)
     module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
                                  name=f"_audit_backward_{variant}")
     case = case_matrix(True, module.SPEC)[2] if module.SPEC["varlen"] else Case(1, 1, 150, 150, 0)

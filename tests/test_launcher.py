@@ -217,7 +217,7 @@ def test_varlen_under_compile_without_max_seqlen_names_the_argument():
     data = {"name": "launcher_varlen_train", "dtype": "bfloat16", "head_dim": 32, "gqa_ratio": 2,
             "causal": True, "varlen": True, "backward": True,
             "targets": {"default": {"tile_m": 16, "tile_n": 16}}}
-    plan, source = render_spec_data(data)
+    plan, source = render_spec_data(data, formatted=False)
     module = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py", source=source,
                                  name="_varlen_compile")
     d, ratio = module.SPEC["head_dim"], module.SPEC["gqa_ratio"]

@@ -22,7 +22,7 @@ def _module(name, data=None):
             _MODULES[name] = emulate.load_module(ROOT / "generated" / f"{name}.py",
                                                  name=f"_extremes_{name}")
         else:
-            plan, source = render_spec_data(data)
+            plan, source = render_spec_data(data, formatted=False)
             _MODULES[name] = emulate.load_module(ROOT / "generated" / f"{plan.module_name}.py",
                                                  source=source, name=f"_extremes_{name}")
     return _MODULES[name]

@@ -38,7 +38,7 @@ from specgen.bench.baselines import label as baseline_label
 from specgen.commands.tune import MAX_SEQ
 from specgen.errors import SpecError, UsageError
 from specgen.plan.make import Plan, make_plan
-from specgen.emit.render import render
+from specgen.emit.render import render_raw
 from specgen.spec import load_spec, parse_spec_text, read_spec_text, spec_to_dict, validate_spec
 
 
@@ -174,7 +174,9 @@ def load_variants(path: Path) -> tuple[VariantsFile, dict[str, Plan], dict[str, 
                              f"cannot run it ({why}); time the spec with specgen bench, or search "
                              "its tiles with specgen tune")
         plans[label] = plan
-        sources[label] = render(plan, config.spec).text
+        # Imported and timed, never kept: black's formatting (a third of a second a
+        # variant) would change no kernel, so the template's output is imported as is.
+        sources[label] = render_raw(plan)
     return config, plans, sources
 
 

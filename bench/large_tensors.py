@@ -15,6 +15,7 @@ Usage: python bench/large_tensors.py [--cases a,b,...] > log
 """
 
 import argparse
+import contextlib
 import functools
 import importlib
 import math
@@ -95,83 +96,82 @@ def prefill_many_entries(unaligned=False):
         report(f"entry {b}", out[b], reference(q[b], k[b], v[b], causal=True))
 
 
+STRIDE_PAST_INT32 = 2**31 + 2**20
+
+
+def _dense_and_wide(B, S, H, D):
+    """The same random [B, H, S, D] q twice: dense, and as a view over [B, S, H, D]
+    storage whose batch stride is STRIDE_PAST_INT32 elements."""
+    base = torch.empty((B - 1) * STRIDE_PAST_INT32 + S * H * D, device="cuda", dtype=torch.bfloat16)
+    wide = base.as_strided((B, S, H, D), (STRIDE_PAST_INT32, H * D, D, 1))
+    wide.normal_()
+    return wide.contiguous().transpose(1, 2), wide.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def _split_entries(m, entries):
+    """attention()'s path for a batch stride past int32 (an entry per launch), or
+    with ``entries`` False the whole batch through the int64 twin (the path of a
+    call that cannot be split)."""
+    split = m._entries_past_int32
+    m._entries_past_int32 = split if entries else (lambda *tensors: False)
+    try:
+        yield
+    finally:
+        m._entries_past_int32 = split
+
+
+def _time_paths(run, cases, flops, warmup):
+    """run(q, entries) timed for each (name, q, entries) of ``cases``, twice over."""
+    from triton.testing import do_bench
+
+    for name, q, entries in cases + cases:
+        ms = do_bench(lambda: run(q, entries), warmup=warmup, rep=300, return_mode="median")  # noqa: B023
+        print(f"  {name}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOPS", flush=True)
+
+
 def twin_cost():
     """fmha_gqa8_bf16 B2 S4096 Hq32: the same q as a dense tensor (the int32
     kernel), and as a view with a batch stride past int32: an entry per launch
     (the int32 kernel, what attention() does) and whole through the int64 twin
     (what it does for a call it cannot split), timed."""
-    from triton.testing import do_bench
-
     m = module("fmha_gqa8_bf16")
     B, Hq, Hkv, S, D = 2, 32, 4, 4096, 128
-    stride0 = 2**31 + 2**20
-    base = torch.empty(stride0 + S * Hq * D, device="cuda", dtype=torch.bfloat16)
-    wide = base.as_strided((B, S, Hq, D), (stride0, Hq * D, D, 1))
-    wide.normal_()
-    dense = wide.contiguous()
+    a, b = _dense_and_wide(B, S, Hq, D)
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    a, b = dense.transpose(1, 2), wide.transpose(1, 2)
-    split = m._entries_past_int32
-
-    def whole(*tensors):
-        return False
 
     def run(q, entries):
-        m._entries_past_int32 = split if entries else whole
-        try:
+        with _split_entries(m, entries):
             return m.attention(q, k, v)
-        finally:
-            m._entries_past_int32 = split
 
     dense_out = m.attention(a, k, v)
     same = [torch.equal(dense_out, run(b, entries)) for entries in (True, False)]
-    flops = 4 * B * Hq * S * S * D / 2
-    cases = (("int32 kernel, dense q", a, True), ("int32 kernel, an entry per launch", b, True),
-             ("int64 twin, whole batch", b, False))
-    for name, q, entries in cases + cases:
-        ms = do_bench(lambda: run(q, entries), warmup=50, rep=300, return_mode="median")  # noqa: B023
-        print(f"  {name}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOPS", flush=True)
+    _time_paths(run, (("int32 kernel, dense q", a, True), ("int32 kernel, an entry per launch", b, True),
+                      ("int64 twin, whole batch", b, False)), 4 * B * Hq * S * S * D / 2, warmup=50)
     print(f"  outputs bit-equal to the dense call's (entries, twin): {same}", flush=True)
 
 
 def twin_cost_training():
     """fmha_train_gqa_causal B2 S4096 Hq32 Hkv8, forward + backward: q dense, and
     q a view with a batch stride past int32 (an entry per call, and the twin), timed."""
-    from triton.testing import do_bench
-
     m = module("fmha_train_gqa_causal")
     B, Hq, Hkv, S, D = 2, 32, 8, 4096, 128
-    stride0 = 2**31 + 2**20
-    base = torch.empty(stride0 + S * Hq * D, device="cuda", dtype=torch.bfloat16)
-    wide = base.as_strided((B, S, Hq, D), (stride0, Hq * D, D, 1))
-    wide.normal_()
-    dense = wide.contiguous()
+    a, b = (t.requires_grad_() for t in _dense_and_wide(B, S, Hq, D))
     k = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-    a, b = dense.transpose(1, 2).requires_grad_(), wide.transpose(1, 2).requires_grad_()
     do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16)
-    split = m._entries_past_int32
-
-    def whole(*tensors):
-        return False
 
     def step(q, entries):
-        m._entries_past_int32 = split if entries else whole
-        try:
+        with _split_entries(m, entries):
             out = m.attention(q, k, v)
             return (out, *torch.autograd.grad(out, (q, k, v), do))
-        finally:
-            m._entries_past_int32 = split
 
     dense_res = step(a, True)
     same = [all(torch.equal(x, y) for x, y in zip(dense_res, step(b, entries))) for entries in (True, False)]
     flops = 4 * B * Hq * S * S * D / 2 * 3.5  # forward + backward (2.5 forwards), causal
-    cases = (("int32 kernels, dense q", a, True), ("int32 kernels, an entry per call", b, True),
-             ("int64 twins, whole batch", b, False))
-    for name, q, entries in cases + cases:
-        ms = do_bench(lambda: step(q, entries), warmup=20, rep=300, return_mode="median")  # noqa: B023
-        print(f"  {name}: {ms * 1e3:.1f} us, {flops / ms / 1e9:.0f} TFLOPS", flush=True)
+    _time_paths(step, (("int32 kernels, dense q", a, True), ("int32 kernels, an entry per call", b, True),
+                       ("int64 twins, whole batch", b, False)), flops, warmup=20)
     print(f"  out and gradients bit-equal to the dense call's (entries, twins): {same}", flush=True)
 
 

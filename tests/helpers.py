@@ -99,6 +99,19 @@ def emulated_module(name: str, tag: str, source: str | None = None):
     return emulate.load_module(ROOT / "generated" / f"{name}.py", source=source, name=f"_{tag}_{name}")
 
 
+def launch_grids(module, monkeypatch) -> list:
+    """The grid of each of ``module``'s launches from now on, recorded as they
+    launch (its ``_launch`` wrapped for the test)."""
+    grids, launch = [], module._launch
+
+    def spy(device, grid, *args, **options):
+        grids.append(grid)
+        return launch(device, grid, *args, **options)
+
+    monkeypatch.setattr(module, "_launch", spy)
+    return grids
+
+
 def emulated_spec_module(data: dict, tag: str):
     """The module of a spec given as data, rendered (unformatted) and emulated (see
     emulated_module)."""

@@ -8,7 +8,7 @@ import torch
 from specgen.check import emulate
 from specgen.check.cases import random_qkv
 
-from .helpers import emulated_module
+from .helpers import emulated_module, launch_grids
 
 _MODULES = {}
 
@@ -17,18 +17,6 @@ def _module(name):
     if name not in _MODULES:
         _MODULES[name] = emulated_module(name, "batch_slices")
     return _MODULES[name]
-
-
-def _grids(mod, monkeypatch):
-    """Record each launch's grid, launching as before."""
-    grids, launch = [], mod._launch
-
-    def spy(device, grid, kernel, args, *rest, **options):
-        grids.append(grid)
-        return launch(device, grid, kernel, args, *rest, **options)
-
-    monkeypatch.setattr(mod, "_launch", spy)
-    return grids
 
 
 def _qkv(mod, batch, seed=0, requires_grad=False):
@@ -42,7 +30,7 @@ def _whole_and_sliced(mod, run, heads, monkeypatch):
     with emulate.emulating():
         whole = run()
         monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * heads)
-        grids = _grids(mod, monkeypatch)
+        grids = launch_grids(mod, monkeypatch)
         sliced = run()
     return whole, sliced, grids
 
@@ -85,7 +73,7 @@ def test_a_tile_order_with_the_tiles_on_y_needs_no_slices(monkeypatch):
     mod = _module("fmha_gqa_causal")
     q, k, v = _qkv(mod, 5)
     monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * q.shape[1])
-    grids = _grids(mod, monkeypatch)
+    grids = launch_grids(mod, monkeypatch)
     with emulate.emulating():
         mod.attention(q, k, v)
     assert grids == [(5 * q.shape[1], 1, 1)]
@@ -201,11 +189,11 @@ def test_decode_batch_runs_in_slices(name, longest, monkeypatch):
     batch = random_decode(mod.SPEC, lengths, 1, 1, generator=torch.Generator().manual_seed(9), device="cpu")
     args = batch.args()
     with emulate.emulating():
-        one = _grids(mod, monkeypatch)
+        one = launch_grids(mod, monkeypatch)
         whole = mod.attention(*args)
         one = list(one)
         monkeypatch.setattr(mod, "MAX_GRID_Y", 39)  # slices of 32 (a multiple of 16) and 8
-        grids = _grids(mod, monkeypatch)
+        grids = launch_grids(mod, monkeypatch)
         sliced = mod.attention(*args)
         # launch_plan describes one launch: it points a batch this large to its slices.
         with pytest.raises(ValueError, match="runs such a batch in slices of 32: ask for a slice's plan"):
@@ -249,7 +237,7 @@ def test_a_hook_that_reads_b_is_not_sliced(monkeypatch):
                                "batch_slices")
     q, k, v = _qkv(mod, 5, seed=10)
     monkeypatch.setattr(mod, "MAX_GRID_Y", 2 * q.shape[1])
-    grids = _grids(mod, monkeypatch)
+    grids = launch_grids(mod, monkeypatch)
     with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
         mod.attention(q, k, v)
     assert grids == [] and not mod.GRID_Y_SLICES
@@ -266,7 +254,7 @@ def test_a_decode_mask_that_reads_b_is_not_sliced(monkeypatch):
     lengths = torch.randint(1, 300, (40,), generator=torch.Generator().manual_seed(11)).tolist()
     batch = random_decode(mod.SPEC, lengths, 1, 1, generator=torch.Generator().manual_seed(12), device="cpu")
     monkeypatch.setattr(mod, "MAX_GRID_Y", 39)
-    grids = _grids(mod, monkeypatch)
+    grids = launch_grids(mod, monkeypatch)
     with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
         mod.attention(*batch.args())
     assert grids == []

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from .helpers import ROOT, emulated_module, generated_module, render_spec_data
+from .helpers import ROOT, emulated_module, generated_module, launch_grids, render_spec_data
 
 
 def _kernel(mod_name, kernel_attr=None):
@@ -166,14 +166,7 @@ def _gapped(t, gap):
 def _entry_calls(mod, monkeypatch, limit):
     """cuTile's int32 limit lowered to ``limit`` in ``mod``; the launches' grids."""
     monkeypatch.setattr(mod, "_INT32_MAX", limit)
-    grids, launch = [], mod._launch
-
-    def spy(device, grid, kernel, args, *rest, **options):
-        grids.append(grid)
-        return launch(device, grid, kernel, args, *rest, **options)
-
-    monkeypatch.setattr(mod, "_launch", spy)
-    return grids
+    return launch_grids(mod, monkeypatch)
 
 
 def test_entries_past_int32_tells_a_batch_stride_from_an_entrys():

@@ -14,7 +14,7 @@ from specgen.parallel.blocks import Mask, plan_step
 from specgen.parallel.merge import merge
 from specgen.parallel.ring import step_plans
 from tests import parallel_worker
-from tests.helpers import generated_module
+from tests.helpers import generated_module, launch_grids
 
 
 @pytest.mark.parametrize("world,shard_len", [(1, 5), (2, 8), (2, 7), (3, 9), (4, 1), (8, 6)])
@@ -204,13 +204,7 @@ def test_a_batch_past_the_grid_y_limit_runs_through_the_ring_in_slices(monkeypat
         out.backward(dout)
         return [out.detach()] + [t.grad for t in leaves]
 
-    grids, launch = [], module._launch
-
-    def spy(device, grid, *args, **options):
-        grids.append(grid)
-        return launch(device, grid, *args, **options)
-
-    monkeypatch.setattr(module, "_launch", spy)
+    grids = launch_grids(module, monkeypatch)
     with emulate.emulating():
         whole = run()
         calls = len(grids)

@@ -687,7 +687,8 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     inputs, against specgen's outputs kept on the host; the results are then
     written again with their rows filled in."""
     from specgen.check.gpu import import_module_file, require_cuda, require_do_bench
-    from specgen.compile.jobs import load_jobs, load_plans, refuse_foreign_modules, write_jobs
+    from specgen.compile.jobs import (load_jobs, load_plans, module_refusals, refuse_foreign_modules,
+                                      write_jobs)
 
     plans = load_plans(paths)
     suite.check([plan for _, plan in plans])
@@ -701,6 +702,11 @@ def run(suite: Suite, paths: list[str], *, results: Path, gen: Path, baselines: 
     for _, plan in plans:
         if not skipped[plan.module_name]:
             suite.shapes(plan, shapes)
+    # A module the run may not replace (another spec's, or edited by hand), read from
+    # the files: named before the GPU is asked for, as build and test name it.
+    refusals = module_refusals(plans, gen, "replace it with `specgen build --force` first")
+    if refusals:
+        raise UsageError("\n".join(refusals))
     torch = require_cuda("bench")  # before rendering: without a GPU, say so at once
     require_unpatched_launch()
     do_bench = require_do_bench("bench")

@@ -30,7 +30,7 @@ from specgen.check.cases import (
     reference_for,
     shape_dims,
 )
-from specgen.errors import UsageError
+from specgen.errors import InvalidSpecs, UsageError
 from specgen.check.gpu import fresh_jobs, fresh_modules, require_cuda
 
 
@@ -485,9 +485,14 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         log("kernels emulated on the CPU (specgen.check.emulate): numerics and indexing, "
             "not the GPU's rounding or speed")
     else:
-        from specgen.compile.jobs import load_plans
+        from specgen.compile.jobs import load_plans, module_refusals
 
-        load_plans(paths)  # bad specs are named before the GPU is asked for
+        # Bad specs, and modules this run may not replace, are named before the GPU
+        # is asked for: a user learns of them on any machine.
+        refusals = module_refusals(load_plans(paths), out_dir,
+                                   "replace it with `specgen build --force` first")
+        if refusals:
+            raise InvalidSpecs("\n".join(refusals))
         require_cuda("test")
         loaded = [(job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)]
         worker, scale = _worker_case, 1

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
+import select
 import sys
 import warnings
 from pathlib import Path
@@ -224,10 +226,10 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--json", action="store_true",
                       help="machine-readable output (always with the whole source diff)")
     diff.add_argument("--no-compile", action="store_true", help="skip the compiled section")
-    diff.add_argument("--results", default="bench/results", metavar="DIR",
-                      help="bench results for the performance section (default: bench/results; "
-                      "--templates has no performance section)")
-    diff.add_argument("--gen", default="generated", metavar="DIR",
+    diff.add_argument("--results", default=None, metavar="DIR",
+                      help="bench results for the performance section (default: bench/results); "
+                      "not with --templates, which has no performance section")
+    diff.add_argument("--gen", default=None, metavar="DIR",
                       help="with --templates, the folder of the modules to compare (default: "
                       "generated); read only")
 
@@ -293,6 +295,12 @@ def _schema_file(text: str) -> Path:
         raise UsageError(f"--file {text}: exists and is not a regular file")
     if not path.parent.is_dir():
         raise UsageError(f"--file {text}: no such folder {path.parent}")
+    # A link is written through (its target replaced): a dangling one must point into
+    # a folder that exists too, or the write would make the folders on its way.
+    target = Path(os.path.realpath(path))
+    if path.is_symlink() and not target.parent.is_dir():
+        raise UsageError(f"--file {text}: a symbolic link to {os.readlink(path)}, whose folder "
+                         f"{target.parent} does not exist")
     return path
 
 
@@ -305,6 +313,25 @@ def _refuse_together(args, *pairs: tuple[str, str, str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            # Flushed here, not at the interpreter's exit: a reader that went away
+            # (`specgen diff A B | head`, a pager quit early) shows now, also after
+            # --help or --version, which argparse ends with SystemExit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise
+        # Stop quietly, as a tool that SIGPIPE ends does, not with a line that blames
+        # the input. What is still buffered has no reader: drop it, so that the
+        # interpreter's last flush does not fail on it again.
+        _drop_stdout()
+        return 128 + 13  # 128 + SIGPIPE, what a shell reports for such a tool
+
+
+def _main(argv: list[str] | None) -> int:
     # torch warns at import when NumPy is not installed; specgen needs no NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     parser = _parser()
@@ -322,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
         return exc.exit_code
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_reader_gone():
+            raise  # the output's reader went away: main's to end quietly
         # A path the system refused (a missing folder, a device, no permission): the
         # path and the reason, as for any other bad input.
         where = f"{exc.filename}: " if exc.filename else ""
@@ -339,6 +368,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specgen {args.command}: out of GPU memory for the sizes asked ({first})",
               file=sys.stderr)
         return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on
+    its writing end then), so that a broken pipe elsewhere is still reported."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device (its reader is gone)."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, io.UnsupportedOperation):  # no file behind it (a test's StringIO)
+        pass
 
 
 def _run(args) -> int:
@@ -439,10 +489,18 @@ def _run(args) -> int:
     if args.command == "diff":
         from specgen.commands.diff import run_diff
 
-        _refuse_together(args, ("--stat", "--json", "--json carries the whole source diff"))
+        _refuse_together(args, ("--stat", "--json", "--json carries the whole source diff"),
+                         ("--templates", "--results", "--templates has no performance section"))
+        # A folder option the mode would not read is refused, not ignored: A and B are
+        # the paths given, and only --templates reads modules from --gen.
+        if args.gen is not None and not args.templates:
+            raise UsageError("specgen diff: --gen applies to --templates only (A and B are read "
+                             "from the paths given)")
         return run_diff(args.paths, args.sets, args.templates, args.stat, args.json,
-                        not args.no_compile, _folder(args.results, "--results", write=False),
-                        _folder(args.gen, "--gen", write=False))
+                        not args.no_compile,
+                        _folder("bench/results" if args.results is None else args.results,
+                                "--results", write=False),
+                        _folder("generated" if args.gen is None else args.gen, "--gen", write=False))
     if args.command == "docs":
         from specgen.docs import DocsError, write_docs
 

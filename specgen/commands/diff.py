@@ -33,6 +33,7 @@ class Side:
     label: str
     plan: Plan
     source: str
+    module: bool = False  # the text of a generated module as written, not a fresh render
 
 
 # --- loading the two sides ------------------------------------------------------
@@ -94,7 +95,7 @@ def load_side(path_text: str) -> tuple[dict, Side]:
                              "hash); diff its spec, or rebuild the module")
         data = _legacy_fields_dropped(_spec_data_from_module(path, text))
         plan = make_plan(validate_spec(data, path))
-        return data, Side(str(path), plan, text)
+        return data, Side(str(path), plan, text, module=True)
     data = parse_spec_text(read_spec_text(path), path)
     plan = make_plan(validate_spec(data, path))
     return data, Side(str(path), plan, render(plan, path.as_posix()).text)
@@ -151,6 +152,22 @@ def variant_side(data: dict, base: Side, assignments: list[str]) -> Side:
         raise UsageError("\n".join(exc.lines())) from None
     spec_path = _header_path(base.source) or "variant.yaml"
     return Side(label, plan, render(plan, spec_path).text)
+
+
+def rendered_now(side: Side, log: Callable[[str], None]) -> Side:
+    """A module side as the installed templates render its spec, where its body differs
+    (a module written by other templates or another specgen): --set asks what the
+    fields change, so both sides come from the same templates; a stale module's drift
+    is what `diff --templates` shows."""
+    spec_path = _header_path(side.source)
+    if not side.module or spec_path is None:
+        return side
+    fresh = render(side.plan, spec_path).text
+    if _body(fresh) == _body(side.source):
+        return side
+    log(f"note: {side.label} is stale against the installed templates (`specgen diff --templates` "
+        "shows how); a is its spec rendered with them, so that only the --set fields differ")
+    return Side(f"{side.label} (re-rendered with the installed templates)", side.plan, fresh)
 
 
 def _header_path(source: str) -> Optional[str]:
@@ -591,7 +608,10 @@ def run_diff(
             raise UsageError("specgen diff: give two specs or modules (A B), one with --set key=value, "
                              "or --templates [SPEC...] to compare generated/ with the templates")
         data_a, side_a = load_side(paths[0])
-        side_b = variant_side(data_a, side_a, sets) if sets else load_side(paths[1])[1]
+        if sets:
+            side_a, side_b = rendered_now(side_a, _stderr), variant_side(data_a, side_a, sets)
+        else:
+            side_b = load_side(paths[1])[1]
         if compiled and not as_json:
             # The spec, plan and source sections need no compile: print them at once,
             # then the compiled and performance sections when the cubins are built.

@@ -267,26 +267,48 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def _foreign_module(spec_path: Path, module_name: str, out_path: Path, header_path: str,
+                    remedy: str) -> str | None:
+    """The line of foreign_modules for one spec, or None: ``header_path`` is the spec's
+    path as its module's header names it."""
+    if not out_path.is_file():
+        return None
+    match = module_header(module_text(out_path))
+    project = project_dir(out_path.parent)
+    if (match and match["spec_path"] != header_path
+            and (project / match["spec_path"]).exists()
+            # the same file by another path (a header written through a linked
+            # output folder by an older specgen) is this spec's own module
+            and not _same_file(project / match["spec_path"], spec_path)):
+        return (f"{spec_path}: name: {module_name!r} would overwrite {out_path}, "
+                f"made from {match['spec_path']}; rename the spec's name, or {remedy}")
+    return None
+
+
 def foreign_modules(jobs: list[Job], remedy: str = "pass --force") -> list[str]:
     """Modules a build would overwrite although another spec file made them (a copied
     spec that kept its ``name:``): one line each, ending in ``remedy``. A module whose
     spec is gone (the file renamed or moved) is the new spec's to take over."""
-    problems = []
-    for job in jobs:
-        if not job.out_path.is_file():
-            continue
-        match = module_header(module_text(job.out_path))
-        project = project_dir(job.out_path.parent)
-        if (match and match["spec_path"] != job.rendered.spec_path
-                and (project / match["spec_path"]).exists()
-                # the same file by another path (a header written through a linked
-                # output folder by an older specgen) is this spec's own module
-                and not _same_file(project / match["spec_path"], job.spec_path)):
-            problems.append(
-                f"{job.spec_path}: name: {job.plan.module_name!r} would overwrite {job.out_path}, "
-                f"made from {match['spec_path']}; rename the spec's name, or {remedy}"
-            )
-    return problems
+    lines = (_foreign_module(job.spec_path, job.plan.module_name, job.out_path,
+                             job.rendered.spec_path, remedy) for job in jobs)
+    return [line for line in lines if line]
+
+
+def module_refusals(plans: list[tuple[Path, Plan]], out_dir: Path, remedy: str) -> list[str]:
+    """What test and bench refuse before they write a stale module into ``out_dir``:
+    another spec file's module of the same name (foreign_modules), then a module edited
+    by hand. Read from the files alone, without rendering, so that a command that needs
+    a GPU names them before it asks for one."""
+    foreign, edited = [], []
+    for spec_path, plan in plans:
+        out_path = module_path(out_dir, plan.module_name)
+        line = _foreign_module(spec_path, plan.module_name, out_path,
+                               header_spec_path(spec_path, out_dir), remedy)
+        if line:
+            foreign.append(line)
+        elif hand_edited_file(out_path):
+            edited.append(_edited_line(out_path))
+    return foreign or edited
 
 
 def refuse_foreign_modules(jobs: list[Job], remedy: str) -> None:
@@ -307,7 +329,11 @@ def _edited_by_hand(job: Job, old: str | None) -> str | None:
     was edited by hand, or None (no module there, the same text, or one specgen wrote)."""
     if old is None or old == job.rendered.text or not hand_edited(old):
         return None
-    return f"{job.out_path}: edited by hand, not overwritten (specgen build --force replaces it)"
+    return _edited_line(job.out_path)
+
+
+def _edited_line(out_path: Path) -> str:
+    return f"{out_path}: edited by hand, not overwritten (specgen build --force replaces it)"
 
 
 def edited_modules(jobs: list[Job]) -> list[str]:

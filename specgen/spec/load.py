@@ -346,6 +346,12 @@ def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
         raise SpecError(path, [("", f"a spec must be a YAML mapping, got {kind}")])
+    if "variants" in data and "name" not in data:
+        # A variants file (spec: and variants:) given where a spec goes: one line that
+        # says what it is, not an unknown-key line for each of its keys.
+        raise SpecError(path, [("", "a variants file, not a spec (a spec has name: and the fields "
+                                    "of docs/spec-reference.md); time its variants with "
+                                    "`specgen bench --variants FILE`")])
     try:
         return Spec.model_validate(data)
     except ValidationError as exc:

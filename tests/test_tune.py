@@ -239,3 +239,84 @@ def test_a_space_of_configs_the_spec_refuses_is_named_before_a_gpu_is_asked_for(
     assert result.stderr.strip() == (f"{spec}: autotune.sm_90: no config of the space is a valid target "
                                      "(targets.sm_90.persistent: block_sparse launches one CTA per query "
                                      "tile; use null or false, got true)")
+
+
+SECTIONED = """\
+name: tuned
+causal: true
+targets:
+  sm_90:
+    tile_m: 64
+    tile_n: 64
+    num_ctas: 2   # a cluster
+    by_seq_k: [{max_seq_k: 1024, tile_m: 64, tile_n: 64}]   # short keys
+
+  sm_100: {tile_m: 128, tile_n: 128, occupancy: 1}   # not tuned here
+
+# ---- search space ----
+autotune:
+  sm_90: {tile_m: [64, 128]}
+"""
+
+
+@pytest.mark.parametrize("buckets", [[], [{"max_seq_k": 2048, **A}]])
+def test_write_back_keeps_the_blank_lines_and_comments_after_the_target(buckets):
+    """ruamel.yaml keeps them on the target's last value: they went with a replaced
+    key or bucket, or moved inside the target."""
+    text = write_back(SECTIONED, "t.yaml", "sm_90", B, buckets)
+    assert "\n\n  sm_100: {tile_m: 128, tile_n: 128, occupancy: 1}   # not tuned here\n" \
+           "\n# ---- search space ----\nautotune:\n" in text, text
+    last = write_back(text.replace("\n\n  sm_100: {tile_m: 128, tile_n: 128, occupancy: 1}   # not tuned here", ""),
+                      "t.yaml", "sm_90", A, buckets)
+    assert "\n\n# ---- search space ----\nautotune:\n" in last, last
+    assert validate_spec(yaml.safe_load(text)).targets["sm_90"].tile_m == 128
+
+
+def test_write_back_keeps_a_comment_at_the_end_of_the_file():
+    text = "name: tuned\ncausal: true\ntargets:\n  sm_90:\n    tile_m: 64\n    tile_n: 64\n" \
+           "    by_seq_k:\n      - {max_seq_k: 1024, tile_m: 64, tile_n: 64}\n# the end\n"
+    for buckets in ([], [{"max_seq_k": 2048, **A}]):
+        assert write_back(text, "t.yaml", "sm_90", B, buckets).endswith("\n# the end\n")
+
+
+def test_write_back_keeps_a_block_target_with_comments_a_block():
+    """Made one line, its comments landed inside the flow mapping:
+    ``{tile_m: 128 # occ`` then a line that starts with a comma."""
+    text = "name: tuned\ncausal: true\ntargets:\n  sm_90:\n    # tuned by hand\n    tile_m: 64\n" \
+           "    tile_n: 64\n    occupancy: 2   # two per SM\n"
+    out = write_back(text, "t.yaml", "sm_90", B, [])
+    assert out == ("name: tuned\ncausal: true\ntargets:\n  sm_90:\n    # tuned by hand\n    tile_m: 128\n"
+                   "    tile_n: 128\n    occupancy: 1   # two per SM\n    num_worker_warps: 8\n"), out
+
+
+def test_write_back_keeps_nulls_quotes_and_sequence_indentation_as_written():
+    """ruamel.yaml wrote every null as nothing (``window: null`` became ``window:``) and
+    re-indented every block sequence of the file to its own style."""
+    text = ("name: tuned\ncausal: true\nwindow: null\nscore_mod: ~\ncompile_for:\n- sm_90\n- sm_100\n"
+            "targets:\n  sm_90: {tile_m: 64, tile_n: 128, num_ctas: null, tile_order: \"global\"}\n"
+            "autotune:\n  sm_90:\n    tile_m:\n    - 64\n    - 128\n")
+    out = write_back(text, "t.yaml", "sm_90", {**A, "tile_order": "global"}, [])
+    assert out == text.replace('"global"}', '"global", occupancy: 2}'), out
+    with_buckets = write_back(text, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A}])
+    assert "compile_for:\n- sm_90\n- sm_100\n" in with_buckets and "window: null\nscore_mod: ~\n" in with_buckets
+    assert "    by_seq_k:\n    - {max_seq_k: 2048" in with_buckets, with_buckets
+
+
+def test_a_space_that_spells_one_launch_twice_is_searched_once(tmp_path):
+    """null and its meaning (opt_level 3, persistent false, v_transposed the spec's
+    default) launch the same kernel: each launch was timed twice, and a bucket could
+    hold the own config's launch under the other spelling."""
+    from specgen.commands.tune import distinct_launches
+
+    space = AutotuneSpace(tile_m=[64], tile_n=[64], occupancy=[2], opt_level=[None, 3, 2],
+                          persistent=[None, False], v_transposed=[None, False, True])
+    configs = distinct_launches(search_space(space), v_default=False)
+    assert [(c["opt_level"], c["persistent"], c["v_transposed"]) for c in configs] == [
+        (None, None, None), (None, None, True), (2, None, None), (2, None, True)]
+    assert len(distinct_launches(search_space(space), v_default=True)) == 4
+    spec = tmp_path / "t.yaml"
+    spec.write_text(SPEC_TEXT.replace("{tile_m: [64, 128]}", "{tile_m: [64], persistent: [null, false]}"))
+    result = specgen("tune", spec, "--target", "sm_90", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2 and "CUDA" in result.stderr, result.stderr
+    assert ("autotune.sm_90: 4 of 8 configs skipped, the same launch as an earlier one" in result.stderr
+            and "4 configs x 5 lengths" in result.stderr), result.stderr

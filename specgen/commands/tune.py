@@ -97,6 +97,30 @@ def search_space(space: AutotuneSpace, q_subtiles: int = 1) -> list[dict]:
     return configs
 
 
+def launch_key(config: dict, v_default: bool) -> tuple:
+    """What a config launches: its null fields read as the kernel reads them (opt_level
+    null is 3, persistent null is false, v_transposed null is the spec's default), so
+    that two configs that launch the same kernel the same way have one key."""
+    read = {**config, "opt_level": HINT_DEFAULTS["opt_level"] if config.get("opt_level") is None
+            else config["opt_level"],
+            "persistent": bool(config.get("persistent")),
+            "v_transposed": v_default if config.get("v_transposed") is None else config["v_transposed"]}
+    return config_key(read)
+
+
+def distinct_launches(configs: list[dict], v_default: bool) -> list[dict]:
+    """The configs without those that launch what an earlier one launches (a space
+    with ``persistent: [null, false]`` would time each launch twice, and could keep a
+    bucket of the own config's launch under another spelling)."""
+    seen, kept = set(), []
+    for config in configs:
+        key = launch_key(config, v_default)
+        if key not in seen:
+            seen.add(key)
+            kept.append(config)
+    return kept
+
+
 def finalists(timed: list[Timed], count: int, own: Optional[dict]) -> list[dict]:
     """The configs re-timed the way ``specgen bench`` times: the ``count`` fastest
     by the search's mean, plus ``own`` (the longest length's winner, so that
@@ -162,37 +186,171 @@ def _clean(config: dict) -> dict:
     return compact_config(config)
 
 
+def _detach_tail(targets, target: str) -> Optional[tuple[str, object, str, object]]:
+    """Take the comments that end ``targets.<target>`` out of the tree. ruamel.yaml
+    keeps the text after a node (its end-of-line comment, then the blank lines and
+    comments before the next key, or the end of the file) on the node's last value,
+    so it would go with a key or bucket that tuning replaces. Returns (eol, owner,
+    rest, mark) or None: the end-of-line comment, where it was (``"entry"``: the
+    target's own line, a key of the target, or None: inside a bucket), the lines
+    after, and the comment's position (its column is kept)."""
+    from ruamel.yaml.comments import CommentedMap, CommentedSeq
+
+    collection = (CommentedMap, CommentedSeq)
+    entry = targets[target]
+    path = [(targets.ca.items.get(target), 2, "entry"), (entry.ca.comment, 0, "entry")]
+    end = []  # comments at the end of the file hang on the collections they end
+    node, owner = entry, "entry"
+    while isinstance(node, collection) and len(node):
+        end += node.ca.end or []
+        node.ca.end = []
+        last = list(node)[-1] if isinstance(node, CommentedMap) else len(node) - 1
+        owner = last if node is entry else None
+        path.append((node.ca.items.get(last), 2 if isinstance(node, CommentedMap) else 0, owner))
+        node = node[last]
+        if isinstance(node, collection):
+            path.append((node.ca.comment, 0, owner))
+    found = [(holder, i, who) for holder, i, who in path
+             if holder and len(holder) > i and holder[i] is not None]
+    eol, owner, rest, mark = "", None, "", None
+    if found:
+        holder, i, _ = found[-1]  # the deepest: the one the text after the entry is on
+        token = holder[i]
+        mark = token.start_mark
+        owner = next(who for holder, i, who in found if holder[i] is token)
+        for holder, i, _ in found:
+            if holder[i] is token:
+                holder[i] = None
+        if token.value.startswith("#"):
+            eol, _, rest = token.value.partition("\n")
+        else:
+            rest = token.value[1:]
+    rest += "".join(token.value for token in end)
+    return (eol, owner, rest, mark) if eol or rest else None
+
+
+def _attach_tail(targets, target: str, tail: tuple[str, object, str, object]) -> None:
+    """Put the comments ``_detach_tail`` took back: the end-of-line comment on the
+    target's line or on its key (dropped with a key or bucket that is gone), the lines
+    after it after the target's new last line."""
+    from ruamel.yaml.comments import CommentedSeq
+    from ruamel.yaml.error import CommentMark
+    from ruamel.yaml.tokens import CommentToken
+
+    eol, owner, rest, mark = tail
+
+    def token(value, at=mark):
+        return CommentToken(value, at or CommentMark(0), None)
+
+    entry = targets[target]
+    keys = list(entry)
+    if owner == "entry" and not entry.fa.flow_style():
+        if eol:  # the one-line target's comment, now on its key's line
+            targets.ca.items.setdefault(target, [None, None, None, None])[2] = token(
+                eol + "\n", CommentMark(0))
+        eol = ""
+    elif owner != "entry":
+        if eol and owner in keys[:-1]:
+            entry.ca.items.setdefault(owner, [None, None, None, None])[2] = token(eol + "\n")
+        if owner is None or owner != keys[-1]:
+            eol = ""
+    if not (eol or rest):
+        return
+    value = eol + "\n" + rest
+    if entry.fa.flow_style():
+        targets.ca.items.setdefault(target, [None, None, None, None])[2] = token(value)
+    elif isinstance(entry[keys[-1]], CommentedSeq) and len(entry[keys[-1]]):
+        seq = entry[keys[-1]]
+        seq.ca.items.setdefault(len(seq) - 1, [None, None, None, None])[0] = token(value)
+    else:
+        entry.ca.items.setdefault(keys[-1], [None, None, None, None])[2] = token(value)
+
+
+class _Null:
+    """A null as the file spells it (``null``, ``~``, ``Null`` or nothing): ruamel.yaml
+    reads every one as None and writes None as nothing, which changed every
+    ``window: null`` of a tuned file."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _round_trip_yaml(text: str):
+    """ruamel.yaml in round-trip mode for ``text``: nulls kept as written, and block
+    sequences indented as the text indents them (ruamel.yaml re-indents every one)."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.constructor import RoundTripConstructor
+    from ruamel.yaml.representer import RoundTripRepresenter
+
+    class Constructor(RoundTripConstructor):  # subclasses: the library's own stay as they are
+        pass
+
+    class Representer(RoundTripRepresenter):
+        pass
+
+    Constructor.add_constructor("tag:yaml.org,2002:null", lambda self, node: _Null(node.value))
+    Representer.add_representer(
+        _Null, lambda self, data: self.represent_scalar("tag:yaml.org,2002:null", data.text))
+    yaml = YAML()  # round-trip mode
+    yaml.Constructor, yaml.Representer = Constructor, Representer
+    yaml.preserve_quotes = True
+    yaml.width = 100
+    from ruamel.yaml.util import load_yaml_guess_indent
+
+    try:
+        _, sequence, offset = load_yaml_guess_indent(text)
+    except Exception:  # the load that follows names what is wrong
+        sequence = offset = None
+    if offset is None:  # no block sequence: as the shipped specs write them
+        sequence, offset = 4, 2
+    yaml.indent(mapping=2, sequence=sequence, offset=offset)
+    return yaml
+
+
 def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]) -> str:
     """The spec text with ``targets.<target>`` set to the tuned config.
 
     Comments, key order and formatting elsewhere are kept (ruamel.yaml round
     trip); the target's existing mapping is updated in place, so a comment on it
-    survives too. The result is validated before it is returned.
+    survives too, and so does its style: a block mapping without buckets stays one;
+    a target with buckets is a block, and one without is one line, as the shipped
+    specs write them. A key whose value does not change is left as written, and the
+    comments and blank lines after the target stay after it. The result is
+    validated before it is returned.
     """
-    from ruamel.yaml import YAML
     from ruamel.yaml.comments import CommentedMap, CommentedSeq
 
-    yaml = YAML()  # round-trip mode
-    yaml.preserve_quotes = True
-    yaml.width = 100
-    yaml.indent(mapping=2, sequence=4, offset=2)
+    yaml = _round_trip_yaml(text)
     data = yaml.load(text)
     if not isinstance(data, CommentedMap):
         raise UsageError(f"{path}: the spec is not a mapping")
     targets = data.get("targets")
-    if targets is None:
+    if targets is None or isinstance(targets, _Null):
         targets = CommentedMap()
         data["targets"] = targets
     new = _clean(own)
     entry = targets.get(target)
-    if not isinstance(entry, CommentedMap):
+    existed = isinstance(entry, CommentedMap)
+    # A block mapping the user wrote stays one; one that holds buckets (as tune writes
+    # them) goes back to one line without them.
+    block = existed and not entry.fa.flow_style() and "by_seq_k" not in entry
+    tail = _detach_tail(targets, target) if existed else None
+    if not existed:
         entry = CommentedMap()
         targets[target] = entry
     for key in list(entry):
-        if key not in new and key != "by_seq_k":
+        # A key the tuned config leaves out is deleted, unless it says what the tuned
+        # config means (tile_order: per_head, a null hint).
+        written = None if isinstance(entry[key], _Null) else entry[key]
+        if key not in new and key != "by_seq_k" and not (key in own and written == own[key]):
             del entry[key]
     for key, value in new.items():
-        entry[key] = value
+        if key not in entry or entry[key] != value or type(entry[key]) is not type(value):
+            entry[key] = value
+    if "by_seq_k" in entry:
+        del entry["by_seq_k"]  # replaced, after the target's own fields
     if buckets:
         seq = CommentedSeq()
         for bucket in buckets:
@@ -200,14 +358,14 @@ def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]
             item.fa.set_flow_style()
             seq.append(item)
         entry["by_seq_k"] = seq
-    elif "by_seq_k" in entry:
-        del entry["by_seq_k"]
-    # One line per target, as the shipped specs write them; block style once it
-    # holds buckets.
-    if buckets:
+    # A comment inside a mapping would break its one line: such a target stays a block.
+    inside = [entry.ca.comment] + list(entry.ca.items.values())
+    if buckets or block or any(item for holder in inside if holder for item in holder):
         entry.fa.set_block_style()
     else:
         entry.fa.set_flow_style()
+    if tail is not None:
+        _attach_tail(targets, target, tail)
     out = io.StringIO()
     yaml.dump(data, out)
     new_text = out.getvalue()
@@ -323,7 +481,14 @@ def run_tune(
     if len(configs) < space.size():
         log(f"autotune.{target}: {space.size() - len(configs)} of {space.size()} configs skipped, "
             f"tile_m / q_subtiles {spec.q_subtiles} below 16 rows")
-    configs = _valid_targets(spec, path, target, configs, log)
+    from specgen.plan.make import default_v_transposed
+
+    distinct = distinct_launches(configs, default_v_transposed(spec))
+    if len(distinct) < len(configs):
+        log(f"autotune.{target}: {len(configs) - len(distinct)} of {len(configs)} configs skipped, "
+            "the same launch as an earlier one (null opt_level is 3, null persistent is false, "
+            f"null v_transposed is {str(default_v_transposed(spec)).lower()})")
+    configs = _valid_targets(spec, path, target, distinct, log)
     batch, heads, suite_seqs = BATCH, HEADS, SEQS
     seqs = sorted(seqs or suite_seqs)
     heads = suite_heads(heads, spec.gqa_ratio)

@@ -343,3 +343,21 @@ def test_visible_pairs_path_gives_the_plain_forward(causal, window, q_offset, si
     picked = attention_reference(q.clone().requires_grad_(), k, v, **args)
     for a, b in zip(plain, picked):
         torch.testing.assert_close(b.detach(), a, rtol=0, atol=0)
+
+
+def test_compare_lse_fails_a_positive_infinite_or_misshapen_lse():
+    """+inf is no row's LSE: it must fail like NaN does, not drop out of the error
+    as a non-finite value (a kernel's overflowing lse passed). An lse of another
+    shape is refused rather than broadcast against the reference's rows."""
+    from specgen.check.cases import compare_lse
+
+    ref = torch.tensor([[[0.5, -math.inf, 1.5, 2.0]]], dtype=torch.float64)
+    assert compare_lse(ref.float(), ref).ok
+    for bad in (math.inf, math.nan, -math.inf):
+        lse = ref.clone()
+        lse[0, 0, 2] = bad
+        result = compare_lse(lse.float(), ref)
+        assert not result.ok and result.nonfinite == 1, (bad, result)
+    empty = torch.full((2, 3, 4), -math.inf, dtype=torch.float64)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        compare_lse(torch.full((1,), -math.inf), empty)

@@ -1687,3 +1687,45 @@ def test_a_sparse_or_broadcast_output_gradient():
         (broadcast,) = torch.autograd.grad(out, q, row.expand_as(out), retain_graph=True)
         (dense,) = torch.autograd.grad(out, q, row.expand_as(out).contiguous())
     assert torch.equal(broadcast, dense)
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks"])
+def test_batched_output_gradients_run_the_kernels_once_per_entry(name):
+    """torch.autograd.grad(..., is_grads_batched=True), and torch.autograd.functional's
+    jacobian with vectorize=True, run the backward under torch's legacy vmap, which no
+    torch.func interpreter shows: the eager backward handed its batched gradients to
+    the kernels, which failed (emulated, a vmap error from inside a tile load). It
+    takes the backward op, whose vmap fallback runs it per entry: each entry's bits
+    are those of its own backward, the LSE's gradient alone included."""
+    module = _module(name)
+    g = torch.Generator().manual_seed(14)
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(1, hq, 24, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, 24, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    extra = [torch.randn(hq, generator=g)] if module.SPEC.get("sinks") else []
+    douts = torch.randn(3, 1, hq, 24, d, generator=g).to(torch.bfloat16)
+
+    def call(*inputs):
+        out = module.attention(*inputs[:3], **({"sinks": inputs[3]} if extra else {}))
+        return out if isinstance(out, tuple) else (out,)
+
+    with emulate.emulating():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, *extra)]
+        outs = call(*leaves)
+        batched = torch.autograd.grad(outs[0], leaves, douts, is_grads_batched=True, retain_graph=True)
+        for i in range(3):
+            each = torch.autograd.grad(outs[0], leaves, douts[i], retain_graph=True)
+            assert all(torch.equal(a[i], b) for a, b in zip(batched, each))
+        if extra:  # the LSE alone: no output gradient, batched LSE gradients
+            dlse = torch.randn(2, *outs[1].shape, generator=g)
+            batched = torch.autograd.grad(outs[1], leaves, dlse, is_grads_batched=True, retain_graph=True)
+            for i in range(2):
+                each = torch.autograd.grad(outs[1], leaves, dlse[i], retain_graph=True)
+                assert all(torch.equal(a[i], b) for a, b in zip(batched, each))
+
+        def corner(x):  # a few outputs: the loop below runs a backward for each
+            return call(x, k, v, *extra)[0][:, :, :2, :2]
+
+        vectorized = torch.autograd.functional.jacobian(corner, q, vectorize=True)
+        looped = torch.autograd.functional.jacobian(corner, q)
+    assert vectorized.shape == (1, hq, 2, 2, *q.shape) and torch.equal(vectorized, looped)

@@ -1130,3 +1130,22 @@ def test_torch_func_gradients_match_eager_backward_on_the_gpu():
         assert torch.equal(got, ref)
     for got, ref in zip(compiled, want):
         assert torch.equal(got, ref[0])
+
+
+@pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks"])
+def test_batched_output_gradients_match_one_backward_per_entry_on_the_gpu(name):
+    """torch.autograd.grad(..., is_grads_batched=True) runs the backward under torch's
+    legacy vmap: the eager backward takes the backward op, which torch runs per entry,
+    with the bits of each entry's own backward."""
+    mod = generated_module(name)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v = random_qkv(mod.SPEC, 1, 2, 200, 200, generator=gen)
+    extra = {"sinks": torch.randn(q.shape[1], device="cuda", generator=gen)} if mod.SPEC.get("sinks") else {}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = mod.attention(*leaves, **extra)
+    out = out[0] if isinstance(out, tuple) else out
+    douts = torch.randn(3, *out.shape, device="cuda", generator=gen).to(out.dtype)
+    batched = torch.autograd.grad(out, leaves, douts, is_grads_batched=True, retain_graph=True)
+    for i in range(3):
+        each = torch.autograd.grad(out, leaves, douts[i], retain_graph=True)
+        assert all(torch.equal(a[i], b) for a, b in zip(batched, each, strict=True))

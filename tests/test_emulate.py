@@ -1511,6 +1511,16 @@ def test_a_second_derivative_through_the_eager_backward_is_refused_not_dropped()
             torch.autograd.grad(dq.float().square().sum(), v)
 
 
+def _training_inputs(module, seq, generator):
+    """bfloat16 q [1, 2 * gqa_ratio, seq, D] and k, v [1, 2, seq, D] for a training
+    module, and its sinks ([Hq] float32) where the spec has them, as a list."""
+    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
+    q = torch.randn(1, hq, seq, d, generator=generator).to(torch.bfloat16)
+    k, v = (torch.randn(1, 2, seq, d, generator=generator).to(torch.bfloat16) for _ in range(2))
+    extra = [torch.randn(hq, generator=generator)] if module.SPEC.get("sinks") else []
+    return q, k, v, extra
+
+
 @pytest.mark.parametrize("name", ["fmha_train_gqa_causal", "fmha_train_gptoss_sinks", "fmha_train_document"])
 def test_torch_func_grad_and_vjp_give_the_backward_gradients(name):
     """torch.func.grad and torch.func.vjp through a training module's attention were
@@ -1520,10 +1530,7 @@ def test_torch_func_grad_and_vjp_give_the_backward_gradients(name):
     the same bits as loss.backward(); a second derivative is refused."""
     module = _module(name)
     g = torch.Generator().manual_seed(12)
-    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
-    q = torch.randn(1, hq, 40, d, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(1, 2, 40, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    extra = [torch.randn(hq, generator=g)] if module.SPEC.get("sinks") else []
+    q, k, v, extra = _training_inputs(module, 40, g)
     doc = {"doc": torch.tensor([[0] * 15 + [1] * 25], dtype=torch.int32)} if name.endswith("document") else {}
 
     def call(q, k, v, *sinks):
@@ -1699,11 +1706,8 @@ def test_batched_output_gradients_run_the_kernels_once_per_entry(name):
     are those of its own backward, the LSE's gradient alone included."""
     module = _module(name)
     g = torch.Generator().manual_seed(14)
-    hq, d = 2 * module.SPEC["gqa_ratio"], module.SPEC["head_dim"]
-    q = torch.randn(1, hq, 24, d, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(1, 2, 24, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    extra = [torch.randn(hq, generator=g)] if module.SPEC.get("sinks") else []
-    douts = torch.randn(3, 1, hq, 24, d, generator=g).to(torch.bfloat16)
+    q, k, v, extra = _training_inputs(module, 24, g)
+    douts = torch.randn(3, *q.shape, generator=g).to(torch.bfloat16)
 
     def call(*inputs):
         out = module.attention(*inputs[:3], **({"sinks": inputs[3]} if extra else {}))
@@ -1728,4 +1732,4 @@ def test_batched_output_gradients_run_the_kernels_once_per_entry(name):
 
         vectorized = torch.autograd.functional.jacobian(corner, q, vectorize=True)
         looped = torch.autograd.functional.jacobian(corner, q)
-    assert vectorized.shape == (1, hq, 2, 2, *q.shape) and torch.equal(vectorized, looped)
+    assert vectorized.shape == (1, q.shape[1], 2, 2, *q.shape) and torch.equal(vectorized, looped)

@@ -118,15 +118,23 @@ def _twins(mod):
     return sum(k.__dict__.get("_int64_twin") is not None for k in kernels)
 
 
+def _take_path(mod, path, monkeypatch):
+    """Send a batch stride past int32 down ``path`` ("entries": attention()'s one entry
+    per launch; "twin": the int64 twin, as for a call that cannot be split). Returns
+    a check, for after the call, that a twin was made on the twin's path only."""
+    if path == "twin":
+        monkeypatch.setattr(mod, "_entries_past_int32", lambda *tensors: False)
+    before = _twins(mod)
+    return lambda: (_twins(mod) > 0) if path == "twin" else (_twins(mod) == before)
+
+
 @pytest.mark.parametrize("path", ["entries", "twin"])
 def test_prefill_takes_a_batch_stride_past_int32(path, monkeypatch):
     """q and out views into a larger buffer, batch stride 2**31 + 2**20: an entry per
     launch through the int32 kernel, or (where a call cannot be split) the twin."""
     _need(10)
     mod = generated_module("fmha_gqa8_bf16")
-    if path == "twin":
-        monkeypatch.setattr(mod, "_entries_past_int32", lambda *tensors: False)
-    twins = _twins(mod)
+    took_path = _take_path(mod, path, monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(2)
     stride0 = 2**31 + 2**20
     q = _view_past_int32((2, 1000, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
@@ -137,7 +145,7 @@ def test_prefill_takes_a_batch_stride_past_int32(path, monkeypatch):
     assert got is out
     # The launcher took a twin (of the kernel or of the config's hint variant) only
     # where the call could not be split.
-    assert (_twins(mod) > 0) if path == "twin" else (_twins(mod) == twins)
+    assert took_path()
     for b in (1, 0):
         _ok(mod, out[b:b + 1], q[b:b + 1], k[b:b + 1], v[b:b + 1])
 
@@ -153,10 +161,9 @@ def test_prefill_with_a_stride_past_int32_on_an_axis_of_one_keeps_the_int32_kern
         return t.as_strided(t.shape, (2**33, heads * 128, 128, 1)).transpose(1, 2)
 
     q, k, v = one(32), one(4), one(4)
-    kernels = [mod.fmha_prefill_causal_gqa8_bf16_d128, *mod._KERNELS.values()]
-    twins = sum(k.__dict__.get("_int64_twin") is not None for k in kernels)
+    twins = _twins(mod)
     out = mod.attention(q, k, v, out=one(32))
-    assert sum(k.__dict__.get("_int64_twin") is not None for k in kernels) == twins
+    assert _twins(mod) == twins
     _ok(mod, out, q, k, v)
 
 
@@ -178,9 +185,7 @@ def test_decode_takes_a_cache_batch_stride_past_int32():
 def test_backward_takes_a_batch_stride_past_int32(path, monkeypatch):
     _need(12)
     mod = generated_module("fmha_train_gqa_causal")
-    if path == "twin":
-        monkeypatch.setattr(mod, "_entries_past_int32", lambda *tensors: False)
-    twins = _twins(mod)
+    took_path = _take_path(mod, path, monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(4)
     stride0 = 2**31 + 2**20
     q = _view_past_int32((2, 700, 32, 128), stride0, torch.bfloat16, gen).transpose(1, 2)
@@ -190,7 +195,7 @@ def test_backward_takes_a_batch_stride_past_int32(path, monkeypatch):
     out = mod.attention(q, k, v)
     dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    assert (_twins(mod) > 0) if path == "twin" else (_twins(mod) == twins)
+    assert took_path()
     for b in (1, 0):
         _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
 

@@ -169,3 +169,22 @@ def test_a_linked_output_folder_gives_the_same_module(tmp_path):
     assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
     assert module.read_bytes() == (ROOT / "generated" / "fmha_alibi.py").read_bytes()
     assert specgen("build", "specs", "--check", "--no-compile", cwd=project).returncode == 0
+
+
+def test_a_linked_specs_folder_keeps_its_name_in_the_headers(tmp_path):
+    """specs/ as a symbolic link to a folder elsewhere (a shared checkout of specs):
+    the modules name the spec by the link's path, so they are byte-identical to the
+    committed ones and ``build --check`` finds no drift; naming the link's target
+    instead names the spec by that path (outside the project), which --check reports."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (tmp_path / "shared").mkdir()
+    shutil.copy(ROOT / "specs" / "fmha_alibi.yaml", tmp_path / "shared")
+    os.symlink(tmp_path / "shared", project / "specs")
+    assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
+    module = project / "generated" / "fmha_alibi.py"
+    assert module.read_bytes() == (ROOT / "generated" / "fmha_alibi.py").read_bytes()
+    assert specgen("build", "specs", "--check", "--no-compile", cwd=project).returncode == 0
+    assert specgen("build", "specs/fmha_alibi.yaml", "--check", "--no-compile", cwd=project).returncode == 0
+    outside = specgen("build", str(tmp_path / "shared"), "--check", "--no-compile", cwd=project)
+    assert outside.returncode == 1 and "fmha_alibi.py" in outside.stdout + outside.stderr

@@ -72,10 +72,10 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
             raise UsageError(f"{raw}: no such spec file or directory")
     if not found:
         raise UsageError("no spec files (*.yaml, *.yml) found in " + ", ".join(map(str, paths)))
-    resolved = []
+    named: dict[Path, Path] = {}  # resolved path -> the first path that named it
     for p in found:
         try:
-            resolved.append(p.resolve(strict=True))
+            named.setdefault(p.resolve(strict=True), Path(os.path.abspath(p)))
         except RuntimeError:  # Python 3.10-3.12 report a symlink loop so
             raise UsageError(f"{p}: a symlink loop") from None
         except OSError as exc:
@@ -84,16 +84,13 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
             if p.is_symlink() and not p.exists():
                 raise UsageError(f"{p}: a symbolic link to {os.readlink(p)}, which does not exist") from None
             raise UsageError(f"{p}: {exc.strerror or exc}") from None
-    unique = list(dict.fromkeys(resolved))
-    return [Path(os.path.relpath(p)) if _is_under_cwd(p) else p for p in unique]
+    # as named (a specs folder that is a symbolic link keeps its name in the headers)
+    return [Path(os.path.relpath(p)) if _is_under(p, Path.cwd()) else p for p in named.values()]
 
 
-def _is_under_cwd(path: Path) -> bool:
-    try:
-        path.relative_to(Path.cwd().resolve())
-        return True
-    except ValueError:
-        return False
+def _is_under(path: Path, folder: Path) -> bool:
+    """Whether ``path`` lies in ``folder``, by name (an absolute, normalised path)."""
+    return Path(os.path.abspath(path)).is_relative_to(Path(os.path.abspath(folder)))
 
 
 def project_dir(out_dir: Path) -> Path:
@@ -106,6 +103,9 @@ def project_dir(out_dir: Path) -> Path:
 
 def header_spec_path(spec_path: Path, out_dir: Path) -> str:
     """The spec's path relative to the project (the output folder's parent)."""
+    named_project = Path(os.path.abspath(out_dir)).parent
+    if _is_under(spec_path, named_project):  # by the names the user gave, links kept
+        return Path(os.path.relpath(os.path.abspath(spec_path), named_project)).as_posix()
     project = project_dir(out_dir)
     return Path(os.path.relpath(spec_path.resolve(), project)).as_posix()
 

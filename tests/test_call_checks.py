@@ -927,5 +927,6 @@ def test_context_parallel_refuses_a_sequence_past_the_kernels_positions_before_a
     q = torch.zeros(1, 4, 1, 128, dtype=torch.bfloat16).expand(1, 4, 2**29 + 1, 128)
     k = q[:, :1]
     assert attn._shape_problem(q, k, None, None) == ("the sequence must be at most 1073741824 rows long (the "
-                                                     "kernels' int32 positions), got 2 shards of 536870913")
-    assert attn._shape_problem(q[:, :, 1:], k[:, :, 1:], None, None) is None
+                                                     "kernels' int32 positions), got 2 shards of 536870913",
+                                                     None)
+    assert attn._shape_problem(q[:, :, 1:], k[:, :, 1:], None, None) == (None, None)

@@ -450,7 +450,7 @@ def test_query_and_key_tiles_are_checked_before_any_transfer(mode, monkeypatch):
     heads = 2 if mode == "ulysses" else 1  # all-to-all scatters the heads over the ranks
     q = torch.zeros(1, 4 * heads, 2 * smallest, 128, dtype=torch.bfloat16)
     k = torch.zeros(1, heads, 2 * smallest, 128, dtype=torch.bfloat16)
-    monkeypatch.setattr(attn, "_shape_problem", lambda *args: None)
+    monkeypatch.setattr(attn, "_shape_problem", lambda *args: (None, None))
     agreed = []
 
     class Agreed(Exception):
@@ -467,3 +467,42 @@ def test_query_and_key_tiles_are_checked_before_any_transfer(mode, monkeypatch):
         assert agreed == [None]  # a shard of 2 tiles per call
     else:
         assert "query rows per call must be at most" in agreed[0]  # 4 tiles in one call
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_a_packed_call_reads_cu_seqlens_to_the_host_once(monkeypatch, mode):
+    """The checks, the grid limits, the ranks' signature and the call itself share one
+    read of cu_seqlens: each read is a device sync. The kernels' own launch is stubbed,
+    so the count is context parallelism's alone."""
+    from specgen.parallel import attention as cp
+
+    class Counted(torch.Tensor):
+        reads = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("tolist", "item", "__int__", "__index__", "__bool__", "__float__", "numpy", "cpu"):
+                cls.reads.append(name)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    attn = ContextParallelAttention(generated_module("fmha_varlen_llama"), mode=mode, layout="contiguous")
+    attn.kernel.needs_cuda = False
+    heads_q, heads_k = attn.kernel.module.GROUP_SIZE, 1
+    q = torch.zeros(12, heads_q, 128, dtype=torch.bfloat16)
+    k = torch.zeros(12, heads_k, 128, dtype=torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 5, 5, 12], dtype=torch.int32).as_subclass(Counted)
+    seen = {}
+
+    def call(*args, **kwargs):
+        seen.update(kwargs, args=args)
+        return torch.zeros(12, heads_q, 128, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(attn.kernel, "attention", call)
+    monkeypatch.setattr(cp.packed.PackedRingAttention, "apply", lambda *args: (call(*args), None))
+    attn(q, k, k, cu_seqlens=cu_seqlens)
+    assert Counted.reads == ["tolist"] and seen
+    if mode == "ulysses":
+        assert seen["max_seqlen_q"] == seen["max_seqlen_k"] == 7
+    else:
+        assert seen["args"][7] == (5, 0, 7)  # the packed ring's lengths

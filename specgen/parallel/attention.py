@@ -120,11 +120,11 @@ def _crc(data: str | bytes) -> int:
 
 
 def _signature(q, k, v, *, spec: str, mode: str, layout: str, scale: float, grads: bool,
-               cu_seqlens=None, max_seqlen=None) -> list[int]:
+               bounds=None, max_seqlen=None) -> list[int]:
+    """``bounds``: a varlen call's cu_seqlens, read to the host once by the checks."""
     shapes = [*q.shape, *k.shape, *v.shape]
     shapes += [-1] * (12 - len(shapes))  # packed shards are 3-D
-    cu = -1 if cu_seqlens is None else _crc(struct.pack(f"<{cu_seqlens.numel()}q",
-                                                        *cu_seqlens.tolist()))
+    cu = -1 if bounds is None else _crc(struct.pack(f"<{len(bounds)}q", *bounds))
     return [*shapes, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1, _crc(spec),
             MODES.index(mode), _crc(layout), struct.unpack("<q", struct.pack("<d", scale))[0],
             int(grads), cu, -1 if max_seqlen is None else max_seqlen, _crc(q.device.type)]
@@ -239,7 +239,9 @@ class ContextParallelAttention:
         # Every problem, an argument's type included, is found before the ranks compare
         # notes: a rank that raised alone would leave the others waiting. So anything
         # the checks themselves raise on this rank is its problem too.
-        problem, grads, signature = None, False, []
+        # A varlen call reads cu_seqlens to the host once (one sync), here: the checks,
+        # the ranks' signature and the call itself all use these bounds.
+        problem, grads, signature, bounds = None, False, [], None
         try:
             if extra:
                 problem = (f"takes q, k and v as its only positional arguments, got {len(extra)} more "
@@ -252,9 +254,9 @@ class ContextParallelAttention:
             if problem is None:
                 problem = _local_problem(kernel, q, k, v, kernel.varlen)
             if problem is None:
-                problem = self._shape_problem(q, k, seq_len, cu_seqlens, max_seqlen)
+                problem, bounds = self._shape_problem(q, k, seq_len, cu_seqlens, max_seqlen)
             if problem is None:
-                problem = self._grid_problem(q, k, cu_seqlens)
+                problem = self._grid_problem(q, k, bounds)
             grads = problem is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
             if grads and not kernel.has_backward:
                 problem = f"{kernel.name} has no backward kernels: gradients need a spec with backward: true"
@@ -262,15 +264,15 @@ class ContextParallelAttention:
                 scale = kernel.default_scale() if scale is None else float(scale)
                 signature = _signature(
                     q, k, v, spec=kernel.identity, mode=self.mode, layout=self.layout, scale=scale,
-                    grads=grads, cu_seqlens=cu_seqlens if kernel.varlen else None,
+                    grads=grads, bounds=bounds if kernel.varlen else None,
                     max_seqlen=max_seqlen if kernel.varlen else None)
         except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
             problem = f"the inputs could not be checked ({type(exc).__name__}: {exc})"
         agree(self.group, problem, signature)
         if self.mode == "ulysses":
-            return self._ulysses(q, k, v, scale, cu_seqlens, max_seqlen)
+            return self._ulysses(q, k, v, scale, cu_seqlens, bounds, max_seqlen)
         if kernel.varlen:
-            lengths = tuple(n // self.world_size for n in cu_seqlens.diff().tolist())
+            lengths = tuple((b - a) // self.world_size for a, b in zip(bounds, bounds[1:]))
             plans = packed.packed_plans(kernel.mask, self.layout, self.world_size, self.rank, lengths)
             out, _ = packed.PackedRingAttention.apply(q, k, v, kernel, self.ring, plans, self.layout,
                                                       lengths, scale)
@@ -279,14 +281,14 @@ class ContextParallelAttention:
         out, _ = rings.RingAttention.apply(q, k, v, kernel, self.ring, plans, scale)
         return out
 
-    def _grid_problem(self, q, k, cu_seqlens) -> str | None:
+    def _grid_problem(self, q, k, bounds) -> str | None:
         """The kernels' grid limits for the calls this rank will make (ring: its
         shard's heads and rows; all-to-all: its share of the heads, every row),
-        before any transfer."""
+        before any transfer. ``bounds``: a varlen call's cu_seqlens, on the host."""
         share = self.world_size if self.mode == "ulysses" else 1
         if self.kernel.varlen:
-            batch = cu_seqlens.numel() - 1
-            longest = max(cu_seqlens.diff().tolist(), default=0)
+            batch = len(bounds) - 1
+            longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
             rows = longest if self.mode == "ulysses" else longest // self.world_size
         else:
             batch, rows = q.shape[0], q.shape[2] * share
@@ -301,7 +303,15 @@ class ContextParallelAttention:
                         f"must divide by the world size ({self.world_size}); use mode='ring'")
         return None
 
-    def _shape_problem(self, q, k, seq_len, cu_seqlens, max_seqlen=None) -> str | None:
+    def _shape_problem(self, q, k, seq_len, cu_seqlens, max_seqlen=None):
+        """(problem or None, a varlen call's cu_seqlens as a list, else None)."""
+        problem = self._shape_problem_of(q, k, seq_len, cu_seqlens, max_seqlen)
+        if isinstance(problem, list) or problem is None:
+            return None, problem
+        return problem, None
+
+    def _shape_problem_of(self, q, k, seq_len, cu_seqlens, max_seqlen):
+        """A problem's text, or for a varlen call that fits, cu_seqlens read to the host."""
         world = self.world_size
         if self.kernel.varlen:
             if seq_len is not None:
@@ -333,7 +343,7 @@ class ContextParallelAttention:
             if max(lengths) > MAX_POSITIONS:
                 return (f"every packed sequence must be at most {MAX_POSITIONS} rows long (the kernels' "
                         f"int32 positions), got {max(lengths)}")
-            return self._heads_problem(q, k)
+            return self._heads_problem(q, k) or values
         if cu_seqlens is not None:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
         if max_seqlen is not None:
@@ -348,7 +358,7 @@ class ContextParallelAttention:
                     f"got {world} shards of {q.shape[2]}")
         return self._heads_problem(q, k)
 
-    def _ulysses(self, q, k, v, scale, cu_seqlens, max_seqlen):
+    def _ulysses(self, q, k, v, scale, cu_seqlens, bounds, max_seqlen):
         group, world = self.group, self.world_size
         if q.numel() == 0:
             # Every rank holds no rows (the ranks agreed on the shapes): the local call
@@ -364,7 +374,7 @@ class ContextParallelAttention:
                 index = ulysses.packed_order(cu_seqlens, world, total)
                 q, k, v = (ulysses.SeqToHeads.apply(t, group, 0).index_select(0, index) for t in (q, k, v))
             if max_seqlen is None:
-                max_seqlen = int(cu_seqlens.diff().max())
+                max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
             out = self.kernel.attention(q, k, v, scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
             out = out[0] if isinstance(out, tuple) else out

@@ -9,6 +9,12 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
+def shortened(text: str, limit: int = 80) -> str:
+    """``text``, cut to ``limit`` characters ending in "..." where it is longer: a key
+    or name taken from input stays a readable part of a one-line message."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class SpecgenError(Exception):
     """Base class for expected failures (bad input, failed compile, drift)."""
 

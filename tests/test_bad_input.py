@@ -101,6 +101,56 @@ def test_explicit_1_2_tags_still_read():
         "a": 1000.0, "b": False, "c": 64}
 
 
+@pytest.mark.parametrize("text,expected", [
+    # A tag reads its whole scalar: a block scalar's "true\n" used to pass the check
+    # and compare unequal to "true", making causal false.
+    ("causal: !!bool |\n  true", "invalid YAML: line 2, column 9: 'true\\n' is not true or false"),
+    ("causal: !!bool >\n  True", "invalid YAML: line 2, column 9: 'True\\n' is not true or false"),
+    ("softcap: !!float |\n  .5", "invalid YAML: line 2, column 10: '.5\\n' is not a number"),
+    # PyYAML's !!null read anything as null
+    ("softcap: !!null 50", "invalid YAML: line 2, column 10: '50' is not null"),
+    ("window: !!null '{left: 3}'", "invalid YAML: line 2, column 9: '{left: 3}' is not null"),
+])
+def test_an_explicit_tag_takes_its_whole_scalar(tmp_path, text, expected):
+    assert _text_lines(tmp_path, f"name: a\n{text}\n") == [expected]
+
+
+def test_an_explicit_null_still_reads():
+    assert parse_spec_text("a: !!null\nb: !!null ~\nc: !!null null\nd: !!null ''\n") == {
+        "a": None, "b": None, "c": None, "d": None}
+
+
+@pytest.mark.parametrize("char,name", [
+    ("\x85", "U+0085 NEXT LINE"), ("\u2028", "U+2028 LINE SEPARATOR"),
+    ("\u2029", "U+2029 PARAGRAPH SEPARATOR")])
+def test_yaml_1_1_line_breaks_are_refused(tmp_path, char, name):
+    # PyYAML broke the comment there and read `softcap: 50` as a key; YAML 1.2 (an
+    # editor, ruamel.yaml in specgen tune) reads the whole line as a comment.
+    lines = _text_lines(tmp_path, f"name: a\r\n# softcap: off{char}softcap: 50\n")
+    assert lines == [f"invalid YAML: line 2, column 15: {name} is not allowed in a spec (YAML 1.1 "
+                     "reads it as a line break, YAML 1.2 as text); use a plain line break"]
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('"": 1', '"": unknown key; allowed keys: name,'),
+    ('fast_math: {"exp2 ": true}', 'fast_math."exp2 ": unknown key (did you mean exp2?)'),
+    ('"a.b": 1', '"a.b": unknown key; allowed keys: name,'),
+    ("softcap: .inf", "softcap: must be a number in [0.01, 1000000.0], got .inf"),
+    ("softcap: -.inf", "softcap: must be a number in [0.01, 1000000.0], got -.inf"),
+])
+def test_a_key_or_value_is_shown_as_written(tmp_path, text, expected):
+    (line,) = _text_lines(tmp_path, f"name: a\n{text}\n")
+    assert line.startswith(expected), line
+
+
+@pytest.mark.parametrize("text", [
+    '? "{k}"\n: 1', '? "{k}"\n: 1\n? "{k}"\n: 2', "targets:\n  ? {k}\n  : {{tile_m: 64, tile_n: 64}}",
+    "tensors:\n  ? {k}\n  : {{dtype: float32, shape: [heads]}}", '? !!float "{d}"\n: 1'])
+def test_a_huge_key_is_shortened(tmp_path, text):
+    (line,) = _text_lines(tmp_path, "name: a\n" + text.format(k="k" * 100_000, d="1" * 100_000) + "\n")
+    assert len(line) < 1000 and "..." in line, line[:200]
+
+
 @pytest.mark.parametrize("key", ["caus\\nal", "x\\nspecs/other.yaml: name: forged", "a\\u2028b"])
 def test_a_key_with_a_line_break_stays_on_one_line(tmp_path, key):
     (line,) = _text_lines(tmp_path, f'name: a\n"{key}": true\n')
@@ -218,6 +268,10 @@ ONE_LINE = [
     ({"tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}},
       "score_mod": "score - Slope[h]"},
      "tensors: tensor name 'Slope' must be a lowercase identifier"),
+    # the name's own line, not the hook's "only declared tensors can be indexed"
+    ({"tensors": {"slope\n": {"dtype": "float32", "shape": ["heads"]}},
+      "score_mod": "score - slope[h]"},
+     "tensors: tensor name 'slope\\n' must be a lowercase identifier"),
     # targets tileiras compiles for, and the worker warps it takes
     ({"compile_for": ["sm_999"]},
      f'compile_for[0]: must be a GPU target tileiras compiles for: {TARGETS}, got "sm_999"'),

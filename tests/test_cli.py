@@ -327,6 +327,13 @@ def test_schema_accepts_the_shipped_specs_and_knows_sizes_and_names():
     {"autotune": {"sm_90": {"num_worker_warps": [None, 2]}}},
     {"family": "decode", "paged": {"page_size": 100}},
     {"family": "decode", "paged": {"page_size": 2048}},
+    # target names and lists that name a value twice
+    {"targets": {"sm_91": {"tile_m": 64, "tile_n": 64}}},
+    {"autotune": {"default": {}}},
+    {"compile_for": ["sm_91"]},
+    {"compile_for": ["sm_90", "sm_90"]},
+    {"autotune": {"sm_90": {"tile_m": [64, 64]}}},
+    {"autotune": {"sm_90": {"num_ctas": [None, None]}}},
 ])
 def test_schema_bounds_agree_with_the_validator(spec):
     """The schema states the bounds and choices of each scalar (the docs promise an

@@ -160,8 +160,11 @@ def int_choice(*values: int):
     return Annotated[Literal[values], BeforeValidator(_exact_int)]
 
 
-TargetName = Annotated[str, AfterValidator(_target_name)]
-TargetKey = Annotated[str, AfterValidator(_target_key)]
+# (The schema's enum of a map's key type becomes the map's propertyNames.)
+TargetName = Annotated[str, AfterValidator(_target_name),
+                       Field(json_schema_extra={"enum": list(KNOWN_TARGETS)})]
+TargetKey = Annotated[str, AfterValidator(_target_key),
+                      Field(json_schema_extra={"enum": ["default", *KNOWN_TARGETS]})]
 
 
 class _Strict(BaseModel):
@@ -452,7 +455,8 @@ def _distinct(value: list) -> list:
 
 
 def _choices(item):
-    return Annotated[list[item], AfterValidator(_distinct)]
+    return Annotated[list[item], AfterValidator(_distinct),
+                     Field(json_schema_extra={"uniqueItems": True})]
 
 
 class AutotuneSpace(_Strict):

@@ -4,6 +4,7 @@ one line per problem, and the spec as plain data (``spec_to_dict``)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import stat
 import sys
@@ -15,7 +16,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from specgen.errors import SpecError
+from specgen.errors import SpecError, shortened
 from specgen.spec.fields import MAX_SPEC_BYTES, Problems, TargetConfig
 from specgen.spec.model import Spec, other_family_fields
 
@@ -55,13 +56,13 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=Fa
         key = loader.construct_object(key_node, deep=deep)
         if not isinstance(key, str):  # 1, true, null: a spec's keys are all names
             raise yaml.constructor.ConstructorError(
-                None, None, f"a mapping key must be a name, got {key_node.value or 'null'!r} "
-                "(quote it if it is one)", key_node.start_mark)
+                None, None, "a mapping key must be a name, got "
+                f"{shortened(key_node.value or 'null')!r} (quote it if it is one)", key_node.start_mark)
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None,
                 None,
-                f"duplicate key {key!r} (first at line {seen[key] + 1})",
+                f"duplicate key {shortened(key)!r} (first at line {seen[key] + 1})",
                 key_node.start_mark,
             )
         seen[key] = key_node.start_mark.line
@@ -117,7 +118,9 @@ def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
     # An explicit !!float in 1.2's form only, or a decimal integer (1.1's base 60
     # `1:30` and `1_0` are gone).
     text = loader.construct_scalar(node)
-    if not (_FLOAT_RE.match(text) or _DECIMAL_RE.fullmatch(text)):
+    # fullmatch: the patterns' $ also matches before a final line break ("5e1\n" of a
+    # block scalar, `!!float |`).
+    if not (_FLOAT_RE.fullmatch(text) or _DECIMAL_RE.fullmatch(text)):
         raise yaml.constructor.ConstructorError(
             None, None, f"{text!r} is not a number", node.start_mark)
     return loader.construct_yaml_float(node)
@@ -126,10 +129,23 @@ def _construct_float(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> float:
 def _construct_bool(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> bool:
     # An explicit !!bool in 1.2's form only: true or false (not yes, on, y).
     text = loader.construct_scalar(node)
-    if not _BOOL_RE.match(text):
+    # fullmatch: `!!bool |` reads "true\n", which a match would take and compare
+    # unequal to "true", making it false.
+    if not _BOOL_RE.fullmatch(text):
         raise yaml.constructor.ConstructorError(
             None, None, f"{text!r} is not true or false", node.start_mark)
     return text.lower() == "true"
+
+
+_NULL_RE = re.compile(r"~|null|Null|NULL|")
+
+
+def _construct_null(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> None:
+    # An explicit !!null of a null only: PyYAML's reads `!!null 50` as null.
+    text = loader.construct_scalar(node)
+    if not _NULL_RE.fullmatch(text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not null", node.start_mark)
 
 
 def _refuse_tag(loader: _UniqueKeyLoader, node: yaml.Node):
@@ -140,6 +156,7 @@ def _refuse_tag(loader: _UniqueKeyLoader, node: yaml.Node):
 
 _UniqueKeyLoader.add_constructor(_FLOAT_TAG, _construct_float)
 _UniqueKeyLoader.add_constructor(_BOOL_TAG, _construct_bool)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:null", _construct_null)
 for _tag in ("timestamp", "binary", "set", "omap", "pairs"):
     _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _refuse_tag)
 # Any other tag (`!!python/object:...`, a local `!foo`): the same line, instead of
@@ -149,11 +166,16 @@ _UniqueKeyLoader.add_constructor(None, _refuse_tag)
 
 def _show(value: Any) -> str:
     """A value as the user wrote it in YAML/JSON terms, shortened."""
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's Infinity is no YAML
+        return ".nan" if math.isnan(value) else "-.inf" if value < 0 else ".inf"
     try:
         text = json.dumps(value, sort_keys=True)
     except (TypeError, ValueError):
         text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _field_path(loc: tuple) -> str:
@@ -164,7 +186,12 @@ def _field_path(loc: tuple) -> str:
         if isinstance(item, int):
             parts.append(f"[{item}]")
         else:
-            parts.append(("." if parts else "") + str(item))
+            # A key the user wrote that is not a plain name (empty, spaces, a dot, a
+            # line break, thousands of characters) is quoted and shortened as a value is.
+            key = str(item)
+            if not _PLAIN_KEY_RE.fullmatch(key) or len(key) > 80:
+                key = _show(key)
+            parts.append(("." if parts else "") + key)
     return "".join(parts)
 
 
@@ -358,7 +385,32 @@ def validate_spec(data: Any, path: str | Path = "<spec>") -> Spec:
         raise SpecError(path, problem_lines(exc)) from None
 
 
+# YAML 1.1 (PyYAML) breaks lines at these too; YAML 1.2, editors' YAML tooling and
+# ruamel.yaml (which `specgen tune` rewrites a spec with) read them as text. PyYAML
+# would make the rest of `# softcap: 50 for now<U+2028>softcap: 50` a live key.
+_UNICODE_BREAKS = {"\x85": "NEXT LINE", "\u2028": "LINE SEPARATOR", "\u2029": "PARAGRAPH SEPARATOR"}
+_UNICODE_BREAK_RE = re.compile("[" + "".join(_UNICODE_BREAKS) + "]")
+
+
+def _unicode_break(text: str) -> str | None:
+    """Where ``text`` holds a character only YAML 1.1 reads as a line break, as an
+    error message; None where it holds none."""
+    found = _UNICODE_BREAK_RE.search(text)
+    if found is None:
+        return None
+    before = text[:found.start()]
+    line = before.count("\n") + before.count("\r") - before.count("\r\n") + 1
+    column = found.start() - max(before.rfind("\n"), before.rfind("\r"))
+    char = found.group()
+    return (f"invalid YAML: line {line}, column {column}: U+{ord(char):04X} "
+            f"{_UNICODE_BREAKS[char]} is not allowed in a spec (YAML 1.1 reads it as a line "
+            "break, YAML 1.2 as text); use a plain line break")
+
+
 def parse_spec_text(text: str, path: str | Path = "<spec>") -> Any:
+    problem = _unicode_break(text)
+    if problem:
+        raise SpecError(path, [("", problem)])
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (safe subclass)
     except yaml.YAMLError as exc:

@@ -15,6 +15,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from specgen.errors import shortened
 from specgen.spec.defaults import measured_targets
 from specgen.spec.fields import (
     DEFAULT_TARGET,
@@ -356,6 +357,7 @@ class Spec(_Strict):
     compile_for: list[TargetName] = Field(
         default_factory=lambda: ["sm_90", "sm_100"],
         min_length=1,
+        json_schema_extra={"uniqueItems": True},
         description="Targets `specgen build` AOT-compiles to prove the kernel builds.",
     )
     autotune: dict[TargetName, AutotuneSpace] = Field(
@@ -448,10 +450,11 @@ class Spec(_Strict):
         # order of their tensors give one module, not two with one op name.
         value = dict(sorted(value.items()))
         for name in value:
-            if not TENSOR_NAME_RE.match(name) or keyword.iskeyword(name) or name in RESERVED_NAMES:
+            # fullmatch: the pattern's $ also matches before a final line break ("slope\n").
+            if not TENSOR_NAME_RE.fullmatch(name) or keyword.iskeyword(name) or name in RESERVED_NAMES:
                 raise ValueError(
-                    f"tensor name {name!r} must be a lowercase identifier (a-z, 0-9, _; at most "
-                    "31 characters) that is not a keyword nor one of the launcher's names "
+                    f"tensor name {shortened(name)!r} must be a lowercase identifier (a-z, 0-9, _; "
+                    "at most 31 characters) that is not a keyword nor one of the launcher's names "
                     "(q, k, v, out, scale, seed, seq_lens, b, h, q_idx, kv_idx, ...)"
                 )
         for name in value:

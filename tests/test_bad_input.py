@@ -340,6 +340,18 @@ def test_launcher_argument_names_are_not_tensor_names(name):
     assert line.startswith(f"specs/bad.yaml: tensors: tensor name '{name}' must be")
 
 
+@pytest.mark.parametrize("name", ["t", "grid", "config", "where"])
+def test_a_reserved_tensor_name_is_refused_as_taken_not_as_malformed(name):
+    """A short name such as 't' fits the lowercase-identifier pattern; the line says
+    that the module already uses it, and lists the names taken, the one given among them."""
+    (line,) = _lines({"name": "ok", "tensors": {name: {"dtype": "float32", "shape": ["heads"]}},
+                      "score_mod": f"score - {name}[h]"})
+    assert line.startswith(f"specs/bad.yaml: tensors: tensor name '{name}' must be none of the names "
+                           "the generated module already uses"), line
+    assert "lowercase identifier" not in line
+    assert f" {name}," in line or line.endswith(f" {name}")
+
+
 def _signature_names(path) -> set:
     """The argument names of a generated module's entry points."""
     tree = ast.parse(path.read_text())

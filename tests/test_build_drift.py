@@ -56,6 +56,22 @@ def test_a_crlf_module_whose_spec_is_gone_is_drift(project):
     assert "generated/fmha_alibi.py: its spec specs/fmha_alibi.yaml is gone" in check.stderr
 
 
+def test_check_tells_to_build_only_where_a_build_fixes_the_drift(project):
+    """A module whose spec is gone is drift that a build leaves (it deletes nothing):
+    its line says to delete it, and no closing line says that a build fixes it."""
+    (project / "specs" / "fmha_alibi.yaml").unlink()
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1
+    assert "generated/fmha_alibi.py: its spec specs/fmha_alibi.yaml is gone (delete the module" in check.stderr
+    assert "run `specgen build`" not in check.stderr, check.stderr
+    spec = project / "specs" / "fmha_mha_bf16.yaml"
+    spec.write_text(spec.read_text().replace("head_dim: 64", "head_dim: 128"))
+    check = specgen("build", "specs", "--check", "--no-compile", cwd=project)
+    assert check.returncode == 1
+    assert "generated/fmha_mha_bf16.py: stale against" in check.stderr
+    assert "run `specgen build` to regenerate" in check.stderr, check.stderr
+
+
 def test_hidden_editor_files_are_not_templates(tmp_path):
     """An Emacs lock link (.#x.jinja, to nowhere) or a hidden backup copy beside the
     templates neither stops a build nor reads as a template change."""

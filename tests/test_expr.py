@@ -117,7 +117,7 @@ def test_spec_error_names_field_and_expression(tmp_path):
     ({"tensors": {"slope": {"dtype": "float32", "shape": ["heads"]}}},
      "tensors.slope: declared but used by neither score_mod nor mask_mod"),
     ({"tensors": {"out": {"dtype": "float32", "shape": ["heads"]}}, "score_mod": "out[h]"},
-     "tensors: tensor name 'out' must be a lowercase identifier"),
+     "tensors: tensor name 'out' must be none of the names the generated module already uses"),
     ({"tensors": {"Slope": {"dtype": "float32", "shape": ["heads"]}}, "score_mod": "Slope[h]"},
      "tensors: tensor name 'Slope' must be a lowercase identifier"),
     ({"tensors": {"x": {"dtype": "float64", "shape": ["heads"]}}, "score_mod": "x[h]"},

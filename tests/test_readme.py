@@ -35,3 +35,18 @@ def test_the_no_deps_install_lists_the_packages_dependencies():
                 if l.startswith("pip install \"cuda-tile"))
     listed = [w.strip('"') for w in line.split()[2:]]
     assert sorted(listed) == sorted(d for d in deps if not d.startswith("torch")), (listed, deps)
+
+
+def test_the_no_deps_install_names_the_test_tools_it_leaves_out():
+    """Beside a CUDA torch the `dev` extra is not installed, yet the README then runs
+    pytest there: its line names the extra's test tools, with pyproject's bounds."""
+    import re
+
+    text = (ROOT / "pyproject.toml").read_text()
+    dev = re.search(r"^dev = \[(.*)\]$", text, re.M).group(1)
+    tools = [d for d in re.findall(r'"([^"]+)"', dev)
+             if d.startswith(("pytest", "hypothesis", "jsonschema"))]
+    line = next(l for l in (ROOT / "README.md").read_text().splitlines()
+                if l.startswith('`pip install "pytest'))
+    listed = [w.strip('`".') for w in line.split()[2:]]
+    assert sorted(listed) == sorted(tools), (listed, tools)

@@ -181,7 +181,8 @@ def parse_targets(text: str | None, option: str = "--targets") -> tuple[str, ...
 
 
 def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
-    """Problems with the files on disk; an empty list means in step."""
+    """Problems with the jobs' own modules on disk, which a build fixes; an empty list
+    means in step. Modules no spec makes are ``leftover_modules``'."""
     problems = []
     init = out_dir / "__init__.py"
     if not init.is_file():
@@ -200,7 +201,7 @@ def check_jobs(jobs: list[Job], out_dir: Path) -> list[str]:
         else:
             problems.append(f"{job.out_path}: stale against {job.spec_path} or the templates "
                             f"({stale_reason(text, job.rendered.text)})")
-    return problems + leftover_modules(jobs, out_dir)
+    return problems
 
 
 def stale_reason(old: str, new: str) -> str:
@@ -530,14 +531,15 @@ def _run_build(
     jobs = load_jobs(paths, out_dir)
     failed = False
     if check:
-        problems = check_jobs(jobs, out_dir)
+        stale = check_jobs(jobs, out_dir)
+        leftovers = leftover_modules(jobs, out_dir)
         if not no_compile:  # the AOT folders are compared only where a check compiles
-            problems += leftover_aot_folders(jobs, out_dir)
-        for problem in problems:
+            leftovers += leftover_aot_folders(jobs, out_dir)
+        for problem in stale + leftovers:
             err(problem)
-        if problems:
+        if stale:  # a leftover's own line says to delete it: a build deletes nothing
             err("run `specgen build` to regenerate (it refuses hand-edited files without --force)")
-            failed = True
+        failed = bool(stale or leftovers)
     else:
         foreign = [] if force else foreign_modules(jobs)
         if foreign:  # nothing is written: the build is refused as bad input

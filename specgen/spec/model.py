@@ -451,11 +451,19 @@ class Spec(_Strict):
         value = dict(sorted(value.items()))
         for name in value:
             # fullmatch: the pattern's $ also matches before a final line break ("slope\n").
-            if not TENSOR_NAME_RE.fullmatch(name) or keyword.iskeyword(name) or name in RESERVED_NAMES:
+            if not TENSOR_NAME_RE.fullmatch(name) or keyword.iskeyword(name):
                 raise ValueError(
                     f"tensor name {shortened(name)!r} must be a lowercase identifier (a-z, 0-9, _; "
-                    "at most 31 characters) that is not a keyword nor one of the launcher's names "
-                    "(q, k, v, out, scale, seed, seq_lens, b, h, q_idx, kv_idx, ...)"
+                    "starting with a letter; at most 31 characters) that is not a Python keyword"
+                )
+            if name in RESERVED_NAMES:
+                # Named in full: a short name such as 't' or 'grid' fits the pattern, and
+                # a message that showed only the pattern left no clue why it was refused.
+                taken = ", ".join(sorted(n for n in RESERVED_NAMES if TENSOR_NAME_RE.fullmatch(n)))
+                raise ValueError(
+                    f"tensor name {name!r} must be none of the names the generated module "
+                    f"already uses (its launchers' arguments and locals, the hook names and "
+                    f"functions): {taken}"
                 )
         for name in value:
             if name in KERNEL_LOCAL_NAMES or name.startswith(KERNEL_LOCAL_PREFIXES):

@@ -14,6 +14,7 @@ Usage:  python bench/accuracy.py --gen DIR [--seq 4096] [--json out.json]
 
 from __future__ import annotations
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import argparse
 import importlib.util
 import json

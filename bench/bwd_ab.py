@@ -22,6 +22,7 @@ Usage:  python bench/bwd_ab.py /tmp/old/fmha_train_d64.py generated/x.py#dq=2:0
 
 from __future__ import annotations
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import argparse
 import json
 import statistics

@@ -38,6 +38,7 @@ Usage:  python bench/bwd_ceiling.py [--seqs 2048,8192] [--head-dims 128]
 
 from __future__ import annotations
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import argparse
 import json
 import sys

@@ -17,6 +17,7 @@ Usage:  python bench/bwd_tiles.py generated/fmha_train_d256.py --tiles 64x64/128
 
 from __future__ import annotations
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import argparse
 import importlib.util
 import json

@@ -36,6 +36,7 @@ Usage:  python bench/ceiling.py [--seqs 4096,8192] [--head-dims 128] [--graphs] 
 
 from __future__ import annotations
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import argparse
 import json
 import math

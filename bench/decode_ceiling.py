@@ -25,6 +25,7 @@ Usage:  python bench/decode_ceiling.py [--json out.json]
 
 from __future__ import annotations
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import argparse
 import json
 import math

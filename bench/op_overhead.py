@@ -10,6 +10,7 @@ Usage: TORCH_LOGS=cudagraphs python bench/op_overhead.py [MODULE_PATH]
 (default generated/fmha_decode_gqa8_bf16.py)
 """
 
+import cuda_device  # noqa: F401 (first: one line and exit 2 without a CUDA GPU)
 import cProfile
 import pstats
 import sys

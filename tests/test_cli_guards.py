@@ -240,3 +240,20 @@ def test_test_serves_fresh_modules_from_a_folder_it_may_not_write(tmp_path, monk
     monkeypatch.setattr(gpu, "write_jobs", refuse)
     with pytest.raises(UsageError, match=r"--gen .*generated: a stale module must be written there"):
         gpu.fresh_jobs([spec], gen, log=lambda line: None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+@pytest.mark.parametrize("script", ["ceiling.py", "bwd_ceiling.py", "bwd_tiles.py", "bwd_ab.py",
+                                    "decode_ceiling.py", "accuracy.py", "op_overhead.py",
+                                    "context_parallel/bench.py"])
+def test_the_documented_bench_scripts_refuse_a_machine_without_a_gpu(script):
+    """The scripts the docs point to ended in a traceback (triton's import, torch's CUDA
+    assertion) without a GPU; now one line naming the script, exit 2."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / script)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"{ROOT / 'bench' / script}: needs ") and "CUDA GPU" in line and "sees none" in line

@@ -1,5 +1,7 @@
 """specgen.compile.sass: the loop schedules read from SASS text (no tools needed)."""
 
+import pytest
+
 from specgen.compile import sass
 
 # A cut-down sm_90 listing: a prologue MMA chain, then a loop that issues the next
@@ -101,3 +103,11 @@ def test_cli_reads_the_cubins_of_a_folder(tmp_path, capsys, monkeypatch):
     assert sass.main([str(tmp_path / "empty")]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"specgen.compile.sass: {tmp_path / 'empty'}: a folder with no *.cubin in it"]
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_cli_help_prints_its_usage_and_exits_0(flag, capsys):
+    """--help was read as a cubin's path: "--help: no such cubin", exit 2."""
+    assert sass.main([flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m specgen.compile.sass CUBIN_OR_FOLDER...") and "sm_90" in out

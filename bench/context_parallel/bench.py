@@ -68,6 +68,9 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
+    if not torch.cuda.is_available():  # on every rank, before any group is formed
+        print(f"{sys.argv[0]}: needs CUDA GPUs; torch {torch.__version__} sees none", file=sys.stderr)
+        return 2
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -251,4 +254,4 @@ class _null:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -204,11 +204,14 @@ def cubin_loops(cubin: Path) -> Optional[dict[str, list[dict]]]:
     return {name: _loops(body) for name, body in functions.items()}
 
 
+USAGE = "usage: python -m specgen.compile.sass CUBIN_OR_FOLDER... (e.g. generated/<name>.aot)"
+
+
 def _cubins(argv: list[str]) -> list[Path] | str:
     """The cubins named, a folder (a module's ``<name>.aot/``) standing for the cubins
     in it; or the one line that says why not."""
     if not argv:
-        return "usage: python -m specgen.compile.sass CUBIN_OR_FOLDER... (e.g. generated/<name>.aot)"
+        return USAGE
     cubins = []
     for arg in argv:
         path = Path(arg)
@@ -227,6 +230,12 @@ def _cubins(argv: list[str]) -> list[Path] | str:
 def main(argv: list[str]) -> int:
     """Print each inner loop's schedule and mix; exit 0, or 2 for bad input (in one
     line, as specgen's commands do: no arguments, a path that is no cubin)."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        print("Print each sm_90 cubin's inner loops as a schedule (Q, P: warpgroup MMAs; "
+              "E: exponentials; W: waits) with its instruction mix; other targets' cubins "
+              "print nothing.")
+        return 0
     cubins = _cubins(argv)
     if isinstance(cubins, str):
         print(f"specgen.compile.sass: {cubins}", file=sys.stderr)

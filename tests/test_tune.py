@@ -320,3 +320,29 @@ def test_a_space_that_spells_one_launch_twice_is_searched_once(tmp_path):
     assert result.returncode == 2 and "CUDA" in result.stderr, result.stderr
     assert ("autotune.sm_90: 4 of 8 configs skipped, the same launch as an earlier one" in result.stderr
             and "4 configs x 5 lengths" in result.stderr), result.stderr
+
+
+ALIGNED = """\
+name:      aligned   # values aligned after the colon
+causal:    true
+head_dim:  128
+targets:
+  default: {tile_m: 64,  tile_n: 64, occupancy: 2}
+  sm_90:   {tile_m: 64,  tile_n: 64, occupancy: 2}   # before tuning
+  sm_100:  {tile_m: 128, tile_n: 128, occupancy: 1}
+"""
+
+
+def test_write_back_keeps_the_spaces_that_align_values():
+    """ruamel.yaml writes one space after a colon: every aligned line of the file lost
+    its alignment, the tuned target's own line too."""
+    text = write_back(ALIGNED, "t.yaml", "sm_100", A, [])
+    old, new = ALIGNED.splitlines(), text.splitlines()
+    assert new[:6] == old[:6]  # every other line as written, spaces and all
+    assert new[6] == "  sm_100:  {tile_m: 64, tile_n: 128, occupancy: 2}"
+    assert yaml.safe_load(text)["targets"]["sm_100"] == {"tile_m": 64, "tile_n": 128, "occupancy": 2}
+    assert yaml.safe_load(text)["targets"]["sm_90"] == yaml.safe_load(ALIGNED)["targets"]["sm_90"]
+    # A target that becomes a block (buckets) is written as ruamel.yaml writes it.
+    text = write_back(ALIGNED, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A}])
+    assert text.splitlines()[:5] == old[:5] and text.splitlines()[-1] == old[-1]
+    assert yaml.safe_load(text)["targets"]["sm_90"]["by_seq_k"][0]["max_seq_k"] == 2048

@@ -309,6 +309,54 @@ def _round_trip_yaml(text: str):
     return yaml
 
 
+def _words(line: str) -> str:
+    """A line with the spaces between its words made one (its indentation kept)."""
+    return line[:len(line) - len(line.lstrip())] + " ".join(line.split())
+
+
+_KEY_RE = re.compile(r"(\s*[\w.-]+:)( +)(?=\S)")
+
+
+def _key_spacing(old: str, new: str) -> str:
+    """``new``, whose value differs from ``old``'s, with the spaces after its key
+    that ``old`` has (the tuned target's own line keeps its alignment)."""
+    a, b = _KEY_RE.match(old), _KEY_RE.match(new)
+    if a and b and a.group(1) == b.group(1) and a.group(2) != b.group(2):
+        return a.group(0) + new[b.end():]
+    return new
+
+
+def _keep_spacing(old: str, new: str) -> str:
+    """``new`` (ruamel.yaml's dump of ``old`` with a target changed) with each line
+    that differs from its line in ``old`` only in the spaces between words written
+    as ``old`` writes it: ruamel.yaml writes one space after a colon, which lost the
+    spaces that align the values of ``sm_90:   {...}`` under ``sm_100: {...}``. Where
+    the result would read as other data than ``new`` (never seen; a safeguard, since
+    a quoted value's inner spaces matter), ``new`` as it is."""
+    import difflib
+
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)
+    matcher = difflib.SequenceMatcher(None, [_words(x) for x in a], [_words(y) for y in b], autojunk=False)
+    lines = []
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":  # the same words: the line as the file wrote it
+            lines += a[i1:i2]
+        elif tag == "replace" and i2 - i1 == j2 - j1:
+            lines += [_key_spacing(x, y) for x, y in zip(a[i1:i2], b[j1:j2])]
+        else:
+            lines += b[j1:j2]
+    kept = "".join(lines)
+    if kept == new:
+        return new
+    from specgen.spec import parse_spec_text
+
+    try:
+        same = parse_spec_text(kept) == parse_spec_text(new)
+    except SpecError:
+        same = False
+    return kept if same else new
+
+
 def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]) -> str:
     """The spec text with ``targets.<target>`` set to the tuned config.
 
@@ -368,7 +416,7 @@ def write_back(text: str, path: str, target: str, own: dict, buckets: list[dict]
         _attach_tail(targets, target, tail)
     out = io.StringIO()
     yaml.dump(data, out)
-    new_text = out.getvalue()
+    new_text = _keep_spacing(text, out.getvalue())
     from specgen.spec import parse_spec_text, validate_spec
 
     try:

@@ -355,3 +355,69 @@ def test_set_on_a_stale_module_shows_the_fields_change_alone(tmp_path, monkeypat
     # Two paths compare what is written: the module as it is against the spec now.
     both = specgen("diff", module, "specs/fmha_mha_bf16.yaml", "--no-compile", cwd=tmp_path)
     assert both.returncode == 1 and "+Kernel ``" in both.stdout and not both.stderr
+
+
+def test_set_variant_has_no_performance_section():
+    """A --set variant was never benchmarked: --set name=<another spec> compared that
+    spec's committed results with a's, as if they were the variant's."""
+    result = diff("specs/fmha_gqa_causal.yaml", "--set", "name=fmha_seed_baseline", "--json",
+                  "--no-compile")
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["performance"] == []
+
+
+def test_performance_leaves_out_a_result_of_another_kernel(tmp_path):
+    """A result whose kernel is not its side's (the spec changed since the run) is
+    left out with a note, not compared as the spec's."""
+    spec = (ROOT / "specs" / "fmha_seed_baseline.yaml").read_text()
+    assert "\ndtype: float16" in spec
+    changed = tmp_path / "fmha_seed_baseline.yaml"
+    changed.write_text(spec.replace("\ndtype: float16", "\ndtype: bfloat16"))
+    result = diff("specs/fmha_gqa_causal.yaml", str(changed), "--json", "--no-compile")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["performance"] == []
+    assert result.stderr.splitlines() == [
+        "note: bench/results/h200/fmha_seed_baseline-prefill.json.gz times "
+        "fmha_prefill_causal_gqa4_f16_d128, not fmha_prefill_causal_gqa4_bf16_d128 (its spec changed "
+        "since the run): suite prefill on NVIDIA H200 left out of the performance section"]
+
+
+@pytest.mark.parametrize("a,b,unit", [
+    ("fmha_train_gqa_causal", "fmha_train_gemma2", "TFLOPS"),  # H200: a timed 2 lengths, b 5
+    ("fmha_decode_gqa8_bf16", "fmha_decode_chunked_local", "µs"),  # b times 2 shapes more
+])
+def test_performance_rows_do_not_depend_on_the_order_of_a_and_b(a, b, unit):
+    """Rows only b timed are listed too (they were dropped, so `diff A B` and `diff B A`
+    showed different rows)."""
+    def blocks(x, y):
+        report = json.loads(diff(f"specs/{x}.yaml", f"specs/{y}.yaml", "--json", "--no-compile").stdout)
+        return {(blk["device"], blk["suite"]): blk for blk in report["performance"]}
+
+    forward, backward = blocks(a, b), blocks(b, a)
+    assert forward and set(forward) == set(backward)
+    key = "seq" if unit == "TFLOPS" else "shape"
+    a_t, b_t = ("a_tflops", "b_tflops") if unit == "TFLOPS" else ("a_us", "b_us")
+    for name, block in forward.items():
+        assert block["unit"] == unit
+        there = {row[key]: (row[a_t], row[b_t]) for row in block["rows"]}
+        back = {row[key]: (row[b_t], row[a_t]) for row in backward[name]["rows"]}
+        assert there == back
+    assert any(row[a_t] is None and row[b_t] for blk in forward.values() for row in blk["rows"])
+
+
+def test_decode_result_of_schema_1_under_its_schema_key_is_not_compared(tmp_path):
+    """A schema-1 decode result (one call per graph) whose version is under "schema"
+    (as bench writes it) showed a block of n/a rows; it is left out, as one under
+    "schema_version" is."""
+    from specgen.bench.core import find_result, read_result_text
+
+    (tmp_path / "h200").mkdir()
+    for name in ("fmha_decode_gqa4_bf16", "fmha_decode_paged_mtp"):
+        data = json.loads(read_result_text(find_result(ROOT / f"bench/results/h200/{name}-decode")))
+        if name == "fmha_decode_paged_mtp":
+            data.pop("schema_version", None)
+            data["schema"] = 1
+        (tmp_path / "h200" / f"{name}-decode.json").write_text(json.dumps(data))
+    result = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
+                  "--no-compile", "--results", str(tmp_path))
+    assert result.returncode == 1 and json.loads(result.stdout)["performance"] == []

@@ -34,6 +34,9 @@ class Side:
     plan: Plan
     source: str
     module: bool = False  # the text of a generated module as written, not a fresh render
+    # A --set variant: no bench run has timed it, so results under its name (a --set
+    # name=... that names another spec) are another spec's, never its own.
+    variant: bool = False
 
 
 # --- loading the two sides ------------------------------------------------------
@@ -151,7 +154,7 @@ def variant_side(data: dict, base: Side, assignments: list[str]) -> Side:
     except SpecError as exc:
         raise UsageError("\n".join(exc.lines())) from None
     spec_path = _header_path(base.source) or "variant.yaml"
-    return Side(label, plan, render(plan, spec_path).text)
+    return Side(label, plan, render(plan, spec_path).text, variant=True)
 
 
 def rendered_now(side: Side, log: Callable[[str], None]) -> Side:
@@ -345,13 +348,18 @@ def compiled_section(a: Side, b: Side, log: Optional[Callable[[str], None]] = No
     return rows
 
 
-def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
+def performance_section(a: Side, b: Side, results_dir: Path,
+                        log: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Where both specs were benchmarked on one device in the same suite: TFLOPS per
-    sequence length (prefill, backward), or steady-state µs per shape (decode)."""
-    from specgen.bench.core import ResultError, find_result, load_result, result_stem
+    sequence length (prefill, backward), or steady-state µs per shape (decode). A
+    result of another kernel than its side's (a spec changed since its run) is left
+    out, with a note to ``log``."""
+    from specgen.bench.core import (ResultError, checked_result, find_result, read_result_json,
+                                    result_stem)
 
     out = []
-    if a.plan.module_name == b.plan.module_name or not results_dir.is_dir():
+    if (a.plan.module_name == b.plan.module_name or a.variant or b.variant
+            or not results_dir.is_dir()):
         return out
     for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
         prefix = f"{a.plan.module_name}-*"
@@ -363,48 +371,62 @@ def performance_section(a: Side, b: Side, results_dir: Path) -> list[dict]:
             if path_a is None or path_b is None:  # (a folder or a broken link by that name)
                 continue
             try:
-                if suite == "decode":
-                    block = _decode_performance(path_a, path_b)
-                    if block:
-                        out.append(block)
-                    continue
-                ra, rb = load_result(path_a), load_result(path_b)
+                raw = [read_result_json(p) for p in (path_a, path_b)]
+                ra, rb = checked_result(path_a, raw[0]), checked_result(path_b, raw[1])
             except ResultError as exc:  # the file and what is wrong with it
                 raise UsageError(f"specgen diff: --results: {exc}") from None
-            by_seq = {r.seq_q: r.timings["specgen"].tflops for r in rb.rows}
-            rows = [
-                {"seq": r.seq_q, "a_tflops": r.timings["specgen"].tflops,
-                 "b_tflops": by_seq.get(r.seq_q)}
-                for r in ra.rows
-            ]
-            for row in rows:
-                ok = row["a_tflops"] and row["b_tflops"]
-                row["ratio"] = row["b_tflops"] / row["a_tflops"] if ok else None
-            out.append({"device": ra.device.get("name", device_dir.name), "suite": suite,
-                        "unit": "TFLOPS", "a_date": ra.created, "b_date": rb.created, "rows": rows})
+            stale = [f"{path} times {result.kernel}, not {side.plan.kernel_name}"
+                     for path, result, side in ((path_a, ra, a), (path_b, rb, b))
+                     if result.kernel != side.plan.kernel_name]
+            if stale:
+                if log:
+                    log(f"note: {'; '.join(stale)} (its spec changed since the run): suite {suite} "
+                        f"on {ra.device.get('name', device_dir.name)} left out of the performance section")
+                continue
+            block = (_decode_performance(ra, rb, raw) if suite == "decode"
+                     else _tflops_performance(ra, rb))
+            if block:
+                out.append({"device": ra.device.get("name", device_dir.name), "suite": suite,
+                            "unit": block[0], "a_date": ra.created, "b_date": rb.created,
+                            "rows": block[1]})
     return out
 
 
-def _decode_performance(path_a: Path, path_b: Path) -> Optional[dict]:
+def _paired_rows(ra, rb, key: Callable) -> list[tuple[Any, Any, Any]]:
+    """(key, a's row, b's row) for every key either result timed: a's rows in its
+    order, then those only b timed (None on the side that lacks the key)."""
+    by_key_b = {key(r): r for r in rb.rows}
+    keys_a = {key(r) for r in ra.rows}
+    return ([(key(r), r, by_key_b.get(key(r))) for r in ra.rows]
+            + [(k, None, r) for k, r in by_key_b.items() if k not in keys_a])
+
+
+def _tflops_performance(ra, rb) -> tuple[str, list[dict]]:
+    """The specgen kernel's TFLOPS of both results per sequence length; ratio = b / a."""
+    rows = []
+    for seq, row_a, row_b in _paired_rows(ra, rb, lambda r: r.seq_q):
+        a_t, b_t = (r.timings["specgen"].tflops if r else None for r in (row_a, row_b))
+        rows.append({"seq": seq, "a_tflops": a_t, "b_tflops": b_t,
+                     "ratio": b_t / a_t if a_t and b_t else None})
+    return "TFLOPS", rows
+
+
+def _decode_performance(ra, rb, raw: list) -> Optional[tuple[str, list[dict]]]:
     """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
     (above 1: b is faster). None unless both files have the steady-state schema."""
-    from specgen.bench.core import checked_result, read_result_json
-
-    # Schema 1 timed one call per graph: not comparable with the steady state.
-    raw = [read_result_json(p) for p in (path_a, path_b)]
-    if any(isinstance(d, dict) and d.get("schema_version", 3) == 1 for d in raw):
+    # Schema 1 timed one call per graph: not comparable with the steady state. Its
+    # version is under "schema" or "schema_version", and a file with neither is of
+    # schema 1 (as bench.core.upgrade reads it).
+    if any(isinstance(d, dict) and d.get("schema", d.get("schema_version", 1)) == 1 for d in raw):
         return None
-    ra, rb = checked_result(path_a, raw[0]), checked_result(path_b, raw[1])
-    by_shape = {(r.batch, r.heads_kv, r.seq_k): 1000 * r.timings["specgen"].ms for r in rb.rows
-                if r.timings["specgen"].ms}
     rows = []
-    for r in ra.rows:
-        a_ms = r.timings["specgen"].ms
-        a_us, b_us = (1000 * a_ms if a_ms else None), by_shape.get((r.batch, r.heads_kv, r.seq_k))
-        rows.append({"shape": f"B{r.batch} Hkv{r.heads_kv} L{r.seq_k}", "a_us": a_us, "b_us": b_us,
+    for (batch, heads_kv, seq_k), row_a, row_b in _paired_rows(
+            ra, rb, lambda r: (r.batch, r.heads_kv, r.seq_k)):
+        a_us, b_us = (1000 * r.timings["specgen"].ms if r and r.timings["specgen"].ms else None
+                      for r in (row_a, row_b))
+        rows.append({"shape": f"B{batch} Hkv{heads_kv} L{seq_k}", "a_us": a_us, "b_us": b_us,
                      "ratio": a_us / b_us if a_us and b_us else None})
-    return {"device": ra.device.get("name", path_a.parent.name), "suite": "decode", "unit": "µs", "a_date": ra.created,
-            "b_date": rb.created, "rows": rows}
+    return "µs", rows
 
 
 # --- output --------------------------------------------------------------------
@@ -553,7 +575,7 @@ def build_report(a: Side, b: Side, compiled: bool, results_dir: Path) -> dict:
         "plan": plan_section(a, b),
         "source": source_section(a, b),
         "compiled": compiled_section(a, b, _stderr) if compiled else None,
-        "performance": performance_section(a, b, results_dir),
+        "performance": performance_section(a, b, results_dir, _stderr),
     }
 
 

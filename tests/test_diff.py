@@ -421,3 +421,32 @@ def test_decode_result_of_schema_1_under_its_schema_key_is_not_compared(tmp_path
     result = diff("specs/fmha_decode_gqa4_bf16.yaml", "specs/fmha_decode_paged_mtp.yaml", "--json",
                   "--no-compile", "--results", str(tmp_path))
     assert result.returncode == 1 and json.loads(result.stdout)["performance"] == []
+
+
+def test_results_of_one_device_folder_are_read():
+    """--results bench/results/h200 (a device's folder, not their parent) showed no
+    performance section, without a word."""
+    whole = json.loads(diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--json",
+                            "--no-compile").stdout)["performance"]
+    one = json.loads(diff("specs/fmha_seed_baseline.yaml", "specs/fmha_gqa_causal.yaml", "--json",
+                          "--no-compile", "--results", "bench/results/h200").stdout)["performance"]
+    assert one and one == [block for block in whole if block["device"] == "NVIDIA H200"]
+
+
+def test_templates_takes_a_module_for_its_spec(tmp_path):
+    """--templates generated/x.py read the module as YAML ("invalid YAML: ..."); a
+    module now stands for the spec its header names."""
+    (tmp_path / "specs").mkdir()
+    shutil.copy(ROOT / "specs" / "fmha_mha_bf16.yaml", tmp_path / "specs")
+    assert specgen("build", "specs", "--no-compile", cwd=tmp_path).returncode == 0
+    by_module = specgen("diff", "--templates", "generated/fmha_mha_bf16.py", cwd=tmp_path)
+    assert by_module.returncode == 0 and by_module.stdout == specgen(
+        "diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=tmp_path).stdout
+    (tmp_path / "notes.py").write_text("x = 1\n")
+    refused = specgen("diff", "--templates", "notes.py", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.splitlines() == [
+        "specgen diff: --templates takes specs or folders of specs; notes.py is not a generated "
+        "module whose header names its spec"]
+    (tmp_path / "specs" / "fmha_mha_bf16.yaml").unlink()
+    gone = specgen("diff", "--templates", "generated/fmha_mha_bf16.py", cwd=tmp_path)
+    assert gone.returncode == 2 and "made from specs/fmha_mha_bf16.yaml, which is gone" in gone.stderr

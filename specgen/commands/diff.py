@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -361,7 +362,10 @@ def performance_section(a: Side, b: Side, results_dir: Path,
     if (a.plan.module_name == b.plan.module_name or a.variant or b.variant
             or not results_dir.is_dir()):
         return out
-    for device_dir in sorted(p for p in results_dir.iterdir() if p.is_dir()):
+    # A device's own folder (bench/results/h200) is read as the results of one device.
+    own = any(results_dir.glob(f"{a.plan.module_name}-*.json*"))
+    device_dirs = [results_dir] * own + sorted(p for p in results_dir.iterdir() if p.is_dir())
+    for device_dir in device_dirs:
         prefix = f"{a.plan.module_name}-*"
         stems = {result_stem(p) for ext in (".json", ".json.gz") for p in device_dir.glob(prefix + ext)}
         for stem in sorted(stems):
@@ -659,13 +663,33 @@ def run_diff(
     return 1 if any(differs(r) for r in reports) else 0
 
 
+def _spec_of(path: str) -> str:
+    """A spec path for --templates: a generated module stands for the spec its
+    header names (from the project that holds its folder)."""
+    from specgen.compile.jobs import module_text
+    from specgen.emit.render import module_header
+
+    if not path.endswith(".py"):
+        return path
+    module = Path(path)
+    match = module_header(module_text(module)) if module.is_file() else None
+    if match is None:
+        raise UsageError(f"specgen diff: --templates takes specs or folders of specs; {path} is "
+                         "not a generated module whose header names its spec")
+    spec = module.resolve().parent.parent / match["spec_path"]
+    if not spec.is_file():
+        raise UsageError(f"specgen diff: --templates: {path} was made from {match['spec_path']}, "
+                         "which is gone")
+    return os.path.relpath(spec) if spec.is_relative_to(Path.cwd().resolve()) else str(spec)
+
+
 def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:
     """Each spec re-rendered with the installed templates (a checkout's working tree)
     against its module as written in gen_dir."""
     from specgen.compile.jobs import load_jobs, module_text
 
     reports = []
-    for job in load_jobs(paths, gen_dir):
+    for job in load_jobs([_spec_of(path) for path in paths], gen_dir):
         committed = module_text(job.out_path) if job.out_path.is_file() else ""
         a = Side(f"{job.out_path} ({'as written' if job.out_path.is_file() else 'missing'})",
                  job.plan, committed)

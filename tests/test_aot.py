@@ -102,6 +102,33 @@ def test_a_stale_or_disabled_folder_is_never_used(built, tmp_path, monkeypatch):
     assert store._load() == [] and "specgen build" in store.reason
 
 
+def test_a_module_keeps_to_the_file_it_was_imported_from(built, tmp_path):
+    """A build that replaces a module (and its folder) while a process runs it: that
+    process's first calls take neither the new build's cubins nor, through cuTile's
+    JIT, the new file's kernels. Read at the first call, the file matched the new
+    manifest and the old code was served the new cubins (a softcap of 50 in memory
+    ran kernels built for 30), and cuTile parsed the new file at the old line numbers."""
+    import inspect
+
+    copy = tmp_path / built.name
+    shutil.copy(built, copy)
+    folder = tmp_path / f"{SPEC}.aot"
+    shutil.copytree(built.with_name(f"{SPEC}.aot"), folder)
+    old_text = copy.read_text()
+    module = load(copy)
+    kernel = getattr(module, _first_entry(module)[0]["kernel"])
+    # The rebuild: another module (its lines shifted), and a manifest built from it.
+    copy.write_text("# rebuilt\n" + old_text)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["source_sha256"] = hashlib.sha256(copy.read_bytes()).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    store = module._AotStore()
+    assert store._load() == [] and "another version" in store.reason
+    lines, first = inspect.findsource(kernel._pyfunc)
+    assert "".join(lines) == old_text and first + 1 == kernel._pyfunc.__code__.co_firstlineno
+    assert load(copy)._AotStore()._load(), "a fresh import of the new file uses the new folder"
+
+
 def _first_entry(module):
     from cuda.tile.compilation import demangle_kernel_name
 

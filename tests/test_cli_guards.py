@@ -257,3 +257,27 @@ def test_the_documented_bench_scripts_refuse_a_machine_without_a_gpu(script):
     assert run.returncode == 2 and run.stdout == "", (run.returncode, run.stdout, run.stderr)
     (line,) = run.stderr.splitlines()
     assert line.startswith(f"{ROOT / 'bench' / script}: needs ") and "CUDA GPU" in line and "sees none" in line
+
+
+def _worker_signals(plan, source, origin, target):
+    """A compile that reports how its worker handles SIGINT and SIGTERM."""
+    import signal
+
+    from specgen.errors import CompileError
+
+    raise CompileError(f"{signal.getsignal(signal.SIGINT)} {signal.getsignal(signal.SIGTERM)}")
+
+
+def test_compile_workers_leave_interrupts_to_the_build(monkeypatch):
+    """Ctrl-C and `timeout -s INT` signal the whole process group: a worker that took
+    the interrupt while it waited for work died holding the pool's queue, and the
+    build hung at exit (2 of 10 builds under `timeout -s INT`). Workers ignore it; the
+    build ends them."""
+    import signal
+
+    from specgen.compile import jobs as build
+
+    monkeypatch.setattr(build, "compile_target", _worker_signals)
+    loaded = build.load_jobs([ROOT / "specs" / "fmha_gqa4_f16_d64.yaml"], ROOT / "generated")
+    _, failures = build.compile_jobs(loaded, ("sm_90", "sm_100"), 2, lambda line: None, write_aot=False)
+    assert failures == [f"{signal.SIG_IGN} {signal.SIG_IGN}"] * 2

@@ -346,3 +346,22 @@ def test_write_back_keeps_the_spaces_that_align_values():
     text = write_back(ALIGNED, "t.yaml", "sm_90", B, [{"max_seq_k": 2048, **A}])
     assert text.splitlines()[:5] == old[:5] and text.splitlines()[-1] == old[-1]
     assert yaml.safe_load(text)["targets"]["sm_90"]["by_seq_k"][0]["max_seq_k"] == 2048
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o600, 0o755])
+def test_a_tuned_spec_keeps_its_mode_and_its_link(tmp_path, mode):
+    """The rewrite replaces the file, not its permissions (0640 came back 0644,
+    readable by everyone) nor a link to it."""
+    import os
+    import stat
+
+    from specgen.commands.tune import rewrite_spec_file
+
+    path, link = tmp_path / "t.yaml", tmp_path / "link.yaml"
+    path.write_text(SPEC_TEXT)
+    path.chmod(mode)
+    link.symlink_to(path.name)
+    assert rewrite_spec_file(link, lambda text: write_back(text, "link.yaml", "sm_90", B, []))
+    assert link.is_symlink() and os.readlink(link) == path.name
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert load_spec(path).targets["sm_90"].tile_m == B["tile_m"]

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 import time
@@ -171,9 +172,14 @@ def _umask() -> int:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write through a temporary file in the same folder and os.replace it in. A
     symbolic link is written through, as open() would: its target is replaced and
-    the link kept."""
+    the link kept. The file keeps its permission bits, as open() keeps them (a spec
+    that tune rewrote went from 0640 to 0644); a new file gets the umask's."""
     if path.is_symlink():
         path = Path(os.path.realpath(path))
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:  # a new file
+        mode = 0o666 & ~_umask()
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -182,7 +188,7 @@ def atomic_write(path: Path, data: bytes) -> None:
     try:
         # mkstemp makes the file 0600; give it the mode open() would (0644 under
         # the usual umask 022).
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -408,7 +408,9 @@ def compile_jobs(
                     yield job, target, exc
             return
         pool_size = min(workers, len(tasks))
-        with _terminate_as_interrupt(), ProcessPoolExecutor(max_workers=pool_size) as pool:
+        with _terminate_as_interrupt(), ProcessPoolExecutor(
+                max_workers=pool_size, initializer=_leave_interrupts_to_the_build) as pool, \
+                _cancel_queued_on_interrupt(pool):
             futures = {
                 pool.submit(
                     compile_target, job.plan, job.rendered.text, _origin(job.plan), target
@@ -481,6 +483,28 @@ def _terminate_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _leave_interrupts_to_the_build() -> None:
+    """A compile worker ignores SIGINT and SIGTERM: Ctrl-C and `timeout` signal the
+    whole process group, and a worker interrupted while it waited for its next compile
+    died holding the pool's queue, so the build hung at exit, never 130 (2 of 10 builds
+    under `timeout -s INT`). The build ends its workers itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _cancel_queued_on_interrupt(pool: ProcessPoolExecutor):
+    """On Ctrl-C (or SIGTERM), the compiles not yet started are dropped and the running
+    ones end before the build does, not every queued compile. (With wait=False the
+    pool's own shutdown that follows no longer waits, and the build hung at exit
+    before its workers had their signal to stop.)"""
+    try:
+        yield
+    except KeyboardInterrupt:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
 
 
 def _blocked_outputs(jobs) -> list[str]:

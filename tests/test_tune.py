@@ -365,3 +365,23 @@ def test_a_tuned_spec_keeps_its_mode_and_its_link(tmp_path, mode):
     assert link.is_symlink() and os.readlink(link) == path.name
     assert stat.S_IMODE(path.stat().st_mode) == mode
     assert load_spec(path).targets["sm_90"].tile_m == B["tile_m"]
+
+
+def test_a_spec_edited_during_the_search_is_not_written(tmp_path):
+    """tune read the spec at its start and wrote the configs searched for it into
+    whatever the file held minutes later: an edit made meanwhile (another tile, a
+    changed feature) got configs never timed for it. The write-back now refuses a file
+    that changed, naming where the choice was kept."""
+    from specgen.commands.tune import rewrite_spec_file
+
+    path = tmp_path / "t.yaml"
+    path.write_text(SPEC_TEXT)
+    read = path.read_bytes()
+    path.write_text(SPEC_TEXT.replace("causal: true", "causal: false"))  # edited meanwhile
+    with pytest.raises(UsageError, match=r"t.yaml: changed since tune read it, .* not written into it; "
+                                         r"the choice is in r.json"):
+        rewrite_spec_file(path, lambda text: write_back(text, "t.yaml", "sm_90", B, []), expected=read,
+                          kept="; the choice is in r.json")
+    assert "causal: false" in path.read_text() and "num_worker_warps" not in path.read_text()
+    path.write_bytes(read)  # as read: written
+    assert rewrite_spec_file(path, lambda text: write_back(text, "t.yaml", "sm_90", B, []), expected=read)

@@ -462,13 +462,19 @@ def _hints(config: dict) -> dict:
             for name in HINT_FIELDS}
 
 
-def rewrite_spec_file(path: Path, rewrite: Callable[[str], str]) -> bool:
+def rewrite_spec_file(path: Path, rewrite: Callable[[str], str], expected: Optional[bytes] = None,
+                      kept: str = "") -> bool:
     """Replace a spec file's text by ``rewrite(text)`` (given and returning "\n" line
     ends), keeping the file's byte-order mark and line endings; atomically, and only
-    on a change. Returns whether the file changed."""
+    on a change. Returns whether the file changed. ``expected``: the bytes the file
+    must still hold (as the search read them), else UsageError ending in ``kept``."""
     from specgen.compile.export import atomic_write
 
-    raw = path.read_bytes().decode("utf-8")
+    data = path.read_bytes()
+    if expected is not None and data != expected:
+        raise UsageError(f"{path}: changed since tune read it, so the configs searched for the old "
+                         f"spec were not written into it{kept}")
+    raw = data.decode("utf-8")
     bom = "\ufeff" if raw.startswith("\ufeff") else ""
     newline = "\r\n" if "\r\n" in raw else "\n"
     text = raw[len(bom):].replace("\r\n", "\n")
@@ -509,6 +515,7 @@ def run_tune(
     from specgen.plan.make import default_v_transposed, make_plan
     from specgen.emit.render import render
 
+    read = path.read_bytes()  # what the search is for: written back only into the same text
     spec: Spec = load_spec(path)
     if spec.family != "prefill":
         raise UsageError(f"{path}: tune searches prefill specs; set a decode spec's tile_n and "
@@ -754,7 +761,8 @@ def run_tune(
     tuned = TargetConfig.model_validate({**_clean(own), "by_seq_k": [_clean(b) for b in buckets]})
     current = spec.targets.get(target)
     changed = current != tuned and rewrite_spec_file(
-        path, lambda text: write_back(text, str(path), target, own, buckets))
+        path, lambda text: write_back(text, str(path), target, own, buckets), expected=read,
+        kept=f"; the choice is in {report_path} (run tune again, or copy it into targets.{target})")
     if not changed:
         log(f"{path}: unchanged (already tuned to these configs)")
     else:

@@ -258,3 +258,41 @@ def test_a_decode_mask_that_reads_b_is_not_sliced(monkeypatch):
     with emulate.emulating(), pytest.raises(ValueError, match="the grid's y limit"):
         mod.attention(*batch.args())
     assert grids == []
+
+
+def _hook_choices_module():
+    import yaml
+
+    from .helpers import ROOT, emulated_spec_module
+
+    if "hook_choices" not in _MODULES:
+        data = yaml.safe_load((ROOT / "bench" / "train" / "fmha_train_hook_choices.yaml").read_text())
+        _MODULES["hook_choices"] = emulated_spec_module(data, "batch_slices")
+    return _MODULES["hook_choices"]
+
+
+@pytest.mark.parametrize("name, tensor", [("fmha_train_gptoss_sinks", "sinks"), ("hook_choices", "slope")])
+def test_training_with_gradients_summed_over_the_batch_runs_in_slices(name, tensor, monkeypatch):
+    """The sinks' and a learnable tensor's gradients are sums over the batch: the
+    backward refused a batch × heads past the grid's y limit (gpt-oss's 64 heads at a
+    batch of 1,024) after its forward had run in slices. Each slice now returns its
+    part in float32 and the call adds them up: dq, dk and dv keep the bits of one call,
+    the summed gradient agrees to float32 rounding."""
+    mod = _hook_choices_module() if name == "hook_choices" else _module(name)
+
+    def run():
+        q, k, v = _qkv(mod, 5, seed=3, requires_grad=True)
+        param = torch.randn(q.shape[1], generator=torch.Generator().manual_seed(5)).requires_grad_()
+        out = mod.attention(q, k, v, **{tensor: param})
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(6)).to(out.dtype))
+        return out.detach(), q.grad, k.grad, v.grad, param.grad
+
+    heads = mod.SPEC["gqa_ratio"]  # one KV head
+    whole, sliced, grids = _whole_and_sliced(mod, run, heads, monkeypatch)
+    assert max(g[1] for g in grids) <= 2 * heads and len(grids) >= 2 * 3  # three slices' kernels
+    for a, b in zip(sliced[:4], whole[:4]):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert sliced[4].dtype == whole[4].dtype == torch.float32
+    torch.testing.assert_close(sliced[4], whole[4], rtol=1e-5, atol=1e-6)
+    assert sliced[4].abs().max() > 0

@@ -245,6 +245,30 @@ def test_training_batch_past_the_grid_y_limit_runs_in_slices():
         _grads_ok(mod, b, lambda t: t[b:b + 1], q, k, v, out, dout, (dq, dk, dv))  # noqa: B023
 
 
+def test_sinks_training_batch_past_the_grid_y_limit_runs_in_slices():
+    """B 1100 × 64 heads = 70400 (gpt-oss's heads): the backward in two slices, the
+    sinks' gradient summed over them, against fp64 autograd of the whole batch."""
+    _need(8)
+    mod = generated_module("fmha_train_gptoss_sinks")
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    dim = mod.HEAD_DIM
+    q = torch.randn(1100, 64, 48, dim, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(1100, 8, 48, dim, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+            for _ in "kv")
+    sinks = torch.randn(64, device="cuda", generator=gen).requires_grad_()
+    out = mod.attention(q, k, v, sinks=sinks)
+    out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn(out.shape, device="cuda", generator=gen).to(out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ref, _ = reference_for(mod.SPEC, *leaves[:3], {"sinks": leaves[3]})
+    ref.backward(dout.double())
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads),
+                               (ref, *(t.grad for t in leaves))):
+        err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-2)
+        assert torch.isfinite(got).all() and err <= 2e-2, (name, err)
+
+
 def test_decode_batch_past_the_grid_y_limit_runs_in_slices():
     """B 8200 × 8 KV heads = 65600 (the split kernel's y): slices of 8176 and 24."""
     _need(8)

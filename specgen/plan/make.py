@@ -296,29 +296,33 @@ class Plan:
         sequences) where batch × heads pass the grid's y limit: not with block maps,
         float8 descales or hook tensors with a batch axis (each would need its own
         slice), a hook that reads b (a slice's kernels count b from its first
-        entry: see reads_batch_index), persistent work loops (a 1-D grid), or the
-        backward of sinks or learnable tensors (gradients summed over the batch).
+        entry: see reads_batch_index), or persistent work loops (a 1-D grid).
         An LSE gradient is sliced with the batch (a packed one is read at the rows'
         offsets as is). Dropout slices only without drops (its mask is drawn per
         batch index), which the launchers check at run time."""
         if self.block_sparse or self.fp8 or self.persistent_loop or self.reads_batch_index:
             return False
-        if any("batch" in dims for *_, dims in self.extra_tensors):
-            return False
-        return not (self.backward and (self.sinks or self.learnable))
+        return not any("batch" in dims for *_, dims in self.extra_tensors)
+
+    @property
+    def slice_sums(self) -> bool:
+        """Whether the backward's slices return gradients summed over the batch (the
+        sinks', a learnable tensor's), which the sliced call adds up in float32."""
+        return self.backward and bool(self.sinks or self.learnable)
 
     @property
     def batch_slices(self) -> bool:
         """A [B, H, S, D] prefill: slices of the batch, one _forward (and _backward)
-        call each (see _sliceable)."""
+        call each (see _sliceable; the backward adds up the slices' slice_sums)."""
         return not self.varlen and self._sliceable
 
     @property
     def varlen_slices(self) -> bool:
         """A packed varlen prefill: launches over slices of its sequences, each reading
         its slice of cu_seqlens (the kernels take rows at the offsets they give),
-        forward and backward (see _sliceable)."""
-        return self.varlen and self._sliceable
+        forward and backward (see _sliceable). Not for a backward with slice_sums,
+        whose kernels sum those gradients over every sequence of one launch."""
+        return self.varlen and self._sliceable and not self.slice_sums
 
     @property
     def decode_slices(self) -> bool:

@@ -855,15 +855,15 @@ def test_the_backward_checks_its_grids_before_the_first_launch(refused, launches
     launches(grads(q, k, v, lse))
     monkeypatch.setattr(mod, "MAX_GRID_Y", 3)  # fewer than the 4 heads: no slice of the batch fits
     refused(grads(q, k, v, lse), "batch * heads must be at most 3 (the grid's y limit), got 1 * 4")
-    sinks = _module("fmha_train_gptoss_sinks")  # sliced never (the sinks' gradient sums the batch)
+    sinks = _module("fmha_train_gptoss_sinks")  # sliced by entries, but not one entry's heads
     q, k, v = random_qkv(sinks.SPEC, 2, 1, 16, 16, generator=_gen(), device="cpu")
     lse = torch.zeros(q.shape[:3], dtype=torch.float32)
     heads = torch.zeros(q.shape[1])
-    monkeypatch.setattr(sinks, "MAX_GRID_Y", 2 * q.shape[1] - 1)
+    monkeypatch.setattr(sinks, "MAX_GRID_Y", q.shape[1] - 1)
     refused(lambda: sinks._op_grads(q, k, v, q, lse, q, None, 0.1, 0, heads),
-            f"batch * heads must be at most {2 * q.shape[1] - 1} (the grid's y limit), got 2 * {q.shape[1]}")
-    monkeypatch.setattr(sinks, "MAX_GRID_Y", 2 * q.shape[1])
-    launches(lambda: sinks._op_grads(q, k, v, q, lse, q, None, 0.1, 0, heads))
+            f"batch * heads must be at most {q.shape[1] - 1} (the grid's y limit), got 2 * {q.shape[1]}")
+    monkeypatch.setattr(sinks, "MAX_GRID_Y", 2 * q.shape[1] - 1)
+    launches(lambda: sinks._op_grads(q, k, v, q, lse, q, None, 0.1, 0, heads))  # an entry a slice
 
 
 def test_a_packed_backward_past_the_y_limit_runs_head_by_head(monkeypatch):

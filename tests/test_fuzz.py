@@ -136,11 +136,11 @@ def _validated(data: dict) -> Spec | None:
         return None
 
 
-ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "math", "numbers", "operator", "os", "struct", "sys", "threading", "types",
-                   "torch", "cuda.tile"}
+ALLOWED_IMPORTS = {"dataclasses", "hashlib", "json", "linecache", "math", "numbers", "operator", "os", "struct", "sys",
+                   "threading", "types", "torch", "cuda.tile"}
 # The AOT runtime's names from cuda.tile (its ByTarget sentinel and the signature types).
 ALLOWED_FROM = {"cuda.tile._by_target", "cuda.tile.compilation"}
-ALLOWED_TOP_CALLS = {"_register", "_lookup", "math.log", "math.sqrt", "_AotStore",
+ALLOWED_TOP_CALLS = {"_register", "_lookup", "math.log", "math.sqrt", "_AotStore", "_imported_source_sha256",
                      "os.path.join", "os.path.dirname", "os.path.abspath",
                      "getattr", "threading.RLock",
                      # the op registry's process-wide lock

@@ -2,6 +2,8 @@
 matrix, the result schema, table rendering, and the no-GPU exit code."""
 
 
+from pathlib import Path
+
 import pytest
 
 from specgen.check.gpu import device_slug
@@ -176,3 +178,114 @@ def test_a_non_finite_input_dtype_reference_gives_no_allowance_there():
     # a NaN in the fp64 reference still fails
     rule = _fa_rule(torch, got, [torch.tensor([0.0, float("nan")], dtype=torch.float64)], rough)
     assert not rule["grad_ok"]
+
+
+def _raising_worker(module_path, case, generator_seed):
+    if case == 1:  # as the emulator refuses a kernel's load (or a launcher a valid shape)
+        raise ValueError("ct.load of tile (0, 8) lies wholly outside an array")
+    return {"shape": str(case), "max_abs_err": 0.0, "rel_err": 0.0, "nonfinite": 0, "ok": True}
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_a_case_that_raises_fails_alone_and_says_what_it_raised(jobs):
+    """The exception of one case is that case's failure: the other cases still run,
+    and its row names the error and its line. It ended the run with a traceback,
+    without the table or the case's replay line."""
+    import concurrent.futures
+
+    from specgen.check.runner import run_cases
+
+    reported = []
+    rows = run_cases([0, 1, 2], [0, 0, 0], "m.py", jobs, lambda i, row: reported.append(i),
+                     executor=concurrent.futures.ThreadPoolExecutor(3), worker=_raising_worker)
+    assert [r["ok"] for r in rows] == [True, False, True] and sorted(reported) == [0, 1, 2]
+    error = rows[1]["error"]
+    assert error.startswith("ValueError: ct.load of tile (0, 8) lies wholly outside an array "
+                            "(at test_harness.py:")
+    assert case_verdict(rows[1]).startswith("FAIL, rel err inf, raised ValueError: ct.load")
+
+
+def test_a_fuzz_case_that_raises_gets_its_row_and_a_replay_with_the_runs_gen(tmp_path, monkeypatch,
+                                                                             capsys):
+    """run_test over a case that raises: exit 1, a FAIL row saying what was raised,
+    and a replay line that names the run's --gen (without it the replay wrote the
+    module into ./generated, or was refused where another spec's module lies)."""
+    from specgen.check import runner
+
+    def second_raises(module_path, case, generator_seed):
+        spec = runner._emulated_module(module_path).SPEC
+        second = runner.fuzz_case(spec, "3:1", runner.EMULATED_SCALE)
+        return _raising_worker(module_path, 1 if case == second else 0, generator_seed)
+
+    monkeypatch.setattr(runner, "_emulated_case", second_raises)
+    gen = tmp_path / "gen"
+    code = runner.run_test([str(ROOT / "specs" / "fmha_mha_bf16.yaml")], gen, quick=False,
+                           seed=3, fuzz=3, emulate=True)
+    out, err = capsys.readouterr()
+    assert code == 1
+    row = next(line for line in out.splitlines() if line.startswith("  [3:1]"))
+    assert "FAIL  raised ValueError: ct.load of tile" in row
+    assert "2/3 fuzz cases (3 drawn) passed" in out
+    replay = next(line for line in out.splitlines() if "replay:" in line)
+    assert replay.startswith("  replay: specgen test ") and "fmha_mha_bf16.yaml" in replay
+    assert replay.endswith(f" --fuzz-case=3:1 --emulate --gen {gen}")
+    assert f"replay: --fuzz-case=3:1 --emulate --gen {gen}" in err
+
+
+def _marking_worker(module_path, case, generator_seed):
+    """A slow case that leaves a mark in the folder ``module_path`` when it starts."""
+    import time
+
+    (Path(module_path) / str(case)).touch()
+    time.sleep(0.5)
+    return {"shape": str(case), "max_abs_err": 0.0, "rel_err": 0.0, "nonfinite": 0, "ok": True}
+
+
+_INTERRUPTED_RUN = """
+import sys
+from specgen.check.runner import run_cases
+from tests.test_harness import _marking_worker
+
+try:
+    run_cases(list(range(40)), [0] * 40, sys.argv[1], 2, lambda i, row: print(i, flush=True),
+              worker=_marking_worker)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM"])
+def test_an_interrupted_run_on_workers_stops_its_cases_and_exits(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM
+    (to the parent alone, as `timeout` or a CI runner sends it) during `specgen test
+    -j 2`: the parent exits 130 within seconds, and no case starts after it. Ctrl-C
+    hung after 'interrupted' (a worker that took the interrupt died holding the
+    queue's lock), or ran every queued case first; SIGTERM left the workers
+    running the cases, orphaned."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    process = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_RUN, str(tmp_path)], cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        for _ in range(3):  # cases have finished: both workers are up and running cases
+            assert process.stdout.readline().strip().isdigit()
+        if how == "Ctrl-C":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+        assert process.returncode == 130 and out.splitlines()[-1] == "interrupted", out
+        started = len(list(tmp_path.iterdir()))
+        time.sleep(1.5)
+        assert len(list(tmp_path.iterdir())) == started < 40  # nothing runs on, orphaned
+    finally:
+        try:  # the run, and any worker left running (they share its process group)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from specgen.check.cases import (
 )
 from specgen.errors import InvalidSpecs, UsageError
 from specgen.check.gpu import fresh_jobs, fresh_modules, require_cuda
+from specgen.compile.jobs import terminate_as_interrupt
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,8 @@ def format_table(name: str, dtype: str, rows: list[dict]) -> str:
         note = f"  ({r['nonfinite']} non-finite)" if r.get("nonfinite") else ""
         if "grad_ratio" in r:
             note += f"  grads {r['grad_ratio']:.2f} of FA's allowance"
+        if "error" in r:
+            note += f"  raised {r['error']}"
         if "lse_err" in r:
             note += f"  lse err {r['lse_err']:.1e}" + (
                 f" ({r['lse_mismatch']} -inf/NaN mismatches)" if r["lse_mismatch"] else "")
@@ -393,6 +397,8 @@ def case_verdict(row: dict) -> str:
         text += f", grads {row['grad_ratio']:.2f} of FA's allowance"
         if not row.get("grad_finite", True):
             text += " (non-finite gradients)"
+    if "error" in row:
+        text += f", raised {row['error']}"
     return text
 
 
@@ -443,31 +449,81 @@ def _worker_case(module_path: str, case: Case, generator_seed: int) -> dict:
     return run_case(torch, module, case, torch.Generator(device="cuda").manual_seed(generator_seed))
 
 
+def error_row(exc: BaseException, module_path: str | None = None) -> dict:
+    """The row of a case that raised instead of returning an output: it fails, and
+    says what was raised and where: the innermost line of the module at
+    ``module_path`` (the kernel's load, the launcher's check), else the innermost
+    frame (a check's own)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [f for f in frames if module_path and Path(f.filename) == Path(module_path)]
+    frame = (own or frames or [None])[-1]
+    where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
+    text = str(exc).strip()
+    first = f": {text.splitlines()[0]}" if text else ""
+    return {"max_abs_err": math.inf, "rel_err": math.inf, "nonfinite": 0, "ok": False,
+            "error": f"{type(exc).__name__}{first}{where}"}
+
+
+def _case_or_error(worker, module_path: str, case: Case, generator_seed: int) -> dict:
+    """``worker``'s row for one case, or error_row where the case raised (a load
+    wholly outside its array, a launcher refusing a valid shape, a CUDA error): the
+    run goes on to the other cases, and the failure gets its row and its replay
+    line, where a traceback ended the run without naming the case."""
+    try:
+        return worker(module_path, case, generator_seed)
+    except Exception as exc:  # noqa: BLE001 - any exception of a case is its failure
+        return error_row(exc, module_path)
+
+
+def _ignore_interrupts() -> None:
+    """A worker process's initializer: Ctrl-C is the parent's to handle. A worker
+    that took it itself went on to the next queued case, or died holding the queue's
+    lock, and the interrupted run then hung after 'interrupted'."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: int, report,
               executor=None, worker=_worker_case) -> list[dict]:
     """Run ``cases`` (case i with generator_seeds[i]), in this process or on ``jobs``
     worker processes sharing the GPU where jobs > 1, and return their rows in case
-    order. ``report(i, row)`` is called as each case finishes (in finishing order).
-    ``executor`` and ``worker`` replace the process pool and the case function (tests)."""
+    order; a case that raises gets error_row. ``report(i, row)`` is called as each
+    case finishes (in finishing order). ``executor`` and ``worker`` replace the
+    process pool and the case function (tests)."""
     if jobs <= 1:
         rows = []
         for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds)):
-            rows.append(worker(module_path, case, gen_seed))
+            rows.append(_case_or_error(worker, module_path, case, gen_seed))
             report(i, rows[-1])
         return rows
     import concurrent.futures
     import multiprocessing
 
     pool = executor or concurrent.futures.ProcessPoolExecutor(
-        max_workers=min(jobs, len(cases)) or 1, mp_context=multiprocessing.get_context("spawn"))
+        max_workers=min(jobs, len(cases)) or 1, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_ignore_interrupts)
     rows: list = [None] * len(cases)
-    with pool:
-        futures = {pool.submit(worker, module_path, case, gen_seed): i
+    with terminate_as_interrupt(), pool:
+        futures = {pool.submit(_case_or_error, worker, module_path, case, gen_seed): i
                    for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds))}
-        for future in concurrent.futures.as_completed(futures):
-            i = futures[future]
-            rows[i] = future.result()
-            report(i, rows[i])
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                i = futures[future]
+                try:
+                    rows[i] = future.result()
+                except Exception as exc:  # noqa: BLE001 - a worker that died (BrokenProcessPool)
+                    rows[i] = error_row(exc)
+                report(i, rows[i])
+        except BaseException:
+            # Ctrl-C or SIGTERM: drop the queued cases and stop the running ones. Left
+            # to the pool's exit, every queued case ran to its end first, silently.
+            pool.shutdown(wait=False, cancel_futures=True)
+            for process in multiprocessing.active_children():
+                process.terminate()
+            raise
     return rows
 
 
@@ -496,8 +552,11 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         require_cuda("test")
         loaded = [(job, module.SPEC) for job, module in fresh_modules(paths, out_dir, log)]
         worker, scale = _worker_case, 1
-    # An emulated fuzz case is drawn at other lengths: its replay is emulated too.
-    replay_flag = " --emulate" if emulate else ""
+    # An emulated fuzz case is drawn at other lengths: its replay is emulated too. A
+    # replay without the run's --gen would write the module into ./generated (or be
+    # refused there, where another spec's module of that name lies).
+    replay_flag = (" --emulate" if emulate else "") + (
+        "" if out_dir == Path("generated") else f" --gen {shlex.quote(str(out_dir))}")
     failed = 0
     for job, spec in loaded:
         if fuzz_case_seed:
@@ -522,6 +581,7 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
         rows = run_cases(cases, generator_seeds, str(job.out_path), jobs, report, worker=worker)
         failures = []
         for i, row in enumerate(rows):
+            row.setdefault("shape", cases[i].label(spec["gqa_ratio"]))  # error_row has none
             if seeds:
                 row["shape"] = f"[{seeds[i]}] {row['shape']}"
                 if not row["ok"]:
@@ -537,7 +597,8 @@ def run_test(paths: list[str], out_dir: Path, quick: bool, seed: int, fuzz: int 
               f"{drawn}")
         for case_seed in failures:
             # (--fuzz-case=S:I: a negative seed after a space would read as an option)
-            print(f"  replay: specgen test {job.spec_path} --fuzz-case={case_seed}{replay_flag}")
+            print(f"  replay: specgen test {shlex.quote(str(job.spec_path))} --fuzz-case={case_seed}"
+                  f"{replay_flag}")
         print()
         failed += bad
     return 1 if failed else 0

@@ -408,7 +408,7 @@ def compile_jobs(
                     yield job, target, exc
             return
         pool_size = min(workers, len(tasks))
-        with _terminate_as_interrupt(), ProcessPoolExecutor(
+        with terminate_as_interrupt(), ProcessPoolExecutor(
                 max_workers=pool_size, initializer=_leave_interrupts_to_the_build) as pool, \
                 _cancel_queued_on_interrupt(pool):
             futures = {
@@ -466,11 +466,12 @@ def compile_jobs(
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM handled as Ctrl-C while a pool of compile workers runs: the pool is
-    then shut down as for SIGINT (the running compiles end, the workers exit, the
-    build exits 130). Left to its default, SIGTERM killed the build alone and its
-    workers ran on, orphaned. Outside the main thread signals cannot be set: as is."""
+def terminate_as_interrupt():
+    """SIGTERM handled as Ctrl-C while a pool of compile workers (or of `specgen test`
+    cases) runs: the pool is then shut down as for SIGINT (the running compiles end,
+    the running cases are stopped, the workers exit, the command exits 130). Left to
+    its default, SIGTERM killed the command alone and its workers ran on, orphaned.
+    Outside the main thread signals cannot be set: as is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -533,7 +534,7 @@ def run_build(*args, **kwargs) -> int:
     SIGTERM (a CI timeout, `timeout`, a process manager) ends it as Ctrl-C does, in
     every phase: a module being written has its temporary file removed, where the
     default action left a .<name>.py.XXXX file in the output folder."""
-    with _terminate_as_interrupt():
+    with terminate_as_interrupt():
         return _run_build(*args, **kwargs)
 
 

@@ -259,7 +259,7 @@ LAUNCHER_ARGUMENTS = frozenset({
     "dropout_p", "seed",  # dropout
     "v_transposed",  # a V that transposed_v made
     "k_cache", "v_cache", "seq_lens", "page_table", "max_seq_len",  # decode
-    "lse", "dout", "exact_delta",  # backward
+    "lse", "dout", "exact_delta", "float32_sums",  # backward
     "map_counts", "map_indices", "map_sizes", "dq_counts", "dq_indices", "kv_counts", "kv_indices", "counts",
     "indices",
     "batch", "num_heads", "seq_q", "seq_k", "device", "backward", "max_len", "q_len",  # maps

@@ -111,3 +111,25 @@ def test_cli_help_prints_its_usage_and_exits_0(flag, capsys):
     assert sass.main([flag]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m specgen.compile.sass CUBIN_OR_FOLDER...") and "sm_90" in out
+
+
+def test_an_accumulator_in_registers_a_finished_chain_used_is_a_continuation():
+    """The dQ kernel's dq += dS K accumulates into the registers its prologue's S
+    chain used (R24 here): those registers stayed marked as a chain begun from zero,
+    so the accumulation read as Q (a new chain), "W Q8 W E32 Q4 W"; a chain ends
+    with its committed group (gsb0)."""
+    listing = [
+        (0x000, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT"),  # the prologue's S
+        (0x010, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0"),
+        (0x020, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+        (0x030, "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR4], RZ, !UPT"),  # the loop's S
+        (0x040, "HGMMA.64x64x16.F32.BF16 R88, gdesc[UR8], R88, gsb0"),
+        (0x050, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+        (0x060, "MUFU.EX2 R10, R10"),
+        (0x070, "HGMMA.64x128x16.F32.BF16 R24, R184, gdesc[UR16].tnspB, R24, UP0"),  # dq +=
+        (0x080, "HGMMA.64x128x16.F32.BF16 R24, R188, gdesc[UR12].tnspB, R24, gsb0"),
+        (0x090, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+        (0x0a0, "@P0 BRA 0x30"),
+        (0x0b0, "EXIT"),
+    ]
+    assert sass.loop_schedules(listing) == ["Q2 W E1 P2 W"]

@@ -95,7 +95,13 @@ def _event(instr: str, started: set) -> Optional[str]:
         fields = [f.strip() for f in operands.split(",")]
         if "RZ" in fields:  # accumulator operand zero: a new chain
             started.add(fields[0])
-        return "Q" if fields[0] in started else "P"
+        event = "Q" if fields[0] in started else "P"
+        if "gsb0" in fields:
+            # The chain's last MMA (its group is committed): a later MMA into these
+            # registers that reads them continues an accumulator (the dQ kernel's
+            # dq += dS K into the registers its prologue's S chain used), not this chain.
+            started.discard(fields[0])
+        return event
     if op.startswith("MUFU.EX2"):
         return "E"
     if op.startswith("WARPGROUP.DEPBAR"):

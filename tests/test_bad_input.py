@@ -352,6 +352,32 @@ def test_a_reserved_tensor_name_is_refused_as_taken_not_as_malformed(name):
     assert f" {name}," in line or line.endswith(f" {name}")
 
 
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_reserved_names_cover_the_locals_of_the_batch_slices(path):
+    """The batch slices' calls pass every tensor on, so a tensor named as one of
+    their locals was replaced by it: a learnable tensor named sums (the backward's
+    float32 sums) reached the second slice as a list, one named part or e as a tuple
+    or an int. Every name those blocks assign is reserved."""
+    tree = ast.parse((ROOT / "generated" / f"{path.stem}.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "per_slice" for t in node.targets):
+            names.add("per_slice")
+        if isinstance(node, ast.If) and "per_slice" in ast.unparse(node.test):
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    assert names - RESERVED_NAMES == set()
+
+
+@pytest.mark.parametrize("name", ["sums", "parts", "part", "grad", "e", "per_slice"])
+def test_a_learnable_tensor_named_as_a_slice_local_is_refused(name):
+    (line,) = _lines({"name": "ok", "backward": True,
+                      "tensors": {name: {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+                      "score_mod": f"score - {name}[h]"})
+    assert line.startswith(f"specs/bad.yaml: tensors: tensor name '{name}' must be none of the names "
+                           "the generated module already uses"), line
+
+
 def _signature_names(path) -> set:
     """The argument names of a generated module's entry points."""
     tree = ast.parse(path.read_text())

@@ -204,3 +204,18 @@ def test_a_linked_specs_folder_keeps_its_name_in_the_headers(tmp_path):
     assert specgen("build", "specs/fmha_alibi.yaml", "--check", "--no-compile", cwd=project).returncode == 0
     outside = specgen("build", str(tmp_path / "shared"), "--check", "--no-compile", cwd=project)
     assert outside.returncode == 1 and "fmha_alibi.py" in outside.stdout + outside.stderr
+
+
+def test_a_dot_dot_after_a_linked_folder_names_the_file_the_system_opens(tmp_path):
+    """`specs/../x.yaml` where specs is a symbolic link is the x.yaml beside the
+    link's target, as open() reads it. Kept by name, its ".." was dropped by name:
+    the build read ./x.yaml (another spec, or "cannot read" where there is none)."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (tmp_path / "shared" / "specs").mkdir(parents=True)
+    shutil.copy(ROOT / "specs" / "fmha_alibi.yaml", tmp_path / "shared" / "x.yaml")
+    os.symlink(tmp_path / "shared" / "specs", project / "specs")
+    assert jobs.collect_spec_paths([project / "specs" / ".." / "x.yaml"]) == [tmp_path / "shared" / "x.yaml"]
+    shutil.copy(ROOT / "specs" / "fmha_mha_bf16.yaml", project / "x.yaml")  # not the one named
+    assert specgen("build", "specs/../x.yaml", "--no-compile", cwd=project).returncode == 0
+    assert sorted(p.name for p in (project / "generated").glob("*.py")) == ["__init__.py", "fmha_alibi.py"]

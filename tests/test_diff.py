@@ -450,3 +450,18 @@ def test_templates_takes_a_module_for_its_spec(tmp_path):
     (tmp_path / "specs" / "fmha_mha_bf16.yaml").unlink()
     gone = specgen("diff", "--templates", "generated/fmha_mha_bf16.py", cwd=tmp_path)
     assert gone.returncode == 2 and "made from specs/fmha_mha_bf16.yaml, which is gone" in gone.stderr
+
+
+def test_templates_takes_a_module_in_a_linked_output_folder(tmp_path):
+    """generated/ as a symbolic link to a folder elsewhere: the header names the spec
+    from the project that holds the link (jobs.project_dir), and --templates looks it
+    up there. It looked beside the link's target ("... which is gone")."""
+    project = tmp_path / "proj"
+    (project / "specs").mkdir(parents=True)
+    shutil.copy(ROOT / "specs" / "fmha_mha_bf16.yaml", project / "specs")
+    (tmp_path / "disk" / "gen").mkdir(parents=True)
+    (project / "generated").symlink_to(tmp_path / "disk" / "gen")
+    assert specgen("build", "specs", "--no-compile", cwd=project).returncode == 0
+    by_module = specgen("diff", "--templates", "generated/fmha_mha_bf16.py", cwd=project)
+    assert by_module.returncode == 0, by_module.stderr
+    assert by_module.stdout == specgen("diff", "--templates", "specs/fmha_mha_bf16.yaml", cwd=project).stdout

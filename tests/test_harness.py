@@ -289,3 +289,21 @@ def test_an_interrupted_run_on_workers_stops_its_cases_and_exits(tmp_path, how):
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_raising_case_is_placed_in_the_module_named_by_a_relative_path(tmp_path, monkeypatch):
+    """run_test names the module as the run does (generated/x.py) while the frames
+    name its file as imported (absolute): the error's line is still the module's,
+    not that of the library it called last."""
+    import importlib.util
+
+    from specgen.check.runner import error_row
+
+    (tmp_path / "mod.py").write_text("import json\n\n\ndef run():\n    return json.loads('no')\n")
+    monkeypatch.chdir(tmp_path)
+    spec = importlib.util.spec_from_file_location("_error_row_mod", Path("mod.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError) as raised:
+        module.run()
+    assert error_row(raised.value, "mod.py")["error"].endswith("(at mod.py:5)")

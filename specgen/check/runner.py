@@ -7,6 +7,7 @@ element the kernel never wrote fails. Tolerances come from specgen.check.TOLERAN
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
 import shlex
@@ -457,7 +458,10 @@ def error_row(exc: BaseException, module_path: str | None = None) -> dict:
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    own = [f for f in frames if module_path and Path(f.filename) == Path(module_path)]
+    # By real path: module_path is as the run names it (generated/x.py), a frame's
+    # file as the import made it (absolute).
+    module = os.path.realpath(module_path) if module_path else None
+    own = [f for f in frames if module and os.path.realpath(f.filename) == module]
     frame = (own or frames or [None])[-1]
     where = f" (at {Path(frame.filename).name}:{frame.lineno})" if frame else ""
     text = str(exc).strip()

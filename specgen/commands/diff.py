@@ -666,7 +666,7 @@ def run_diff(
 def _spec_of(path: str) -> str:
     """A spec path for --templates: a generated module stands for the spec its
     header names (from the project that holds its folder)."""
-    from specgen.compile.jobs import module_text
+    from specgen.compile.jobs import module_text, project_dir
     from specgen.emit.render import module_header
 
     if not path.endswith(".py"):
@@ -676,7 +676,9 @@ def _spec_of(path: str) -> str:
     if match is None:
         raise UsageError(f"specgen diff: --templates takes specs or folders of specs; {path} is "
                          "not a generated module whose header names its spec")
-    spec = module.resolve().parent.parent / match["spec_path"]
+    # The project as a build names it (project_dir): the folder that holds the module's
+    # folder as named, a folder that is a symbolic link (generated -> a cache disk) kept.
+    spec = project_dir(Path(os.path.abspath(module)).parent) / match["spec_path"]
     if not spec.is_file():
         raise UsageError(f"specgen diff: --templates: {path} was made from {match['spec_path']}, "
                          "which is gone")

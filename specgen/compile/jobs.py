@@ -75,7 +75,7 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
     named: dict[Path, Path] = {}  # resolved path -> the first path that named it
     for p in found:
         try:
-            named.setdefault(p.resolve(strict=True), Path(os.path.abspath(p)))
+            resolved = p.resolve(strict=True)
         except RuntimeError:  # Python 3.10-3.12 report a symlink loop so
             raise UsageError(f"{p}: a symlink loop") from None
         except OSError as exc:
@@ -84,6 +84,10 @@ def collect_spec_paths(paths: Iterable[str | Path]) -> list[Path]:
             if p.is_symlink() and not p.exists():
                 raise UsageError(f"{p}: a symbolic link to {os.readlink(p)}, which does not exist") from None
             raise UsageError(f"{p}: {exc.strerror or exc}") from None
+        # abspath drops a ".." by name: after a symbolic link (specs/../x.yaml, specs a
+        # link) that is another file, or none; such a path is named by its target.
+        as_named = Path(os.path.abspath(p))
+        named.setdefault(resolved, as_named if as_named.resolve() == resolved else resolved)
     # as named (a specs folder that is a symbolic link keeps its name in the headers)
     return [Path(os.path.relpath(p)) if _is_under(p, Path.cwd()) else p for p in named.values()]
 

@@ -302,6 +302,9 @@ RESERVED_NAMES = LAUNCHER_ARGUMENTS | frozenset({
     "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
     "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
     "expected", "dims", "tensors", "got", "dtype", "v_rows", "read_vt", "copy_v", "v_arg",
+    # the locals of the launchers' batch slices, whose calls pass every tensor on (a
+    # learnable tensor named sums was replaced by the slices' list of gradients)
+    "per_slice", "e", "part", "parts", "grad", "sums", "total",
 })
 
 

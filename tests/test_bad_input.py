@@ -406,9 +406,10 @@ def test_reserved_names_cover_every_generated_signature(path):
 
 @pytest.mark.parametrize("tensors,message", [
     ({"a_1b": {}, "a1_b": {}}, "tensor names 'a1_b' and 'a_1b' both become the kernel parameter A1B; rename one"),
-    ({"delta": {}}, "tensor name 'delta' becomes the kernel parameter Delta, a name the kernels already use"),
+    ({"map_state": {}}, "tensor name 'map_state' becomes the kernel parameter MapState, a name the kernels "
+                        "already use"),
     ({"d_out": {}}, "tensor name 'd_out' becomes the kernel parameter DOut"),
-    ({"o_part": {}}, "tensor name 'o_part' becomes the kernel parameter OPart"),
+    ({"d_lses": {}}, "tensor name 'd_lses' becomes the kernel parameter DLses"),
     ({"map_idx": {}}, "tensor name 'map_idx' becomes the kernel parameter MapIdx"),
     ({"qs": {}}, "tensor name 'qs' becomes the kernel parameter Qs"),
     ({"slope": {"learnable": True}, "d_slope": {}},
@@ -722,3 +723,54 @@ def test_timing_commands_name_a_missing_triton(monkeypatch):
     assert str(info.value).startswith("specgen tune: times kernels with triton.testing.do_bench, and triton "
                                       "does not import")
     assert "install a CUDA build of torch" in str(info.value) and "\n" not in str(info.value)
+
+
+def _launcher_locals(source: str) -> set[str]:
+    """The names the functions of a module that take q and k (or a cache, or the hook
+    tensors) assign, that a tensor of that name would be shadowed by: neither their
+    own parameters nor names with a leading underscore (which no tensor name has)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        args = node.args
+        params = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+        if not ({"q", "k"} <= params or "k_cache" in params or "tensors" in params):
+            continue
+        found |= {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store)
+                  and sub.id not in params and not sub.id.startswith("_")}
+    return found
+
+
+def test_reserved_names_cover_every_launcher_local():
+    """A tensor is a keyword argument of the launchers, which pass it on by name: a
+    local of the same name (dq, shape, key, value, n_tiles, ...) replaced it partway,
+    so a learnable tensor named dq failed in the backward and one named value was
+    another object by the time it reached the kernels. Every such local of the shipped
+    modules and of the bench specs' (rendered here) is reserved."""
+    import yaml
+
+    from specgen.spec.fields import TENSOR_NAME_RE
+
+    from .helpers import render_spec_data
+
+    sources = [path.read_text() for path in sorted((ROOT / "generated").glob("fmha_*.py"))]
+    for path in sorted((ROOT / "bench").glob("*/*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, dict) and "name" in data and "spec" not in data:
+            sources.append(render_spec_data(data, formatted=False)[1])
+    # (A learnable tensor's gradient is the local "d" + its name: refused as another
+    # tensor's name by the validator, below.)
+    missing = {name for source in sources for name in _launcher_locals(source)
+               if TENSOR_NAME_RE.fullmatch(name)} - RESERVED_NAMES - {"dslope"}
+    assert not missing, f"add {sorted(missing)} to RESERVED_NAMES"
+
+
+def test_a_tensor_named_as_a_learnable_ones_gradient_is_refused():
+    """The backward keeps a learnable tensor's gradient in the local "d" + its name: a
+    second tensor of that name was replaced by it."""
+    specs = {"slope": {"dtype": "float32", "shape": ["heads"], "learnable": True},
+             "dslope": {"dtype": "float32", "shape": ["heads"]}}
+    (line,) = _lines({"name": "ok", "backward": True, "tensors": specs, "score_mod": "score - slope[h] - dslope[h]"})
+    assert line == ("specs/bad.yaml: tensors: tensor name 'dslope' is the name of the learnable tensor "
+                    "slope's gradient in the backward; rename it")

@@ -277,7 +277,9 @@ SECTION_TEXT = {
         "`score_mod: score - slope[h] * (q_idx - kv_idx)`, called as "
         "`attention(q, k, v, slope=t)`. The name is a lowercase identifier (at most 31 "
         "characters) that is neither a keyword nor one of the names the module's functions "
-        "already use (any family's launcher arguments, such as `seed`, `seq_lens`, `out`)."
+        "already use (any family's launcher arguments and locals, such as `seed`, `seq_lens`, "
+        "`out`, `shape`, `value`; the error for such a name lists them all), nor `d` + a "
+        "learnable tensor's name."
     ),
     "targets.<target>": (
         "`<target>` is `default` or a GPU target such as `sm_90`. The launcher picks the "

@@ -302,9 +302,18 @@ RESERVED_NAMES = LAUNCHER_ARGUMENTS | frozenset({
     "config", "kernel", "tile_m", "tile_n", "num_tiles", "tiles_outer", "grid", "what", "args",
     "ct", "torch", "math", "where", "abs", "exp", "log", "sqrt", "tanh", "min", "max",
     "expected", "dims", "tensors", "got", "dtype", "v_rows", "read_vt", "copy_v", "v_arg",
-    # the locals of the launchers' batch slices, whose calls pass every tensor on (a
-    # learnable tensor named sums was replaced by the slices' list of gradients)
+    # The launchers' locals, which would replace a tensor of that name partway (a
+    # learnable tensor named dq failed in the backward; one named sums was replaced by
+    # the batch slices' list of gradients). tests/test_bad_input.py checks the set
+    # against the launchers of every module in generated/ and of the bench specs.
     "per_slice", "e", "part", "parts", "grad", "sums", "total",
+    "built", "capacity", "chunk", "ctas", "cu", "delta", "descales", "dim", "dk", "dlse_weight",
+    "dq", "dq_global", "dq_map", "dq_tiles", "dropout_threshold", "dsink_parts", "dsinks", "dv",
+    "fits", "grads", "inner", "key", "kv_global", "kv_map", "lock", "lse_part", "lse_shape",
+    "map_args", "map_heads", "maps", "n_tiles", "now", "o_part", "out_given", "out_shape", "outer",
+    "padded", "pdl", "pre", "q_s", "repeats", "result", "rows", "s", "seq_slices", "shape",
+    "sinks_f32", "slices", "split_tile", "splits", "state", "stream", "tile_p", "tiles", "total_q",
+    "value", "width", "workspace",
 })
 
 

@@ -471,6 +471,12 @@ class Spec(_Strict):
                     f"tensor name {name!r} would clash with the kernels' own locals (dmod_N, dsum_N, "
                     "span_*); rename the tensor"
                 )
+        for name, tensor in value.items():
+            if isinstance(tensor, ExtraTensor) and tensor.learnable and "d" + name in value:
+                raise ValueError(
+                    f"tensor name {'d' + name!r} is the name of the learnable tensor {name}'s "
+                    "gradient in the backward; rename it"
+                )
         taken = {}
         for name, tensor in value.items():
             params = [kernel_param(name)]

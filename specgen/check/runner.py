@@ -511,9 +511,9 @@ def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: i
         initializer=_ignore_interrupts)
     rows: list = [None] * len(cases)
     with terminate_as_interrupt(), pool:
-        futures = {pool.submit(_case_or_error, worker, module_path, case, gen_seed): i
-                   for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds))}
         try:
+            futures = {pool.submit(_case_or_error, worker, module_path, case, gen_seed): i
+                       for i, (case, gen_seed) in enumerate(zip(cases, generator_seeds))}
             for future in concurrent.futures.as_completed(futures):
                 i = futures[future]
                 try:

@@ -296,3 +296,44 @@ def test_training_with_gradients_summed_over_the_batch_runs_in_slices(name, tens
     assert sliced[4].dtype == whole[4].dtype == torch.float32
     torch.testing.assert_close(sliced[4], whole[4], rtol=1e-5, atol=1e-6)
     assert sliced[4].abs().max() > 0
+
+
+def test_packed_training_with_sinks_runs_in_slices(monkeypatch):
+    """A varlen training module with sinks (gpt-oss on packed sequences): past the y
+    limit its forward and backward were refused, even a forward under no_grad, which
+    its forward-only twin runs in slices. Both run over slices of cu_seqlens now; each
+    slice's dQ kernel stores its sequences' shares of the sinks' gradient, gathered
+    in the whole call's buffer and summed once: every gradient, dsinks included, has
+    the bits of one launch."""
+    from specgen.check.cases import random_packed
+
+    from .helpers import emulated_spec_module, trained_spec_data
+
+    data = trained_spec_data("fmha_varlen_llama")
+    data.update(sinks=True, name="varlen_sinks_slices")
+    mod = emulated_spec_module(data, "batch_slices")
+    packed = random_packed(mod.SPEC, [(5, 30), (40, 60), (1, 1), (17, 17), (0, 9)], 1,
+                           generator=torch.Generator().manual_seed(8), device="cpu")
+    gen = torch.Generator().manual_seed(9)
+    sinks = torch.randn(packed.q.shape[1], generator=gen) * 2.0
+    weights = [torch.randn(packed.q.shape[0], packed.q.shape[1], packed.v.shape[2], generator=gen),
+               torch.randn(packed.q.shape[1], packed.q.shape[0], generator=gen)]
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in (packed.q, packed.k, packed.v))
+        param = sinks.clone().requires_grad_()
+        out, lse = mod.attention(q, k, v, cu_seqlens_q=packed.cu_seqlens_q, cu_seqlens_k=packed.cu_seqlens_k,
+                                 sinks=param)
+        ((out.float() * weights[0]).sum() + (lse * weights[1]).sum()).backward()
+        return out.detach(), lse.detach(), q.grad, k.grad, v.grad, param.grad
+
+    heads = packed.q.shape[1]
+    whole, sliced, grids = _whole_and_sliced(mod, run, heads, monkeypatch)
+    assert len(grids) == 3 + 2 * 3 and max(g[1] for g in grids) <= 2 * heads
+    for a, b in zip(sliced, whole, strict=True):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert whole[-1].abs().max() > 0 and mod.GRID_Y_SLICES
+    with emulate.emulating(), torch.no_grad():  # the limit still lowered: an inference call
+        out, lse = mod.attention(packed.q, packed.k, packed.v, cu_seqlens_q=packed.cu_seqlens_q,
+                                 cu_seqlens_k=packed.cu_seqlens_k, sinks=sinks)
+    assert torch.equal(out, whole[0]) and torch.equal(lse, whole[1])

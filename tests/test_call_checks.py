@@ -765,6 +765,39 @@ def test_an_empty_call_still_checks_its_block_map(refused):
             "block_map must be a BlockMap (make_block_map) or None, got str")
 
 
+
+def test_a_decode_batch_no_slice_of_which_fits_is_refused_as_such(refused, monkeypatch):
+    """Slices of a decode batch hold multiples of 16 sequences: past MAX_GRID_Y // 16
+    KV heads none fits, and attention() refused the batch saying that it "runs such a
+    batch in slices of 0: ask for a slice's plan" (launch_plan's message for a caller
+    that asks it about a batch attention() slices). Limit lowered so that a small
+    call reaches it."""
+    mod = _module("fmha_decode_gqa8_bf16")
+    batch = random_decode(mod.SPEC, [30] * 20, 3, 1, generator=_gen(), device="cpu")
+    monkeypatch.setattr(mod, "MAX_GRID_Y", 39)  # 39 // 3 KV heads: 13 sequences, under 16
+    message = "batch * KV heads must be at most 39 (the grid's y limit), got 20 * 3"
+    refused(lambda: mod.attention(*batch.args()), message)
+    with pytest.raises(ValueError) as info:
+        mod.launch_plan(20, 3, 30, torch.device("cpu"))
+    assert str(info.value) == message
+    with pytest.raises(ValueError, match="runs such a batch in slices of 32: ask for a slice's plan"):
+        mod.launch_plan(40, 1, 30, torch.device("cpu"))  # one KV head: slices of 32 fit
+
+
+def test_a_packed_batch_past_the_x_limit_names_max_seqlen_q(refused, launches, monkeypatch):
+    """The varlen forward's query tiles cover the longest sequence: past the x limit
+    its message named seq_q, an argument a packed call has not (the backward's
+    named max_seqlen_q already). Limit lowered so that a small call reaches it."""
+    mod = _module("fmha_varlen_llama")
+    packed = random_packed(mod.SPEC, [(200, 200), (3, 5)], 1, generator=_gen(), device="cpu")
+    call = lambda: mod.attention(packed.q, packed.k, packed.v, **packed.kwargs())  # noqa: E731
+    monkeypatch.setattr(mod, "MAX_GRID_X", 1)
+    refused(call, "max_seqlen_q must be at most ")
+    refused(call, "the grid's x limit), got 200")
+    monkeypatch.setattr(mod, "MAX_GRID_X", 4)  # 200 rows: at most 4 tiles of 64 or more
+    launches(call)
+
+
 # --- the grid's x limit (2**24 - 1 blocks) --------------------------------------------
 
 

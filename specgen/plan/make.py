@@ -320,9 +320,11 @@ class Plan:
     def varlen_slices(self) -> bool:
         """A packed varlen prefill: launches over slices of its sequences, each reading
         its slice of cu_seqlens (the kernels take rows at the offsets they give),
-        forward and backward (see _sliceable). Not for a backward with slice_sums,
-        whose kernels sum those gradients over every sequence of one launch."""
-        return self.varlen and self._sliceable and not self.slice_sums
+        forward and backward (see _sliceable). The sinks' gradient too: each slice's
+        dQ kernel stores its sequences' shares, which the launcher gathers in the
+        whole call's buffer and sums once. Not with learnable tensors (varlen takes
+        no score_mod, so none has any), whose kernels would sum over one launch."""
+        return self.varlen and self._sliceable and not self.learnable
 
     @property
     def decode_slices(self) -> bool:

@@ -435,3 +435,48 @@ def test_a_compiled_model_neither_recompiles_nor_breaks_on_the_adapters_counts()
     assert counters["stats"]["unique_graphs"] == 2  # with a mask and without
     assert function.stats == {"kernel": 2, "fallback": 2}  # each layer's call, traced once
     assert sum("runs transformers' sdpa instead" in str(w.message) for w in caught) == 2
+
+
+def test_a_bidirectional_sliding_layer_needs_a_two_sided_window():
+    """ModernBERT's local layers are bidirectional: sliding_window W sees keys within
+    W - 1 on both sides. A non-causal spec with right: 0 (what the missing-window error
+    suggested) was taken and ran a one-sided window (logits 5.9 off sdpa); the window
+    that serves, right == left, was refused."""
+    import copy
+
+    config = transformers.ModernBertConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, local_attention=16, global_attn_every_n_layers=3,
+        max_position_embeddings=256, initializer_range=0.5, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    window = config.sliding_window + 1  # what the local layers pass
+
+    def model(implementation):
+        torch.manual_seed(0)
+        return transformers.ModernBertForMaskedLM._from_config(
+            copy.deepcopy(config), attn_implementation=implementation).eval()
+
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(1))
+    full = stand_in(causal=False, gqa_ratio=1, name="full")
+    one_sided = stand_in(causal=False, gqa_ratio=1, window={"left": window - 1, "right": 0},
+                         name="one_sided")
+    tf_integration.register([one_sided, full], name="specgen-cpu-bidi-one-sided")
+    with pytest.raises(ValueError, match=re.escape(
+            "needs a layer with sliding_window == left + 1 (and right == left: the layer is "
+            f"bidirectional), and the layer has sliding_window {window}")), torch.no_grad():
+        model("specgen-cpu-bidi-one-sided")(ids)
+    assert one_sided.calls == []
+    single = tf_integration.make_attention_function(stand_in(causal=False, gqa_ratio=1))
+    q = torch.zeros(1, 4, 8, 32)
+    with pytest.raises(ValueError, match=re.escape(
+            f"give the spec window: {{left: {window - 1}, right: {window - 1}}}")):
+        single(types.SimpleNamespace(is_causal=False), q, q, q, None, sliding_window=window)
+    two_sided = stand_in(causal=False, gqa_ratio=1, window={"left": window - 1, "right": window - 1},
+                         name="two_sided")
+    full = stand_in(causal=False, gqa_ratio=1, name="full")
+    function = tf_integration.register([two_sided, full], name="specgen-cpu-bidi")
+    with torch.no_grad():
+        torch.testing.assert_close(model("specgen-cpu-bidi")(ids).logits, model("sdpa")(ids).logits,
+                                   atol=1e-4, rtol=1e-4)
+    assert function.stats == {"kernel": 3, "fallback": 0}
+    assert len(two_sided.calls) == 2 and len(full.calls) == 1

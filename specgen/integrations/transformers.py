@@ -25,7 +25,8 @@ counts are never read or written in the traced code, where Dynamo guarded on the
 
 What the layer asks for is checked against the spec before any launch, with a
 ValueError that names both sides: causal or not, the GQA ratio, a sliding window
-(window.left == sliding_window - 1), a soft-cap, sinks (``s_aux``), dropout, and
+(window.left == sliding_window - 1; right 0 for a causal layer, == left for a
+bidirectional one), a soft-cap, sinks (``s_aux``), dropout, and
 gradients (only a ``backward: true`` spec is differentiable), the dtype and head
 dims, ``output_attentions`` (the kernel forms no weights to return), and the layer
 arguments that would change the result and that the kernel does not take (see
@@ -377,19 +378,28 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                     "kernel does not take"
                 )
         sliding = kwargs.get("sliding_window")
+        # transformers' sliding_window W: a causal layer sees keys p - (W - 1) .. p, a
+        # bidirectional one (ModernBERT, Gemma 3 with use_bidirectional_attention) keys
+        # p - (W - 1) .. p + W - 1, so its window's right bound is its left one; a right
+        # of 0 there ran a one-sided window on the kernel's (unmasked) calls.
+        left = sliding - 1 if isinstance(sliding, int) else "N - 1"
         if window is None and sliding is not None:
             raise ValueError(
                 f"specgen {name}: the layer has sliding_window {sliding} and the spec has no "
-                f"window; give the spec window: {{left: {sliding - 1 if isinstance(sliding, int) else 'N - 1'}, right: 0}}"
+                f"window; give the spec window: {{left: {left}, right: {0 if causal_spec else left}}}"
                 f"{'' if in_list else MIXED_LAYERS}"
             )
-        if window is not None and (sliding is None or window.get("left") != sliding - 1
-                                   or window.get("right") not in (None, 0)):
-            raise ValueError(
-                f"specgen {name}: the spec's window {window} needs a layer with "
-                f"sliding_window == left + 1, and the layer has sliding_window {sliding}"
-                f"{'' if in_list else MIXED_LAYERS}"
-            )
+        if window is not None:
+            rights = (None, 0) if causal_spec else (window.get("left"),)
+            if sliding is None or window.get("left") != sliding - 1 or window.get("right") not in rights:
+                raise ValueError(
+                    f"specgen {name}: the spec's window {window} needs a layer with "
+                    f"sliding_window == left + 1 (and right "
+                    + ("0 or null: the layer is causal" if causal_spec
+                       else "== left: the layer is bidirectional")
+                    + f"), and the layer has sliding_window {sliding}"
+                    f"{'' if in_list else MIXED_LAYERS}"
+                )
         softcap = kwargs.get("softcap")
         if (softcap or None) != spec.get("softcap"):
             raise ValueError(

@@ -443,7 +443,7 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                 + ("float32 torch attention (soft-cap, sinks)" if torch_fallback
                    else "transformers' sdpa")
                 + " instead; see specgen.integrations.transformers",
-                stacklevel=3,
+                stacklevel=4,  # count_fallback, _count, the layer function, its caller
             )
 
     # count_kernel and count_fallback as comptime calls them under torch.compile.

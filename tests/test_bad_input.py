@@ -774,3 +774,33 @@ def test_a_tensor_named_as_a_learnable_ones_gradient_is_refused():
     (line,) = _lines({"name": "ok", "backward": True, "tensors": specs, "score_mod": "score - slope[h] - dslope[h]"})
     assert line == ("specs/bad.yaml: tensors: tensor name 'dslope' is the name of the learnable tensor "
                     "slope's gradient in the backward; rename it")
+
+
+@pytest.mark.parametrize("name, local", [("q_tiles", "dq_tiles"), ("elta", "delta"), ("q_global", "dq_global")])
+def test_a_learnable_tensor_whose_gradient_is_named_as_a_launcher_local_is_refused(name, local):
+    """A learnable tensor's gradient is the backward's local "d" + its name: a
+    learnable q_tiles was replaced by the dQ tile count (AttributeError: 'int' object
+    has no attribute 'dim' in the backward), a learnable elta replaced delta (the
+    kernels read a [heads] tensor as D). Refused in one line, as a reserved name is."""
+    (line,) = _lines({"name": "ok", "backward": True,
+                      "tensors": {name: {"dtype": "float32", "shape": ["heads"], "learnable": True}},
+                      "score_mod": f"score - {name}[h]"})
+    assert line == (f"specs/bad.yaml: tensors: learnable tensor name {name!r}: its gradient in the "
+                    f"backward is the local {local!r}, a name the generated module already uses; "
+                    "rename it")
+
+
+def test_no_learnable_tensor_name_gives_a_reserved_gradient_local():
+    """Every valid name whose "d" + name is reserved is refused for a learnable tensor."""
+    import keyword
+
+    from specgen.spec.fields import TENSOR_NAME_RE
+
+    for reserved in sorted(RESERVED_NAMES):
+        name = reserved[1:]
+        if (not reserved.startswith("d") or not TENSOR_NAME_RE.fullmatch(name) or name in RESERVED_NAMES
+                or keyword.iskeyword(name)):
+            continue
+        with pytest.raises(SpecError, match=f"its gradient in the backward is the local '{reserved}'"):
+            validate_spec({"name": "ok", "backward": True, "score_mod": f"score - {name}[h]",
+                           "tensors": {name: {"dtype": "float32", "shape": ["heads"], "learnable": True}}})

@@ -307,3 +307,36 @@ def test_a_raising_case_is_placed_in_the_module_named_by_a_relative_path(tmp_pat
     with pytest.raises(ValueError) as raised:
         module.run()
     assert error_row(raised.value, "mod.py")["error"].endswith("(at mod.py:5)")
+
+
+def test_an_interrupt_while_cases_are_submitted_cancels_the_queued_ones(monkeypatch):
+    """Ctrl-C while run_cases still submits its cases: the pool is shut down with its
+    queued cases cancelled, not left to the pool's exit, which ran every case already
+    submitted to its end first."""
+    import concurrent.futures
+
+    from specgen.check.runner import run_cases
+
+    class InterruptedPool(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self):
+            super().__init__(1)
+            self.submitted, self.shutdowns = 0, []
+
+        def submit(self, *args, **kwargs):
+            self.submitted += 1
+            if self.submitted == 3:
+                raise KeyboardInterrupt
+            return super().submit(*args, **kwargs)
+
+        def shutdown(self, wait=True, *, cancel_futures=False):
+            self.shutdowns.append(cancel_futures)
+            super().shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing, "active_children", lambda: [])  # no process of the test's to stop
+    pool = InterruptedPool()
+    with pytest.raises(KeyboardInterrupt):
+        run_cases([0, 1, 2, 3], [0] * 4, "m.py", 2, lambda i, row: None, executor=pool,
+                  worker=_fake_worker)
+    assert pool.shutdowns and pool.shutdowns[0] is True

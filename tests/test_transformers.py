@@ -32,7 +32,8 @@ def stand_in(**spec_fields):
         module.calls.append((tuple(q.shape), tuple(k.shape), q_offset, extra))
         module.outs.append(out)
         assert q.shape[1] == spec["gqa_ratio"] * k.shape[1]
-        window = (spec["window"]["left"], None) if spec["window"] else None
+        # Both bounds: a bidirectional sliding layer's right one decides its result.
+        window = (spec["window"]["left"], spec["window"].get("right")) if spec["window"] else None
         result = attention_reference(q, k, v, causal=spec["causal"], scale=scale,
                                      q_offset=q_offset, window=window).to(q.dtype)
         if out is None:
@@ -85,6 +86,23 @@ def test_padded_batch_falls_back_to_sdpa_with_one_warning():
     assert function.stats == {"kernel": 0, "fallback": 2}
     (warned,) = [w for w in caught if "runs transformers' sdpa instead" in str(w.message)]
     assert "modeling_qwen2" in warned.filename  # the model's line that called the layer
+
+
+def test_a_list_registrations_fallback_warning_points_at_the_models_line():
+    """A list (one kernel per kind of layer, as Gemma 2's pair) calls the layer's
+    function from its dispatching one: one frame more, and the warning named
+    specgen's own dispatcher line instead of the model's."""
+    full, sliding = stand_in(), stand_in(window={"left": 63, "right": None}, name="sliding")
+    tf_integration.register([full, sliding], name="specgen-cpu-pad-list")
+    ours = tiny_qwen2("specgen-cpu-pad-list")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        ours(ids, attention_mask=mask)
+    (warned,) = [w for w in caught if "runs transformers' sdpa instead" in str(w.message)]
+    assert "modeling_qwen2" in warned.filename, warned.filename
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -279,7 +279,8 @@ SECTION_TEXT = {
         "characters) that is neither a keyword nor one of the names the module's functions "
         "already use (any family's launcher arguments and locals, such as `seed`, `seq_lens`, "
         "`out`, `shape`, `value`; the error for such a name lists them all), nor `d` + a "
-        "learnable tensor's name."
+        "learnable tensor's name; and a learnable tensor's `d` + name (its gradient in the "
+        "backward) is none of those names either."
     ),
     "targets.<target>": (
         "`<target>` is `default` or a GPU target such as `sm_90`. The launcher picks the "

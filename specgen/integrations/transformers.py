@@ -443,7 +443,9 @@ def _layer_function(module: ModuleType, stats: dict, in_list: bool = False) -> C
                 + ("float32 torch attention (soft-cap, sinks)" if torch_fallback
                    else "transformers' sdpa")
                 + " instead; see specgen.integrations.transformers",
-                stacklevel=4,  # count_fallback, _count, the layer function, its caller
+                # count_fallback, _count, the layer function, (a list registration's
+                # dispatching function,) its caller: the model's line
+                stacklevel=5 if in_list else 4,
             )
 
     # count_kernel and count_fallback as comptime calls them under torch.compile.

@@ -477,6 +477,14 @@ class Spec(_Strict):
                     f"tensor name {'d' + name!r} is the name of the learnable tensor {name}'s "
                     "gradient in the backward; rename it"
                 )
+            # The gradient's local "d" + name must not be one of the launchers' own
+            # names either: a learnable q_tiles replaced (or was replaced by) dq_tiles,
+            # elta the backward's delta.
+            if isinstance(tensor, ExtraTensor) and tensor.learnable and "d" + name in RESERVED_NAMES:
+                raise ValueError(
+                    f"learnable tensor name {name!r}: its gradient in the backward is the "
+                    f"local {'d' + name!r}, a name the generated module already uses; rename it"
+                )
         taken = {}
         for name, tensor in value.items():
             params = [kernel_param(name)]

@@ -673,6 +673,7 @@ class _Suite(core.Suite):
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     import specgen.check.gpu as gpu
+    import torch._dynamo  # noqa: F401 - imported before the stand-in triton, which it would probe
 
     triton = types.ModuleType("triton")
     testing = types.ModuleType("triton.testing")

@@ -190,12 +190,19 @@ def _upgrade_decode_row(row: dict, version: int) -> dict:
     return out
 
 
+def schema_of(data: dict):
+    """The schema a results file's JSON declares: its "schema" key, else (older files)
+    "schema_version", else 1."""
+    version = data.get("schema")
+    return data.get("schema_version", 1) if version is None else version
+
+
 def upgrade(data: dict) -> dict:
     """A results file's JSON of any schema, as the current schema reads it."""
     data = dict(data)
-    version = data.pop("schema", None)
-    if version is None:
-        version = data.pop("schema_version", 1)
+    version = schema_of(data)
+    if data.pop("schema", None) is None:
+        data.pop("schema_version", None)
     if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
         raise ValueError(f"schema: expected a version from 1 to {SCHEMA_VERSION}, got {version!r}")
     if version < 3 and data.get("suite") == "decode":

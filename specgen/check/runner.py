@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from specgen.check.cases import (
 )
 from specgen.errors import InvalidSpecs, UsageError
 from specgen.check.gpu import fresh_jobs, fresh_modules, require_cuda
-from specgen.compile.jobs import terminate_as_interrupt
+from specgen.compile.jobs import ignore_signals, terminate_as_interrupt
 
 
 @dataclass(frozen=True)
@@ -481,15 +482,6 @@ def _case_or_error(worker, module_path: str, case: Case, generator_seed: int) ->
         return error_row(exc, module_path)
 
 
-def _ignore_interrupts() -> None:
-    """A worker process's initializer: Ctrl-C is the parent's to handle. A worker
-    that took it itself went on to the next queued case, or died holding the queue's
-    lock, and the interrupted run then hung after 'interrupted'."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: int, report,
               executor=None, worker=_worker_case) -> list[dict]:
     """Run ``cases`` (case i with generator_seeds[i]), in this process or on ``jobs``
@@ -508,7 +500,7 @@ def run_cases(cases: list, generator_seeds: list[int], module_path: str, jobs: i
 
     pool = executor or concurrent.futures.ProcessPoolExecutor(
         max_workers=min(jobs, len(cases)) or 1, mp_context=multiprocessing.get_context("spawn"),
-        initializer=_ignore_interrupts)
+        initializer=ignore_signals, initargs=(signal.SIGINT,))  # (see ignore_signals)
     rows: list = [None] * len(cases)
     with terminate_as_interrupt(), pool:
         try:

@@ -418,10 +418,10 @@ def _tflops_performance(ra, rb) -> tuple[str, list[dict]]:
 def _decode_performance(ra, rb, raw: list) -> Optional[tuple[str, list[dict]]]:
     """Steady-state µs of both decode results per (B, Hkv, L); ratio = a µs / b µs
     (above 1: b is faster). None unless both files have the steady-state schema."""
-    # Schema 1 timed one call per graph: not comparable with the steady state. Its
-    # version is under "schema" or "schema_version", and a file with neither is of
-    # schema 1 (as bench.core.upgrade reads it).
-    if any(isinstance(d, dict) and d.get("schema", d.get("schema_version", 1)) == 1 for d in raw):
+    from specgen.bench.core import schema_of
+
+    # Schema 1 timed one call per graph: not comparable with the steady state.
+    if any(isinstance(d, dict) and schema_of(d) == 1 for d in raw):
         return None
     rows = []
     for (batch, heads_kv, seq_k), row_a, row_b in _paired_rows(
@@ -682,7 +682,7 @@ def _spec_of(path: str) -> str:
     if not spec.is_file():
         raise UsageError(f"specgen diff: --templates: {path} was made from {match['spec_path']}, "
                          "which is gone")
-    return os.path.relpath(spec) if spec.is_relative_to(Path.cwd().resolve()) else str(spec)
+    return str(spec)  # (load_jobs names it relative to the working folder where it lies there)
 
 
 def template_reports(paths: list[str], gen_dir: Path) -> list[dict]:

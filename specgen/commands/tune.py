@@ -36,8 +36,10 @@ from specgen.spec import (
     Spec,
     TargetConfig,
     compact_config,
-    load_spec,
+    parse_spec_text,
+    read_spec_text,
     spec_to_dict,
+    validate_spec,
 )
 
 
@@ -515,8 +517,9 @@ def run_tune(
     from specgen.plan.make import default_v_transposed, make_plan
     from specgen.emit.render import render
 
-    read = path.read_bytes()  # what the search is for: written back only into the same text
-    spec: Spec = load_spec(path)
+    # Read once: the search is for this text, and is written back only into it.
+    text = read_spec_text(path)
+    spec: Spec = validate_spec(parse_spec_text(text, path), path)
     if spec.family != "prefill":
         raise UsageError(f"{path}: tune searches prefill specs; set a decode spec's tile_n and "
                          "occupancy by hand and compare with specgen bench --suite decode")
@@ -536,13 +539,12 @@ def run_tune(
     if len(configs) < space.size():
         log(f"autotune.{target}: {space.size() - len(configs)} of {space.size()} configs skipped, "
             f"tile_m / q_subtiles {spec.q_subtiles} below 16 rows")
-    from specgen.plan.make import default_v_transposed
-
-    distinct = distinct_launches(configs, default_v_transposed(spec))
+    v_default = default_v_transposed(spec)
+    distinct = distinct_launches(configs, v_default)
     if len(distinct) < len(configs):
         log(f"autotune.{target}: {len(configs) - len(distinct)} of {len(configs)} configs skipped, "
             "the same launch as an earlier one (null opt_level is 3, null persistent is false, "
-            f"null v_transposed is {str(default_v_transposed(spec)).lower()})")
+            f"null v_transposed is {str(v_default).lower()})")
     configs = _valid_targets(spec, path, target, distinct, log)
     batch, heads, suite_seqs = BATCH, HEADS, SEQS
     seqs = sorted(seqs or suite_seqs)
@@ -586,7 +588,6 @@ def run_tune(
 
     # One kernel for both tile orders when the space has "global".
     # And one kernel for both V layouts when the space asks for a transposed V.
-    v_default = default_v_transposed(spec)
     v_choices = {v_default if v is None else v for v in space.v_transposed}
     # And one kernel in the work-item loop form when the space has persistent launches.
     plan = make_plan(spec, tile_order_param=space.tile_order != ["per_head"],
@@ -761,7 +762,7 @@ def run_tune(
     tuned = TargetConfig.model_validate({**_clean(own), "by_seq_k": [_clean(b) for b in buckets]})
     current = spec.targets.get(target)
     changed = current != tuned and rewrite_spec_file(
-        path, lambda text: write_back(text, str(path), target, own, buckets), expected=read,
+        path, lambda now: write_back(now, str(path), target, own, buckets), expected=text.encode("utf-8"),
         kept=f"; the choice is in {report_path} (run tune again, or copy it into targets.{target})")
     if not changed:
         log(f"{path}: unchanged (already tuned to these configs)")

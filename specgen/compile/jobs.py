@@ -413,7 +413,8 @@ def compile_jobs(
             return
         pool_size = min(workers, len(tasks))
         with terminate_as_interrupt(), ProcessPoolExecutor(
-                max_workers=pool_size, initializer=_leave_interrupts_to_the_build) as pool, \
+                max_workers=pool_size, initializer=ignore_signals,
+                initargs=(signal.SIGINT, signal.SIGTERM)) as pool, \
                 _cancel_queued_on_interrupt(pool):
             futures = {
                 pool.submit(
@@ -490,13 +491,15 @@ def terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _leave_interrupts_to_the_build() -> None:
-    """A compile worker ignores SIGINT and SIGTERM: Ctrl-C and `timeout` signal the
-    whole process group, and a worker interrupted while it waited for its next compile
-    died holding the pool's queue, so the build hung at exit, never 130 (2 of 10 builds
-    under `timeout -s INT`). The build ends its workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def ignore_signals(*signums: int) -> None:
+    """A pool worker's initializer: these signals are its parent's to handle. Ctrl-C
+    and `timeout` signal the whole process group, and a worker interrupted while it
+    waited for its next task died holding the pool's queue, so the command hung at
+    exit, never 130 (2 of 10 builds under `timeout -s INT`). A build's compile workers
+    ignore SIGINT and SIGTERM (the build waits for the running compiles); `specgen
+    test`'s ignore SIGINT only (the run stops them with SIGTERM)."""
+    for signum in signums:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

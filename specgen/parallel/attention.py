@@ -115,6 +115,11 @@ def _plain_int(value):
         return value
 
 
+def _lengths(bounds: list[int]) -> list[int]:
+    """The sequence lengths of cu_seqlens read to the host."""
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
 def _crc(data: str | bytes) -> int:
     return zlib.crc32(data.encode() if isinstance(data, str) else data)
 
@@ -272,7 +277,7 @@ class ContextParallelAttention:
         if self.mode == "ulysses":
             return self._ulysses(q, k, v, scale, cu_seqlens, bounds, max_seqlen)
         if kernel.varlen:
-            lengths = tuple((b - a) // self.world_size for a, b in zip(bounds, bounds[1:]))
+            lengths = tuple(n // self.world_size for n in _lengths(bounds))
             plans = packed.packed_plans(kernel.mask, self.layout, self.world_size, self.rank, lengths)
             out, _ = packed.PackedRingAttention.apply(q, k, v, kernel, self.ring, plans, self.layout,
                                                       lengths, scale)
@@ -288,7 +293,7 @@ class ContextParallelAttention:
         share = self.world_size if self.mode == "ulysses" else 1
         if self.kernel.varlen:
             batch = len(bounds) - 1
-            longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+            longest = max(_lengths(bounds), default=0)
             rows = longest if self.mode == "ulysses" else longest // self.world_size
         else:
             batch, rows = q.shape[0], q.shape[2] * share
@@ -304,46 +309,48 @@ class ContextParallelAttention:
         return None
 
     def _shape_problem(self, q, k, seq_len, cu_seqlens, max_seqlen=None):
-        """(problem or None, a varlen call's cu_seqlens as a list, else None)."""
-        problem = self._shape_problem_of(q, k, seq_len, cu_seqlens, max_seqlen)
-        if isinstance(problem, list) or problem is None:
-            return None, problem
-        return problem, None
+        """(problem or None, a varlen call's cu_seqlens read to the host, else None)."""
+        if not self.kernel.varlen:
+            return self._dense_problem(q, k, seq_len, cu_seqlens, max_seqlen), None
+        if seq_len is not None:
+            return (f"seq_len is for [B, H, S, D] shards; {self.kernel.name} is a varlen spec, "
+                    "whose lengths cu_seqlens gives"), None
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1
+                or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2):
+            return ("cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative "
+                    "lengths, 0 first (at least 2 entries)"), None
+        if cu_seqlens.device.type == "meta":
+            return "cu_seqlens is a meta tensor: it holds no lengths to read", None
+        bounds = cu_seqlens.tolist()  # the call's one host read of them
+        return self._packed_problem(q, k, bounds, max_seqlen), bounds
 
-    def _shape_problem_of(self, q, k, seq_len, cu_seqlens, max_seqlen):
-        """A problem's text, or for a varlen call that fits, cu_seqlens read to the host."""
+    def _packed_problem(self, q, k, values, max_seqlen) -> str | None:
+        """A packed batch's problem with its cu_seqlens ``values`` (on the host)."""
         world = self.world_size
-        if self.kernel.varlen:
-            if seq_len is not None:
-                return (f"seq_len is for [B, H, S, D] shards; {self.kernel.name} is a varlen spec, "
-                        "whose lengths cu_seqlens gives")
-            if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1
-                    or cu_seqlens.dtype != torch.int32 or cu_seqlens.numel() < 2):
-                return ("cu_seqlens must be a 1-D int32 tensor of the whole sequences' cumulative "
-                        "lengths, 0 first (at least 2 entries)")
-            if cu_seqlens.device.type == "meta":
-                return "cu_seqlens is a meta tensor: it holds no lengths to read"
-            values = cu_seqlens.tolist()
-            if values[0] != 0:
-                return f"cu_seqlens must start at 0, got {values[0]}"
-            lengths = [b - a for a, b in zip(values, values[1:])]
-            if min(lengths) < 0:
-                return "cu_seqlens must not decrease"
-            uneven = [n for n in lengths if n % world]
-            if uneven:
-                return (f"every packed sequence's length must divide by the world size ({world}) "
-                        f"so that each rank holds an equal shard of it; got {uneven[0]}")
-            if values[-1] != q.shape[0] * world:
-                return (f"cu_seqlens ends at {values[-1]}, but {world} shards of {q.shape[0]} "
-                        f"rows hold {q.shape[0] * world}")
-            if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
-                                           or not max(lengths) <= max_seqlen <= values[-1]):
-                return (f"max_seqlen must be None or an int from the longest sequence ({max(lengths)}) "
-                        f"to the packed total ({values[-1]}), got {max_seqlen!r}")
-            if max(lengths) > MAX_POSITIONS:
-                return (f"every packed sequence must be at most {MAX_POSITIONS} rows long (the kernels' "
-                        f"int32 positions), got {max(lengths)}")
-            return self._heads_problem(q, k) or values
+        if values[0] != 0:
+            return f"cu_seqlens must start at 0, got {values[0]}"
+        lengths = _lengths(values)
+        if min(lengths) < 0:
+            return "cu_seqlens must not decrease"
+        uneven = [n for n in lengths if n % world]
+        if uneven:
+            return (f"every packed sequence's length must divide by the world size ({world}) "
+                    f"so that each rank holds an equal shard of it; got {uneven[0]}")
+        if values[-1] != q.shape[0] * world:
+            return (f"cu_seqlens ends at {values[-1]}, but {world} shards of {q.shape[0]} "
+                    f"rows hold {q.shape[0] * world}")
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                       or not max(lengths) <= max_seqlen <= values[-1]):
+            return (f"max_seqlen must be None or an int from the longest sequence ({max(lengths)}) "
+                    f"to the packed total ({values[-1]}), got {max_seqlen!r}")
+        if max(lengths) > MAX_POSITIONS:
+            return (f"every packed sequence must be at most {MAX_POSITIONS} rows long (the kernels' "
+                    f"int32 positions), got {max(lengths)}")
+        return self._heads_problem(q, k)
+
+    def _dense_problem(self, q, k, seq_len, cu_seqlens, max_seqlen) -> str | None:
+        """A [B, H, S, D] shard's problem."""
+        world = self.world_size
         if cu_seqlens is not None:
             return f"cu_seqlens is for varlen specs; {self.kernel.name} takes [B, H, S, D] shards"
         if max_seqlen is not None:
@@ -374,7 +381,7 @@ class ContextParallelAttention:
                 index = ulysses.packed_order(cu_seqlens, world, total)
                 q, k, v = (ulysses.SeqToHeads.apply(t, group, 0).index_select(0, index) for t in (q, k, v))
             if max_seqlen is None:
-                max_seqlen = max(b - a for a, b in zip(bounds, bounds[1:]))
+                max_seqlen = max(_lengths(bounds))
             out = self.kernel.attention(q, k, v, scale, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                         max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
             out = out[0] if isinstance(out, tuple) else out

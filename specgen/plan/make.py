@@ -279,7 +279,12 @@ class Plan:
         tensor with a batch axis or a hook that reads b (indexed by the kernels'
         batch, not the vmap's: see reads_batch_index)."""
         return not (self.varlen or self.dropout or self.reads_batch_index
-                    or any("batch" in dims for *_, dims in self.extra_tensors))
+                    or self.batch_axis_tensors)
+
+    @property
+    def batch_axis_tensors(self) -> bool:
+        """Whether a hook tensor has a batch axis (indexed by the kernels' batch)."""
+        return any("batch" in dims for *_, dims in self.extra_tensors)
 
     @property
     def reads_batch_index(self) -> bool:
@@ -302,7 +307,7 @@ class Plan:
         batch index), which the launchers check at run time."""
         if self.block_sparse or self.fp8 or self.persistent_loop or self.reads_batch_index:
             return False
-        return not any("batch" in dims for *_, dims in self.extra_tensors)
+        return not self.batch_axis_tensors
 
     @property
     def slice_sums(self) -> bool:
@@ -333,7 +338,7 @@ class Plan:
         descales may have a batch axis), hook tensors with a batch axis or a mask_mod
         that reads b (see reads_batch_index)."""
         return not (self.block_sparse or self.kv_fp8 or self.reads_batch_index
-                    or any("batch" in dims for *_, dims in self.extra_tensors))
+                    or self.batch_axis_tensors)
 
     @property
     def folds_vmap_grads(self) -> bool:

@@ -172,7 +172,7 @@ def _show(value: Any) -> str:
         text = json.dumps(value, sort_keys=True)
     except (TypeError, ValueError):
         text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shortened(text)
 
 
 _PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]+")

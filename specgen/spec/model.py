@@ -472,7 +472,9 @@ class Spec(_Strict):
                     "span_*); rename the tensor"
                 )
         for name, tensor in value.items():
-            if isinstance(tensor, ExtraTensor) and tensor.learnable and "d" + name in value:
+            if not (isinstance(tensor, ExtraTensor) and tensor.learnable):
+                continue
+            if "d" + name in value:
                 raise ValueError(
                     f"tensor name {'d' + name!r} is the name of the learnable tensor {name}'s "
                     "gradient in the backward; rename it"
@@ -480,7 +482,7 @@ class Spec(_Strict):
             # The gradient's local "d" + name must not be one of the launchers' own
             # names either: a learnable q_tiles replaced (or was replaced by) dq_tiles,
             # elta the backward's delta.
-            if isinstance(tensor, ExtraTensor) and tensor.learnable and "d" + name in RESERVED_NAMES:
+            if "d" + name in RESERVED_NAMES:
                 raise ValueError(
                     f"learnable tensor name {name!r}: its gradient in the backward is the "
                     f"local {'d' + name!r}, a name the generated module already uses; rename it"
